@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# ./launch.sh [--nproc N] [hydra overrides...]   train (accelerate launch, one process per GPU)
+# ./launch.sh test [pytest args...]              run the test suite
+# On first use creates .venv and installs the project with a torch build that fits the machine.
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$(pwd)
+VENV=${SFT_VENV:-$ROOT/.venv}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+  fi
+  local py="$VENV/bin/python"
+  if ! "$py" -c "import torch" 2>/dev/null; then
+    # A bare `torch` requirement can pull a multi-GB CUDA build; choose one deliberately.
+    # SFT_TORCH overrides, e.g. SFT_TORCH="torch --index-url <your CPU wheel index>".
+    if [ -n "${SFT_TORCH:-}" ]; then spec=$SFT_TORCH
+    elif command -v nvidia-smi >/dev/null 2>&1; then spec="torch"
+    else spec="torch==2.13.0"
+    fi
+    echo "[launch] installing $spec" >&2
+    "$py" -m pip install -q $spec
+  fi
+  if ! "$py" -c "import sft, pytest, hydra, deepspeed" 2>/dev/null \
+     || [ pyproject.toml -nt "$VENV/.sft-installed" ]; then
+    echo "[launch] installing the project into $VENV" >&2
+    "$py" -m pip install -q -e ".[dev]"
+    touch "$VENV/.sft-installed"
+  fi
+}
+
+setup
+export PATH="$VENV/bin:$PATH"
+
+if [ "${1:-}" = "test" ]; then
+  shift
+  exec python -m pytest "$@"
+fi
+
+NPROC=""
+if [ "${1:-}" = "--nproc" ]; then NPROC=$2; shift 2; fi
+if [ -z "$NPROC" ]; then
+  NPROC=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
+fi
+
+# One run dir for every rank and node, decided here once (unless the overrides set hydra.run.dir).
+if [ -z "${SFT_RUN_DIR:-}" ]; then
+  export SFT_RUN_DIR="outputs/$(date +%Y-%m-%d)/$(date +%H-%M-%S)"
+fi
+
+args=(--num_processes "$NPROC" --num_machines "${NNODES:-1}" --machine_rank "${NODE_RANK:-0}"
+      --main_process_ip "${MASTER_ADDR:-127.0.0.1}" --main_process_port "${MASTER_PORT:-29500}")
+if [ "$NPROC" -gt 1 ] || [ "${NNODES:-1}" -gt 1 ]; then args+=(--multi_gpu); fi
+if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then args+=(--cpu); fi
+exec accelerate launch "${args[@]}" -m sft.train "$@"

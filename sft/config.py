@@ -1,0 +1,236 @@
+"""The structured config: one dataclass schema per config group, registered in Hydra's ConfigStore.
+
+Hydra rejects an unknown key or a wrongly typed value at composition, naming it. `check` then
+validates values (ranges, files) before anything heavy is built, raising `ConfigError`, which the
+entrypoint turns into a one-line message and exit code 2.
+
+This module imports neither torch nor transformers so that `--cfg job` and `--help` answer at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from sft import sample_data
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; `str()` names the field and the bad value."""
+
+    def __init__(self, key: str, value: Any, reason: str):
+        super().__init__(f"{key}={value!r}: {reason}" if value is not None else f"{key}: {reason}")
+        self.key, self.value, self.reason = key, value, reason
+
+
+# --- group schemas ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = "sft.model.load_model"
+    name_or_path: str = "tiny"
+    dtype: str = "float32"
+    attn_implementation: Optional[str] = "sdpa"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class TokenizerConfig:
+    _target_: str = "sft.model.load_tokenizer"
+    name_or_path: str = "${model.name_or_path}"
+    chat_template: Optional[str] = None
+    trust_remote_code: bool = "${model.trust_remote_code}"  # type: ignore[assignment]
+
+
+@dataclass
+class DataConfig:
+    _target_: str = "sft.data.load_sft_datasets"
+    train_file: str = MISSING
+    eval_file: Optional[str] = None
+    max_length: int = 2048
+    default_score: Optional[float] = None
+    num_proc: Optional[int] = None
+
+
+@dataclass
+class CollatorConfig:
+    _target_: str = "sft.data.WeightedDataCollator"
+    pad_to_multiple_of: Optional[int] = 8
+
+
+@dataclass
+class CrossEntropyLossConfig:
+    _target_: str = "sft.losses.CrossEntropyLoss"
+
+
+@dataclass
+class HardSampleLossConfig:
+    _target_: str = "sft.losses.HardSampleLoss"
+    alpha: float = 1.0
+    min_weight: float = 0.0
+    max_weight: float = 100.0
+    normalize: str = "weight"
+
+
+@dataclass
+class LoraConfig:
+    """Fields of `peft.LoraConfig`, which `instantiate` builds directly."""
+
+    _target_: str = "peft.LoraConfig"
+    r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    target_modules: List[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    bias: str = "none"
+    use_dora: bool = False
+    task_type: str = "CAUSAL_LM"
+
+
+@dataclass
+class ClipConfig:
+    """Gradient clipping; `static` clips to `max_norm` (0 turns clipping off)."""
+
+    kind: str = "static"
+    max_norm: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    """Fields named exactly as in `transformers.TrainingArguments`; passed to it as they are."""
+
+    output_dir: Optional[str] = None  # None: the Hydra run dir
+    per_device_train_batch_size: int = 16
+    per_device_eval_batch_size: int = 32
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_epsilon: float = 1e-8
+    optim: str = "adamw_torch"
+    num_train_epochs: float = 6.0
+    max_steps: int = -1
+    lr_scheduler_type: str = "cosine"
+    warmup_steps: float = 0.05
+    logging_steps: float = 10
+    logging_first_step: bool = True
+    eval_strategy: str = "steps"
+    eval_steps: Optional[float] = 200
+    save_strategy: str = "steps"
+    save_steps: float = 200
+    save_total_limit: Optional[int] = 3
+    load_best_model_at_end: bool = False
+    metric_for_best_model: Optional[str] = None
+    greater_is_better: Optional[bool] = None
+    seed: int = 42
+    data_seed: Optional[int] = None
+    full_determinism: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    activation_checkpointing: bool = False
+    dataloader_pin_memory: bool = True
+    torch_compile: bool = False
+    train_sampling_strategy: str = "random"
+    dataloader_num_workers: int = 0
+    report_to: List[str] = field(default_factory=lambda: ["tensorboard"])
+    run_name: Optional[str] = None
+    logging_nan_inf_filter: bool = False  # True would hide a NaN loss from the log, not from the update
+    disable_tqdm: Optional[bool] = None
+    log_level: str = "passive"
+    ddp_timeout: int = 1800
+    ddp_backend: Optional[str] = None
+    use_cpu: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """The primary config: one field per group plus the few top-level switches."""
+
+    model: Any = MISSING
+    data: Any = MISSING
+    loss: Any = MISSING
+    lora: Any = None
+    deepspeed: Any = None
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    collator: CollatorConfig = field(default_factory=CollatorConfig)
+    resume: Optional[str] = None  # null, "auto" (newest checkpoint in the run dir) or a checkpoint path
+
+
+def register() -> None:
+    """Register the schemas and the `${sft_sample:FILE}` resolver (path of a bundled sample file)."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="loss", name="ce_schema", node=CrossEntropyLossConfig)
+    cs.store(group="loss", name="hard_sample_schema", node=HardSampleLossConfig)
+    cs.store(group="lora", name="lora_schema", node=LoraConfig)
+    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    cs.store(group="clip", name="clip_schema", node=ClipConfig)
+    if not OmegaConf.has_resolver("sft_sample"):
+        OmegaConf.register_new_resolver("sft_sample", lambda name: str(sample_data.HERE / name))
+
+
+# --- value checks -------------------------------------------------------------------------------------
+
+NORMALIZE_MODES = ("weight", "token", "sample")
+CLIP_KINDS = ("none", "static")
+
+
+def check(cfg) -> None:
+    """Validate values that types cannot express; raise `ConfigError` naming the first bad field."""
+
+    def require(key: str, ok: bool, reason: str) -> None:
+        if not ok:
+            raise ConfigError(key, OmegaConf.select(cfg, key), reason)
+
+    t = cfg.trainer
+    require("trainer.learning_rate", t.learning_rate > 0, "must be > 0")
+    require("trainer.weight_decay", t.weight_decay >= 0, "must be >= 0")
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        require(f"trainer.{key}", t[key] >= 1, "must be >= 1")
+    require("trainer.max_steps", t.max_steps == -1 or t.max_steps > 0, "must be > 0, or -1 to use epochs")
+    require("trainer.num_train_epochs", t.num_train_epochs > 0, "must be > 0")
+    require("trainer.save_total_limit", t.save_total_limit is None or t.save_total_limit >= 1,
+            "must be >= 1 (or null to keep every checkpoint)")
+    require("trainer.fp16", not (t.fp16 and t.bf16), "fp16 and bf16 cannot both be on")
+
+    require("data.max_length", cfg.data.max_length >= 8, "must be >= 8")
+    require("data.default_score", cfg.data.default_score is None or cfg.data.default_score >= 0, "must be >= 0")
+    for key in ("data.train_file", "data.eval_file"):
+        path = OmegaConf.select(cfg, key)
+        require(key, path is None or os.path.isfile(path), "no such file")
+    require("collator.pad_to_multiple_of",
+            cfg.collator.pad_to_multiple_of is None or cfg.collator.pad_to_multiple_of >= 1, "must be >= 1")
+
+    loss = cfg.loss
+    if "normalize" in loss:
+        require("loss.normalize", loss.normalize in NORMALIZE_MODES, f"must be one of {', '.join(NORMALIZE_MODES)}")
+    if "alpha" in loss:
+        require("loss.alpha", math.isfinite(loss.alpha), "must be a finite number")
+        require("loss.min_weight", loss.min_weight >= 0, "must be >= 0")
+        require("loss.max_weight", 0 < loss.max_weight < math.inf, "must be finite and > 0")
+        require("loss.min_weight", loss.min_weight <= loss.max_weight,
+                f"must be <= loss.max_weight ({loss.max_weight})")
+
+    require("clip.kind", cfg.clip.kind in CLIP_KINDS, f"must be one of {', '.join(CLIP_KINDS)}")
+    require("clip.max_norm", cfg.clip.max_norm >= 0, "must be >= 0 (0 turns clipping off)")
+
+    if cfg.lora is not None:
+        require("lora.r", cfg.lora.r >= 1, "must be >= 1")
+        require("lora.lora_alpha", cfg.lora.lora_alpha > 0, "must be > 0")
+        require("lora.lora_dropout", 0 <= cfg.lora.lora_dropout < 1, "must be in [0, 1)")
+
+    require("resume", cfg.resume in (None, "auto") or Path(cfg.resume).is_dir(),
+            "must be null, 'auto' or an existing checkpoint directory")

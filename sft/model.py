@@ -1,0 +1,175 @@
+"""Tokenizer and causal LM loading, including the embedded `tiny` model built locally without a hub.
+
+`name_or_path: tiny` resolves to a directory under the sft cache holding a small Qwen2-architecture model
+(random init, seeded) and a byte-level BPE tokenizer with the ChatML tokens and a Qwen2.5-style chat
+template. It is built once, atomically, and from then on loaded through the same Auto classes as a real
+checkpoint, so every code path (save, resume, merge) is the one users run on Qwen2.5-7B-Instruct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+TINY = "tiny"
+CHATML_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Qwen2.5's template without tool calls: default system turn, ChatML framing, generation prompt.
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Architecture of the embedded model: small enough to train in minutes on two CPU cores.
+TINY_ARCH = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+TINY_VOCAB_MERGES = 400
+TINY_SEED = 0
+
+
+def cache_dir() -> Path:
+    """Where locally built artefacts live: `$SFT_CACHE`, else `~/.cache/sft`."""
+    return Path(os.environ.get("SFT_CACHE", Path.home() / ".cache" / "sft")).expanduser()
+
+
+def tiny_model_dir() -> Path:
+    """Directory of the embedded tiny model, built on first use (safe when several ranks race)."""
+    from sft import sample_data
+
+    recipe = json.dumps(
+        {"arch": TINY_ARCH, "merges": TINY_VOCAB_MERGES, "seed": TINY_SEED, "template": CHATML_TEMPLATE,
+         "corpus": hashlib.sha256(sample_data.TRAIN_FILE.read_bytes()).hexdigest()},
+        sort_keys=True,
+    )
+    target = cache_dir() / f"tiny-qwen2-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    if not (target / "config.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+        try:
+            _build_tiny(tmp)
+            try:
+                os.rename(tmp, target)  # atomic: a reader sees no directory or a complete one
+            except OSError:  # another process won the race
+                if not (target / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build_tiny(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    import torch
+
+    from sft import sample_data
+
+    bpe = Tokenizer(models.BPE())
+    # Digits one per token, as in Qwen2: arithmetic sees every digit on its own.
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + len(CHATML_TOKENS) + TINY_VOCAB_MERGES,
+        special_tokens=CHATML_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = []
+    for line in sample_data.TRAIN_FILE.read_text(encoding="utf-8").splitlines():
+        corpus.extend(m["content"] for m in json.loads(line)["messages"])
+    corpus += ["system", "user", "assistant", "You are a helpful assistant."]
+    bpe.train_from_iterator(corpus, trainer=trainer)
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=TINY_ARCH["max_position_embeddings"],
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(out)
+
+    torch.manual_seed(TINY_SEED)
+    vocab = -(-len(tokenizer) // 64) * 64  # padded like real checkpoints' embedding matrices
+    config = Qwen2Config(
+        vocab_size=vocab,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_ARCH,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(out)
+    log.info("built the embedded tiny model in %s", out)
+
+
+def resolve(name_or_path: str) -> str:
+    """A hub id or local directory as given; `tiny` as the embedded model's directory."""
+    return str(tiny_model_dir()) if name_or_path == TINY else name_or_path
+
+
+def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False):
+    """Load a tokenizer for training: right padding, a pad token, and a chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(name_or_path), trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "right"
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            f"tokenizer {name_or_path!r} has no chat template; set tokenizer.chat_template in the config"
+        )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str = "float32",
+    attn_implementation: str | None = "sdpa",
+    trust_remote_code: bool = False,
+):
+    """Load a causal LM with the Auto classes (the tiny preset included)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        resolve(name_or_path),
+        dtype=getattr(torch, dtype),
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    return model

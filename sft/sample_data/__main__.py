@@ -1,0 +1,3 @@
+from sft.sample_data import main
+
+main()

@@ -1,0 +1,170 @@
+"""Fine-tune a chat model: `python -m sft.train [group=option] [key=value ...]` (see conf/train.yaml).
+
+The recipe, top to bottom: check the config, build the training arguments (before the model, as
+DeepSpeed ZeRO-3 requires), tokenizer, loss, data, model (+ LoRA), collator and trainer; evaluate,
+train, evaluate; save the model and `results.json` in the run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from sft.config import ConfigError, check, register
+
+log = logging.getLogger("sft")
+register()
+
+
+def fail(message: str) -> None:
+    """From an `except` block: stop with the reason and exit code 2 (traceback with HYDRA_FULL_ERROR=1)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool):
+    """`TrainingArguments` from the `trainer` group, plus what the recipe decides itself."""
+    import torch
+    from transformers import TrainingArguments
+
+    fields = OmegaConf.to_container(cfg.trainer, resolve=True)
+    fields["output_dir"] = fields["output_dir"] or run_dir
+    fields["dataloader_pin_memory"] &= torch.cuda.is_available()  # pinning without a GPU only warns
+    has_eval = cfg.data.eval_file is not None
+    if not has_eval:
+        fields["eval_strategy"] = "no"
+    try:
+        return TrainingArguments(
+            **fields,
+            max_grad_norm=cfg.clip.max_norm if cfg.clip.kind == "static" else 0.0,
+            remove_unused_columns=False,  # loss_weights must reach compute_loss; the collator drops the rest
+            label_names=["labels"],
+            include_num_input_tokens_seen="non_padding",
+            eval_on_start=has_eval and not resuming,
+            activation_checkpointing_kwargs={"use_reentrant": False} if fields["activation_checkpointing"] else None,
+            deepspeed=OmegaConf.to_container(cfg.deepspeed, resolve=True) if cfg.deepspeed else None,
+        )
+    except ValueError as e:
+        raise ConfigError("trainer", None, str(e).splitlines()[0]) from e
+
+
+def find_checkpoint(resume: str | None, output_dir: str) -> str | None:
+    """The checkpoint to resume from: none, the newest one in the run dir (`auto`), or the given path."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        log.info("resume=auto: %s", f"resuming from {found}" if found else f"no checkpoint in {output_dir}, starting fresh")
+        return found
+    return resume
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run the recipe for a checked config; return the results written to `results.json`."""
+    from hydra.utils import instantiate
+    from transformers import set_seed
+
+    from sft.trainer import WeightedLossTrainer
+
+    run_dir = HydraConfig.get().runtime.output_dir
+    output_dir = cfg.trainer.output_dir or run_dir
+    checkpoint = find_checkpoint(cfg.resume, output_dir)
+    args = training_arguments(cfg, run_dir, resuming=checkpoint is not None)
+    set_seed(args.seed)
+
+    tokenizer = instantiate(cfg.tokenizer)
+    loss = instantiate(cfg.loss)
+    with args.main_process_first(desc="preprocessing"):
+        data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight)
+    log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
+
+    model = instantiate(cfg.model)
+    if cfg.lora is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, instantiate(cfg.lora, _convert_="all"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("model: %d parameters, %d trainable (%.2f%%)", total, trainable, 100 * trainable / total)
+
+    trainer = WeightedLossTrainer(
+        model=model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        data_collator=instantiate(cfg.collator, tokenizer=tokenizer),
+        processing_class=tokenizer,
+        loss=loss,
+    )
+    train_output = trainer.train(resume_from_checkpoint=checkpoint)
+    final_eval = trainer.evaluate() if data.eval is not None else {}
+    trainer.save_model(os.path.join(run_dir, "model"))
+
+    results = {
+        "eval_loss_initial": initial_eval_loss(trainer, run_dir),
+        "eval_loss": final_eval.get("eval_loss"),
+        "eval_ce": final_eval.get("eval_ce"),
+        "train_loss": train_output.training_loss,
+        "global_step": trainer.state.global_step,
+        "train_tokens_per_second": tokens_per_second(trainer, train_output.metrics),
+        "train_runtime": train_output.metrics.get("train_runtime"),
+        "data_hash": data.data_hash,
+        "resumed_from": checkpoint,
+    }
+    if trainer.is_world_process_zero():
+        Path(run_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def initial_eval_loss(trainer, run_dir: str) -> float | None:
+    """Eval loss before any training: from this session's first evaluation, or the saved one on resume."""
+    saved = Path(run_dir, "eval_initial.json")
+    first = next((e for e in trainer.state.log_history if "eval_loss" in e), None)
+    if first is not None and first.get("step") == 0:
+        if trainer.is_world_process_zero():
+            saved.write_text(json.dumps(first) + "\n")
+        return first["eval_loss"]
+    return json.loads(saved.read_text())["eval_loss"] if saved.exists() else None
+
+
+def tokens_per_second(trainer, metrics: dict) -> float | None:
+    """Non-padding input tokens per second over this session's training time."""
+    runtime = metrics.get("train_runtime")
+    tokens = trainer.state.num_input_tokens_seen - trainer._initial_num_input_tokens_seen
+    return round(tokens / runtime, 1) if runtime else None
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from hydra.errors import InstantiationException
+
+    from sft.data import DataError
+
+    try:
+        check(cfg)
+        results = train(cfg)
+    except Exception as e:
+        # instantiate wraps what the built function raised; the user needs that reason, not the wrapper.
+        reason = e.__cause__ if isinstance(e, InstantiationException) else e
+        if isinstance(reason, ConfigError):
+            fail(f"config: {reason}")
+        if isinstance(reason, DataError):
+            fail(str(reason))
+        raise
+    print(f"run dir: {HydraConfig.get().runtime.output_dir}")
+    return results["eval_loss"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Shared fixtures: a private sft cache per test session, the tiny tokenizer, small data files."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Every test (and subprocess) builds the tiny model and data caches in a fresh place, never in ~/.cache.
+os.environ.setdefault("SFT_CACHE", tempfile.mkdtemp(prefix="sft-test-cache-"))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from sft.model import load_tokenizer
+
+    return load_tokenizer("tiny")
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def chat(question: str, answer: str, score: float = 1.0) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+            "difficulty_score": score}
+
+
+def run_train(*overrides: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m sft.train overrides...` in a subprocess, as a user would run it."""
+    return subprocess.run(
+        [sys.executable, "-m", "sft.train", *overrides],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )

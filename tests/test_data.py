@@ -1,0 +1,132 @@
+"""Tokenisation, label masking, truncation, caching, collation and data errors."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import chat, write_jsonl
+from sft import data as sft_data
+from sft.data import DataError, WeightedDataCollator, load_sft_datasets, read_jsonl, tokenize_batch
+
+MULTI_TURN = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 12 + 30?"},
+    {"role": "assistant", "content": "12 + 30 = 42"},
+    {"role": "user", "content": "Now add 8."},
+    {"role": "assistant", "content": "42 + 8 = 50"},
+]
+
+
+def encode(tokenizer, messages, max_length=256):
+    out = tokenize_batch({"messages": [messages], "difficulty_score": [1.0], "source_line": [1]},
+                         tokenizer, max_length)
+    return out
+
+
+def test_exactly_the_assistant_tokens_are_labelled(tokenizer):
+    out = encode(tokenizer, MULTI_TURN)
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    assert ids == tokenizer.apply_chat_template(MULTI_TURN, tokenize=True, return_dict=True)["input_ids"]
+    # Labelled positions form two runs, each exactly one assistant turn's content plus <|im_end|>.
+    runs, current = [], []
+    for tok, lab in zip(ids, labels):
+        if lab != -100:
+            assert lab == tok
+            current.append(tok)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    assert [tokenizer.decode(r) for r in runs] == ["12 + 30 = 42<|im_end|>", "42 + 8 = 50<|im_end|>"]
+    # Nothing of the system or user turns, nor the role headers, is labelled.
+    n_trained = sum(lab != -100 for lab in labels)
+    expected = sum(len(tokenizer(m["content"] + "<|im_end|>", add_special_tokens=False)["input_ids"])
+                   for m in MULTI_TURN if m["role"] == "assistant")
+    assert n_trained == expected
+
+
+def test_rows_whose_answer_is_truncated_away_are_dropped(tokenizer):
+    long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
+    out = tokenize_batch({"messages": [long_prompt, MULTI_TURN], "difficulty_score": [1.0, 2.0],
+                          "source_line": [1, 2]}, tokenizer, max_length=64)
+    assert out["source_line"] == [2]
+    assert all(len(x) <= 64 for x in out["input_ids"])
+
+
+def test_truncation_keeps_the_part_of_the_answer_that_fits(tokenizer):
+    full = encode(tokenizer, MULTI_TURN)
+    cut = encode(tokenizer, MULTI_TURN, max_length=len(full["input_ids"][0]) - 3)
+    assert cut["truncated"] == [True] and full["truncated"] == [False]
+    assert cut["labels"][0] == full["labels"][0][: len(cut["labels"][0])]
+
+
+def test_loss_weights_are_the_sample_weight_on_assistant_tokens_only(tokenizer, tmp_path):
+    f = write_jsonl(tmp_path / "t.jsonl", [chat("What is 1 + 1?", "2", 3.0), chat("Add 5 and 6.", "11", 0.5)])
+    d = load_sft_datasets(tokenizer, sample_weight=lambda s: s * 10, train_file=str(f))
+    for row, w in zip(d.train, (30.0, 5.0)):
+        assert [x for x, lab in zip(row["loss_weights"], row["labels"]) if lab != -100] == [w] * sum(
+            lab != -100 for lab in row["labels"])
+        assert all(x == 0 for x, lab in zip(row["loss_weights"], row["labels"]) if lab == -100)
+
+
+def test_second_load_reuses_the_cache_and_a_change_invalidates_it(tokenizer, tmp_path, monkeypatch):
+    f = write_jsonl(tmp_path / "t.jsonl", [chat("What is 1 + 1?", "2", 1.0)] * 3)
+    first = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=128)
+    calls = []
+    real = sft_data.read_jsonl
+    monkeypatch.setattr(sft_data, "read_jsonl", lambda *a, **k: calls.append(a) or real(*a, **k))
+    again = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=128)
+    assert calls == [] and again.data_hash == first.data_hash
+    assert again.train["input_ids"] == first.train["input_ids"]
+    other = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=96)
+    assert len(calls) == 1 and other.data_hash != first.data_hash
+
+
+def test_collator_pads_to_a_multiple_of_8_with_zero_weights(tokenizer):
+    feats = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "loss_weights": [0.0, 2.0, 2.0],
+              "difficulty_score": 2.0, "source_line": 1},
+             {"input_ids": [5] * 10, "labels": [5] * 10, "loss_weights": [1.0] * 10,
+              "difficulty_score": 1.0, "source_line": 2}]
+    batch = WeightedDataCollator(tokenizer, pad_to_multiple_of=8)(feats)
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "loss_weights"}
+    assert batch["input_ids"].shape == (2, 16)
+    assert batch["loss_weights"][0].tolist() == [0.0, 2.0, 2.0] + [0.0] * 13
+    assert batch["labels"][0, 3:].eq(-100).all() and batch["attention_mask"][0].sum() == 3
+    assert batch["loss_weights"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "line, field, reason",
+    [
+        ("{not json", "row", "invalid JSON"),
+        ("[1, 2]", "row", "must be a JSON object"),
+        ('{"difficulty_score": 1}', "messages", "missing"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "difficulty_score": 1}', "messages", "no assistant"),
+        ('{"messages": [{"role": "bot", "content": "hi"}], "difficulty_score": 1}', "messages[0].role", "unknown"),
+        ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], '
+         '"difficulty_score": 1}', "messages[0].content", "must be a string"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], '
+         '"difficulty_score": "hard"}', "difficulty_score", "finite number"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], '
+         '"difficulty_score": -1}', "difficulty_score", "finite number"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}',
+         "difficulty_score", "missing"),
+    ],
+)
+def test_bad_rows_are_reported_with_file_line_and_field(tmp_path, line, field, reason):
+    good = json.dumps(chat("q", "a", 1.0))
+    f = write_jsonl(tmp_path / "bad.jsonl", [good, line, good])
+    with pytest.raises(DataError) as e:
+        read_jsonl(f)
+    assert f"{f}:2: {field}: " in str(e.value) and reason in str(e.value)
+    assert e.value.total == 1
+
+
+def test_missing_score_uses_default_and_bom_crlf_blank_lines_are_accepted(tmp_path):
+    row = json.dumps({"messages": chat("q", "a")["messages"]})
+    f = tmp_path / "odd.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + row.encode() + b"\r\n\r\n" + row.encode() + b"\r\n")
+    rows = read_jsonl(f, default_score=1.5)
+    assert [r["difficulty_score"] for r in rows] == [1.5, 1.5] and [r["source_line"] for r in rows] == [1, 3]

@@ -1,0 +1,51 @@
+"""`python -m sft.train` as a user runs it: results, checkpoints, TensorBoard, resume, LoRA, W&B offline."""
+
+import json
+from pathlib import Path
+
+from conftest import run_train
+
+QUICK = ["trainer.per_device_train_batch_size=8", "trainer.eval_steps=3", "trainer.logging_steps=1"]
+
+
+def test_train_writes_results_checkpoint_and_events_then_resumes(tmp_path):
+    run = tmp_path / "run"
+    first = run_train(*QUICK, "trainer.max_steps=6", "trainer.save_steps=3", f"hydra.run.dir={run}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    results = json.loads((run / "results.json").read_text())
+    assert set(results) >= {"eval_loss_initial", "eval_loss", "train_loss", "global_step",
+                            "train_tokens_per_second", "data_hash"}
+    assert results["global_step"] == 6 and results["eval_loss"] < results["eval_loss_initial"]
+    assert results["train_tokens_per_second"] > 0 and len(results["data_hash"]) == 16
+    assert (run / "checkpoint-6" / "model.safetensors").exists() and (run / "checkpoint-3").exists()
+    assert (run / "model" / "model.safetensors").exists() and (run / "model" / "tokenizer.json").exists()
+    assert list(run.glob("runs/*/events.out.tfevents.*")), "no TensorBoard events in the run dir"
+    assert (run / ".hydra" / "config.yaml").exists()
+    assert f"run dir: {run}" in first.stdout
+
+    second = run_train(*QUICK, "trainer.max_steps=8", "trainer.save_steps=3", "resume=auto", f"hydra.run.dir={run}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = json.loads((run / "results.json").read_text())
+    assert resumed["resumed_from"] == str(run / "checkpoint-6")
+    assert resumed["global_step"] == 8 and resumed["eval_loss_initial"] == results["eval_loss_initial"]
+    state = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())
+    steps_logged = [e["step"] for e in state["log_history"] if "loss" in e]
+    assert steps_logged[-2:] == [7, 8] and 6 in steps_logged  # the history continued, not restarted
+
+
+def test_hard_sample_alpha_2_with_lora_saves_an_adapter(tmp_path):
+    run = tmp_path / "run"
+    proc = run_train(*QUICK, "loss=hard_sample", "loss.alpha=2", "lora=default", "trainer.max_steps=5",
+                     "trainer.learning_rate=1e-2", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "model" / "adapter_model.safetensors").exists()
+    assert not (run / "model" / "model.safetensors").exists()
+    assert json.loads((run / "results.json").read_text())["global_step"] == 5
+
+
+def test_wandb_offline_logging(tmp_path):
+    run = tmp_path / "run"
+    proc = run_train(*QUICK, "trainer.max_steps=2", "trainer.report_to=[wandb]", f"hydra.run.dir={run}",
+                     env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(Path(tmp_path).glob("wandb/offline-run-*/run-*.wandb"))

@@ -1,0 +1,92 @@
+"""The trainer's loss is exact under gradient accumulation, and hard_sample reduces to ce."""
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from conftest import chat, write_jsonl
+from sft.data import WeightedDataCollator, load_sft_datasets
+from sft.losses import CrossEntropyLoss, HardSampleLoss
+from sft.model import load_model
+from sft.trainer import WeightedLossTrainer
+
+# Answers of very different lengths, so that a per-micro-batch mean would visibly differ from the step's.
+ROWS = [
+    chat("What is 1 + 1?", "2", 0.5),
+    chat("What is 4969 + 5866? Show the sum.", "4969 + 5866 = 10835, carrying four times along the way", 4.0),
+    chat("Add 7 and 8.", "15", 1.0),
+    chat("Compute 123 + 456.", "123 + 456 = 579", 2.0),
+    chat("What is 99 + 1?", "99 + 1 = 100, two carries", 3.0),
+    chat("Add 3 and 4.", "7", 0.5),
+    chat("Compute 250 + 250.", "250 + 250 = 500", 1.5),
+    chat("What is 5005 + 995? Explain briefly.", "5005 + 995 = 6000; every column carries", 3.5),
+]
+
+
+def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, steps=2):
+    """Train the tiny model for `steps` SGD steps over `rows` in order; return step losses and parameters."""
+    f = write_jsonl(tmp_path / "rows.jsonl", rows)
+    data = load_sft_datasets(tokenizer, loss.sample_weight, train_file=str(f), max_length=128)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"out-{batch_size}x{accumulation}"),
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        optim="sgd",  # Adam would hide a wrong gradient scale; SGD shows it
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        remove_unused_columns=False,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = WeightedLossTrainer(
+        model=load_model("tiny"), args=args, train_dataset=data.train,
+        data_collator=WeightedDataCollator(tokenizer), processing_class=tokenizer, loss=loss,
+    )
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    return losses, params, trainer
+
+
+@pytest.mark.parametrize("loss", [CrossEntropyLoss(), HardSampleLoss(alpha=1.0),
+                                  HardSampleLoss(alpha=2.0, normalize="sample"),
+                                  HardSampleLoss(alpha=1.0, normalize="token")],
+                         ids=["ce", "hard_sample", "hard_sample-sample", "hard_sample-token"])
+def test_gradient_accumulation_does_not_change_losses_or_parameters(tmp_path, tokenizer, loss):
+    losses_a, params_a, _ = train_steps(tmp_path, tokenizer, loss, batch_size=4, accumulation=1)
+    losses_b, params_b, _ = train_steps(tmp_path, tokenizer, loss, batch_size=1, accumulation=4)
+    assert len(losses_a) == len(losses_b) == 2
+    assert losses_a == pytest.approx(losses_b, abs=1e-5)
+    torch.testing.assert_close(params_a, params_b, atol=1e-5, rtol=0)
+
+
+def test_hard_sample_with_equal_weights_is_exactly_ce(tmp_path, tokenizer):
+    equal = [{**r, "difficulty_score": 2.0} for r in ROWS]
+    ce_losses, ce_params, _ = train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 2, 2, rows=equal)
+    hs_losses, hs_params, _ = train_steps(tmp_path, tokenizer, HardSampleLoss(alpha=1.0), 2, 2, rows=equal)
+    assert hs_losses == pytest.approx(ce_losses, abs=1e-6)
+    torch.testing.assert_close(hs_params, ce_params, atol=1e-6, rtol=0)
+
+
+def test_unequal_weights_do_change_the_update(tmp_path, tokenizer):
+    _, ce_params, _ = train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1)
+    _, hs_params, _ = train_steps(tmp_path, tokenizer, HardSampleLoss(alpha=1.0), 4, 1)
+    assert (ce_params - hs_params).abs().max() > 1e-4
+
+
+def test_logged_ce_and_weight_mean_describe_the_step(tmp_path, tokenizer):
+    losses, _, trainer = train_steps(tmp_path, tokenizer, HardSampleLoss(alpha=1.0), 4, 1, steps=1)
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    # With one step on the first 4 rows the weight mean is the token-weighted mean of their scores.
+    rows = trainer.train_dataset.select(range(4))
+    tokens = [sum(label != -100 for label in r["labels"][1:]) for r in rows]
+    expected = sum(t * r["difficulty_score"] for t, r in zip(tokens, rows)) / sum(tokens)
+    assert log["weight_mean"] == pytest.approx(expected, rel=1e-5)
+    assert log["ce"] > 0 and log["ce"] != pytest.approx(log["loss"], abs=1e-4)
