@@ -42,6 +42,8 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool):
     has_eval = cfg.data.eval_file is not None
     if not has_eval:
         fields["eval_strategy"] = "no"
+    if cfg.deepspeed:
+        single_process_distributed_env()
     try:
         return TrainingArguments(
             **fields,
@@ -55,6 +57,20 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool):
         )
     except ValueError as e:
         raise ConfigError("trainer", None, str(e).splitlines()[0]) from e
+
+
+def single_process_distributed_env() -> None:
+    """Let DeepSpeed run without a launcher: the env a one-process `torchrun` would set."""
+    import socket
+
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+        os.environ.setdefault(key, value)
 
 
 def find_checkpoint(resume: str | None, output_dir: str) -> str | None:
@@ -94,8 +110,8 @@ def train(cfg: DictConfig) -> dict:
         from peft import get_peft_model
 
         model = get_peft_model(model, instantiate(cfg.lora, _convert_="all"))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3 shards
+    total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
     log.info("model: %d parameters, %d trainable (%.2f%%)", total, trainable, 100 * trainable / total)
 
     trainer = WeightedLossTrainer(
