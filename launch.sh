@@ -44,13 +44,15 @@ if [ -z "$NPROC" ]; then
   NPROC=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
 fi
 
-# One run dir for every rank and node, decided here once (unless the overrides set hydra.run.dir).
-if [ -z "${SFT_RUN_DIR:-}" ]; then
-  export SFT_RUN_DIR="outputs/$(date +%Y-%m-%d)/$(date +%H-%M-%S)"
+# Multi-node: run this on every node with the same NNODES, MASTER_ADDR, MASTER_PORT and its own NODE_RANK.
+# All ranks of all nodes share rank 0's run dir (sft.train settles it through the launcher's store).
+NNODES=${NNODES:-1}
+args=(--num_processes $((NPROC * NNODES)) --num_machines "$NNODES" --machine_rank "${NODE_RANK:-0}"
+      --main_process_ip "${MASTER_ADDR:-127.0.0.1}" --main_process_port "${MASTER_PORT:-29500}"
+      --mixed_precision no --dynamo_backend no)
+if [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; then
+  args+=(--multi_gpu)  # torchrun-style launch; on a machine without GPUs the processes use gloo on CPU
+elif ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  args+=(--cpu)
 fi
-
-args=(--num_processes "$NPROC" --num_machines "${NNODES:-1}" --machine_rank "${NODE_RANK:-0}"
-      --main_process_ip "${MASTER_ADDR:-127.0.0.1}" --main_process_port "${MASTER_PORT:-29500}")
-if [ "$NPROC" -gt 1 ] || [ "${NNODES:-1}" -gt 1 ]; then args+=(--multi_gpu); fi
-if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then args+=(--cpu); fi
 exec accelerate launch "${args[@]}" -m sft.train "$@"

@@ -39,6 +39,7 @@ class ModelConfig:
     dtype: str = "float32"
     attn_implementation: Optional[str] = "sdpa"
     trust_remote_code: bool = False
+    quantization: Optional[str] = None  # nf4: 4-bit base for QLoRA (bitsandbytes, CUDA only)
 
 
 @dataclass
@@ -184,6 +185,19 @@ def register() -> None:
 
 # --- value checks -------------------------------------------------------------------------------------
 
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 NORMALIZE_MODES = ("weight", "token", "sample")
 CLIP_KINDS = ("none", "static")
 
@@ -227,10 +241,31 @@ def check(cfg) -> None:
     require("clip.kind", cfg.clip.kind in CLIP_KINDS, f"must be one of {', '.join(CLIP_KINDS)}")
     require("clip.max_norm", cfg.clip.max_norm >= 0, "must be >= 0 (0 turns clipping off)")
 
+    require("model.dtype", cfg.model.dtype in ("float32", "bfloat16", "float16"),
+            "must be float32, bfloat16 or float16")
+    require("model.quantization", cfg.model.quantization in (None, "nf4"), "must be null or nf4")
+    if cfg.model.quantization is not None:
+        require("model.quantization", cfg.lora is not None, "a quantized base trains only with LoRA (lora=qlora)")
+        require("model.quantization", _cuda_available(),
+                "4-bit QLoRA needs a CUDA GPU (bitsandbytes); this machine has none: use lora=default")
+        require("model.quantization", _installed("bitsandbytes"), "needs bitsandbytes: pip install bitsandbytes")
+
     if cfg.lora is not None:
         require("lora.r", cfg.lora.r >= 1, "must be >= 1")
         require("lora.lora_alpha", cfg.lora.lora_alpha > 0, "must be > 0")
         require("lora.lora_dropout", 0 <= cfg.lora.lora_dropout < 1, "must be in [0, 1)")
+
+    if cfg.deepspeed is not None:
+        zero = cfg.deepspeed.get("zero_optimization") or {}
+        stage = zero.get("stage", 0)
+        require("deepspeed.zero_optimization.stage", stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3")
+        if stage == 3:
+            require("deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                    zero.get("stage3_gather_16bit_weights_on_model_save") is True,
+                    "must be true with ZeRO-3, else the saved model or LoRA adapter is empty")
+        require("deepspeed.zero_optimization.offload_param", stage == 3 or "offload_param" not in zero,
+                "parameter offload needs ZeRO stage 3")
+        require("deepspeed", cfg.model.quantization is None, "DeepSpeed ZeRO does not shard a 4-bit base model")
 
     require("resume", cfg.resume in (None, "auto") or Path(cfg.resume).is_dir(),
             "must be null, 'auto' or an existing checkpoint directory")

@@ -278,10 +278,10 @@ def load_sft_datasets(
 
 
 class WeightedDataCollator(DataCollatorForSeq2Seq):
-    """`DataCollatorForSeq2Seq` that also pads `loss_weights` (with 0) and drops bookkeeping columns.
+    """`DataCollatorForSeq2Seq` that also pads `loss_weights` (with 0) and keeps each row's `source_line`.
 
-    The batch holds only what the model's forward takes plus `labels` and `loss_weights`, which the
-    trainer pops before the forward.
+    The batch holds what the model's forward takes plus `labels`, `loss_weights` and `source_lines`,
+    which the trainer pops before the forward.
     """
 
     def __init__(self, tokenizer, pad_to_multiple_of: int | None = 8):
@@ -292,10 +292,12 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
         import torch
 
         weights = [f["loss_weights"] for f in features]
+        lines = [f["source_line"] for f in features]
         features = [{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features]
         batch = super().__call__(features, return_tensors)
         padded = torch.zeros(batch["labels"].shape, dtype=torch.float32)
         for i, w in enumerate(weights):
             padded[i, : len(w)] = torch.as_tensor(w, dtype=torch.float32)
         batch["loss_weights"] = padded
+        batch["source_lines"] = torch.as_tensor(lines, dtype=torch.long)
         return batch

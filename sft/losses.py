@@ -24,12 +24,13 @@ IGNORE_INDEX = -100
 
 @dataclass
 class LossTerms:
-    """One micro-batch's share of a step's loss, plus statistics for the logs."""
+    """Per-sample sums of one micro-batch: its share of a step's loss, plus statistics for the logs."""
 
-    numerator: torch.Tensor  # sum of c_t * ce_t (differentiable)
-    ce_sum: torch.Tensor  # sum of unweighted ce over assistant tokens (detached)
-    weight_sum: torch.Tensor  # sum of w_t over assistant tokens
-    tokens: torch.Tensor  # number of assistant tokens
+    numerator: torch.Tensor  # [batch] sum of c_t * ce_t (differentiable)
+    denominator: torch.Tensor  # [batch] sum of d_t
+    ce_sum: torch.Tensor  # [batch] sum of unweighted ce over assistant tokens (detached)
+    weight_sum: torch.Tensor  # [batch] sum of w_t over assistant tokens
+    tokens: torch.Tensor  # [batch] number of assistant tokens
 
 
 def shift(labels: torch.Tensor, loss_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,19 +74,19 @@ class WeightedTokenLoss:
             logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX,
             reduction="none",
         ).view(labels.shape)
-        coef, _ = self._coefficients(labels, weights)
-        mask = labels != IGNORE_INDEX
+        coef, denominator = self._coefficients(labels, weights)
         return LossTerms(
-            numerator=(coef * ce).sum(),
-            ce_sum=ce.detach().sum(),
-            weight_sum=weights.sum(),
-            tokens=mask.sum(),
+            numerator=(coef * ce).sum(dim=1),
+            denominator=denominator.sum(dim=1),
+            ce_sum=ce.detach().sum(dim=1),
+            weight_sum=weights.sum(dim=1),
+            tokens=(labels != IGNORE_INDEX).sum(dim=1),
         )
 
     def __call__(self, logits, labels, loss_weights) -> torch.Tensor:
         """The loss of one self-contained batch (its own normaliser), e.g. for evaluation or tests."""
         terms = self.terms(logits, labels, loss_weights)
-        return terms.numerator / self.normaliser(labels, loss_weights).clamp_min(1e-12)
+        return terms.numerator.sum() / terms.denominator.sum().clamp_min(1e-12)
 
 
 class CrossEntropyLoss(WeightedTokenLoss):

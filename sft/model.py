@@ -161,15 +161,25 @@ def load_model(
     dtype: str = "float32",
     attn_implementation: str | None = "sdpa",
     trust_remote_code: bool = False,
+    quantization: str | None = None,
 ):
-    """Load a causal LM with the Auto classes (the tiny preset included)."""
+    """Load a causal LM with the Auto classes (the tiny preset included); `quantization=nf4` for QLoRA."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    extra = {}
+    if quantization == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        extra["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=getattr(torch, dtype),
+        )
     return AutoModelForCausalLM.from_pretrained(
         resolve(name_or_path),
         dtype=getattr(torch, dtype),
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
+        **extra,
     )
     return model

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -38,12 +39,17 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool):
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     fields["output_dir"] = fields["output_dir"] or run_dir
-    fields["dataloader_pin_memory"] &= torch.cuda.is_available()  # pinning without a GPU only warns
+    on_gpu = torch.cuda.is_available()
+    fields["dataloader_pin_memory"] &= on_gpu  # pinning without a GPU only warns
+    if not on_gpu and not cfg.deepspeed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fields["use_cpu"] = True  # else accelerate sees no GPU and runs each rank alone; DeepSpeed inits gloo itself
     has_eval = cfg.data.eval_file is not None
     if not has_eval:
         fields["eval_strategy"] = "no"
     if cfg.deepspeed:
         single_process_distributed_env()
+        if not on_gpu:
+            fields["accelerator_config"] = gloo_deepspeed_state()
     try:
         return TrainingArguments(
             **fields,
@@ -71,6 +77,23 @@ def single_process_distributed_env() -> None:
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
                            WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
         os.environ.setdefault(key, value)
+
+
+def gloo_deepspeed_state() -> dict:
+    """Set up accelerate's process state for DeepSpeed on CPU; return the matching `accelerator_config`.
+
+    Without a GPU accelerate picks no backend for DeepSpeed and then counts one process, while DeepSpeed
+    runs them all: the loss would be scaled and reduced wrongly. Initialising the state with gloo first,
+    and telling TrainingArguments to use it, gives both the true world size.
+    """
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    return {"use_configured_state": True}
 
 
 def find_checkpoint(resume: str | None, output_dir: str) -> str | None:
@@ -107,8 +130,10 @@ def train(cfg: DictConfig) -> dict:
 
     model = instantiate(cfg.model)
     if cfg.lora is not None:
-        from peft import get_peft_model
+        from peft import get_peft_model, prepare_model_for_kbit_training
 
+        if cfg.model.quantization:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.activation_checkpointing)
         model = get_peft_model(model, instantiate(cfg.lora, _convert_="all"))
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3 shards
     total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
@@ -178,9 +203,51 @@ def main(cfg: DictConfig) -> float | None:
         if isinstance(reason, DataError):
             fail(str(reason))
         raise
-    print(f"run dir: {HydraConfig.get().runtime.output_dir}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"run dir: {HydraConfig.get().runtime.output_dir}")
     return results["eval_loss"]
 
 
-if __name__ == "__main__":
+def share_run_dir() -> None:
+    """Give every rank of a multi-process launch one run dir, rank 0's, before Hydra picks one per rank.
+
+    torchrun and `accelerate launch` host a key-value store (`TORCHELASTIC_USE_AGENT_STORE`) that all
+    ranks of all nodes reach: rank 0 puts its `${now:}`-style dir there, the others read it. An explicit
+    `hydra.run.dir=...` or `SFT_RUN_DIR` is already the same on every rank and is left alone.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("SFT_RUN_DIR"):
+        return
+    if any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        print("error: a multi-process run outside torchrun/accelerate launch needs one run dir for all ranks: "
+              "set SFT_RUN_DIR or hydra.run.dir", file=sys.stderr)
+        sys.exit(2)
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(minutes=10))
+    key = "sft/run_dir"
+    if os.environ.get("RANK") == "0" and not store.check([key]):
+        store.set(key, time.strftime("outputs/%Y-%m-%d/%H-%M-%S"))
+    os.environ["SFT_RUN_DIR"] = store.get(key).decode()
+
+
+def rank_overrides() -> list[str]:
+    """Ranks other than 0 write no `.hydra/` and no log file, and log warnings only, to the console."""
+    if os.environ.get("RANK", "0") == "0":
+        return []
+    return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.job_logging.root.level=WARNING"]
+
+
+def cli() -> None:
+    """The `python -m sft.train` entry point: settle the multi-process details, then run `main`."""
+    share_run_dir()
+    sys.argv.extend(rank_overrides())
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -6,7 +6,8 @@ Only what the loss needs is overridden:
 - `compute_loss` pops `labels`/`loss_weights` (the model's forward never sees them) and divides the
   micro-batch's numerator by that global denominator, times the world size because DDP and DeepSpeed
   average gradients over ranks;
-- `evaluation_loop` replaces the mean of per-batch losses by the exact ratio over the eval set, and adds
+- `evaluation_loop` replaces the mean of per-batch losses by the exact ratio over the eval set (each
+  row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
   `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
 - `log` adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`.
 """
@@ -14,6 +15,7 @@ Only what the loss needs is overridden:
 from __future__ import annotations
 
 import torch
+from accelerate.utils import gather_object
 from transformers import Trainer
 
 from sft.losses import WeightedTokenLoss
@@ -27,7 +29,7 @@ class WeightedLossTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.loss = loss
         self._train_stats = torch.zeros(3, dtype=torch.float64, device=self.args.device)  # ce, weight, tokens
-        self._eval_sums: torch.Tensor | None = None  # numerator, denominator, ce, tokens
+        self._eval_rows: dict[int, list[float]] | None = None  # source line -> numerator, denominator, ce, tokens
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(t, reduction="sum") if self.accelerator.num_processes > 1 else t
@@ -48,32 +50,34 @@ class WeightedLossTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
         loss_weights = inputs.pop("loss_weights")
+        source_lines = inputs.pop("source_lines", None)
         outputs = model(**inputs, use_cache=False)
         terms = self.loss.terms(outputs.logits, labels, loss_weights)
+        numerator = terms.numerator.sum()
         if model.training and num_items_in_batch is not None:
-            denominator = num_items_in_batch.clamp_min(1e-12).to(terms.numerator.dtype)
-            loss = terms.numerator / denominator * self.accelerator.num_processes
-            self._train_stats += torch.stack([terms.ce_sum, terms.weight_sum, terms.tokens]).to(
-                self._train_stats
-            )
+            denominator = num_items_in_batch.clamp_min(1e-12).to(numerator.dtype)
+            loss = numerator / denominator * self.accelerator.num_processes
+            stats = torch.stack([terms.ce_sum.sum(), terms.weight_sum.sum(), terms.tokens.sum()])
+            self._train_stats += stats.to(self._train_stats)
         else:
-            denominator = self.loss.normaliser(labels, loss_weights)
-            loss = terms.numerator / denominator.clamp_min(1e-12)
-            if self._eval_sums is not None:
-                self._eval_sums += torch.stack(
-                    [terms.numerator.detach(), denominator, terms.ce_sum, terms.tokens]
-                ).to(self._eval_sums)
+            loss = numerator / terms.denominator.sum().clamp_min(1e-12)
+            if self._eval_rows is not None and source_lines is not None:
+                per_row = torch.stack([terms.numerator.detach(), terms.denominator, terms.ce_sum, terms.tokens], 1)
+                self._eval_rows.update(zip(source_lines.tolist(), per_row.double().tolist()))
         return (loss, outputs) if return_outputs else loss
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
-        self._eval_sums = torch.zeros(4, dtype=torch.float64, device=self.args.device)
+        self._eval_rows = {}
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                              metric_key_prefix)
-            numerator, denominator, ce_sum, tokens = self._sum_over_ranks(self._eval_sums).tolist()
+            rows = self._eval_rows
+            if self.accelerator.num_processes > 1:
+                rows = dict(item for part in gather_object([rows]) for item in part.items())
         finally:
-            self._eval_sums = None
+            self._eval_rows = None
+        numerator, denominator, ce_sum, tokens = (sum(col) for col in zip(*rows.values()))
         output.metrics[f"{metric_key_prefix}_loss"] = numerator / max(denominator, 1e-12)
         output.metrics[f"{metric_key_prefix}_ce"] = ce_sum / max(tokens, 1)
         return output

@@ -90,7 +90,8 @@ def test_collator_pads_to_a_multiple_of_8_with_zero_weights(tokenizer):
              {"input_ids": [5] * 10, "labels": [5] * 10, "loss_weights": [1.0] * 10,
               "difficulty_score": 1.0, "source_line": 2}]
     batch = WeightedDataCollator(tokenizer, pad_to_multiple_of=8)(feats)
-    assert set(batch) == {"input_ids", "attention_mask", "labels", "loss_weights"}
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "loss_weights", "source_lines"}
+    assert batch["source_lines"].tolist() == [1, 2]
     assert batch["input_ids"].shape == (2, 16)
     assert batch["loss_weights"][0].tolist() == [0.0, 2.0, 2.0] + [0.0] * 13
     assert batch["labels"][0, 3:].eq(-100).all() and batch["attention_mask"][0].sum() == 3
