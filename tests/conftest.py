@@ -40,3 +40,25 @@ def run_train(*overrides: str, env: dict | None = None, timeout: int = 600) -> s
         [sys.executable, "-m", "sft.train", *overrides],
         cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
     )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`./launch.sh args...` (accelerate launch) in a subprocess, on a free port."""
+    return subprocess.run(
+        [str(REPO / "launch.sh"), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "MASTER_PORT": str(free_port()), **(env or {})},
+    )
+
+
+def step_losses(run_dir: Path, step: int) -> list[float]:
+    """Training losses logged at every step up to `step`, from that checkpoint's trainer_state.json."""
+    state = json.loads((run_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    return [e["loss"] for e in state["log_history"] if "loss" in e]

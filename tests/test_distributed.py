@@ -1,0 +1,208 @@
+"""Real multi-process runs on CPU (gloo): DDP and DeepSpeed ZeRO-3 through ./launch.sh, LoRA, merge."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, free_port, launch, run_train, step_losses
+
+# SGD (Adam would hide a wrong gradient scale), rows in file order, two logged and checkpointed steps.
+EXACT = ["trainer.optim=sgd", "trainer.learning_rate=0.5", "trainer.lr_scheduler_type=constant",
+         "trainer.warmup_steps=0", "clip=none", "trainer.train_sampling_strategy=sequential",
+         "trainer.max_steps=2", "trainer.logging_steps=1", "trainer.save_steps=2", "trainer.eval_steps=100",
+         "trainer.report_to=[]"]
+
+
+def assert_same_run(one, two):
+    assert step_losses(two, 2) == pytest.approx(step_losses(one, 2), abs=1e-5)
+    a, b = load_file(one / "model" / "model.safetensors"), load_file(two / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
+    ra, rb = (json.loads((d / "results.json").read_text()) for d in (one, two))
+    # The eval set (400 rows) does not split evenly into 2 ranks x 32: each row still counts once.
+    assert rb["eval_loss"] == pytest.approx(ra["eval_loss"], abs=1e-5)
+    assert rb["eval_loss_initial"] == pytest.approx(ra["eval_loss_initial"], abs=1e-5)
+
+
+@pytest.mark.parametrize("backend", [[], ["deepspeed=zero3"]], ids=["ddp", "zero3"])
+def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, backend):
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = run_train(*EXACT, *backend, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={one}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = launch("--nproc", "2", *EXACT, *backend, "trainer.per_device_train_batch_size=2",
+                    f"hydra.run.dir={two}")
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert_same_run(one, two)
+
+
+def eval_loss_without_deepspeed(adapter_dir):
+    """Eval loss of base + saved adapter in a fresh process, with plain PEFT and no DeepSpeed."""
+    script = f"""
+import json, sys
+from peft import PeftModel
+from transformers import TrainingArguments
+from sft.data import WeightedDataCollator, load_sft_datasets
+from sft.losses import HardSampleLoss
+from sft.model import load_model, load_tokenizer
+from sft import sample_data
+from sft.trainer import WeightedLossTrainer
+tok = load_tokenizer("tiny")
+loss = HardSampleLoss()
+data = load_sft_datasets(tok, loss.sample_weight, str(sample_data.TRAIN_FILE), str(sample_data.EVAL_FILE), 256)
+model = PeftModel.from_pretrained(load_model("tiny"), {str(adapter_dir)!r})
+args = TrainingArguments(output_dir={str(adapter_dir / "eval")!r}, per_device_eval_batch_size=32, report_to=[],
+                         remove_unused_columns=False, use_cpu=True)
+trainer = WeightedLossTrainer(model=model, args=args, eval_dataset=data.eval, loss=loss,
+                              data_collator=WeightedDataCollator(tok), processing_class=tok)
+print(json.dumps(trainer.evaluate()))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
+
+
+def test_zero3_lora_two_processes_save_a_full_adapter_that_reloads_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    common = ["deepspeed=zero3", "lora=default", "trainer.learning_rate=1e-2", "trainer.save_steps=4",
+              "trainer.eval_steps=100", "trainer.logging_steps=1", f"hydra.run.dir={run}"]
+    first = launch("--nproc", "2", *common, "trainer.max_steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    adapter = load_file(run / "model" / "adapter_model.safetensors")
+    lora_a = [k for k in adapter if "lora_A" in k]
+    lora_b = [k for k in adapter if "lora_B" in k]
+    assert len(lora_a) == len(lora_b) == 4 * 7  # every projection of the tiny model's 4 layers
+    assert adapter["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (16, 384)
+    assert adapter["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (64, 16)
+    assert any(adapter[k].abs().sum() > 0 for k in lora_b), "lora_B stayed zero: no training reached the adapter"
+    results = json.loads((run / "results.json").read_text())
+    assert eval_loss_without_deepspeed(run / "model") == pytest.approx(results["eval_loss"], abs=1e-4)
+
+    second = launch("--nproc", "2", *common, "trainer.max_steps=6", "resume=auto")
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = json.loads((run / "results.json").read_text())
+    assert resumed["resumed_from"] == str(run / "checkpoint-4") and resumed["global_step"] == 6
+
+
+def test_two_nodes_over_loopback_share_one_run_dir(tmp_path):
+    run = tmp_path / "run"
+    port = str(free_port())
+    cmd = [str(REPO / "launch.sh"), "--nproc", "1", "trainer.max_steps=2", "trainer.eval_steps=100",
+           "trainer.save_steps=2", f"hydra.run.dir={run}"]
+    env = {**__import__("os").environ, "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    nodes = [subprocess.Popen(cmd, cwd=REPO, env={**env, "NODE_RANK": str(k)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    outputs = [n.communicate(timeout=600) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    results = json.loads((run / "results.json").read_text())
+    assert results["global_step"] == 2
+    state = json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["train_batch_size"] == 16  # per device; the two nodes train together:
+    assert state["log_history"][-1]["num_input_tokens_seen"] > 2 * 16 * 20  # 2 steps x 2 ranks x 16 rows
+
+
+def test_torchrun_with_the_default_dir_makes_one_run_dir(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "sft.train", "trainer.max_steps=1", "trainer.eval_steps=100",
+           "trainer.save_steps=100", "trainer.report_to=[tensorboard]"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 1, runs
+    run = runs[0]
+    assert (run / "results.json").exists() and (run / "train.log").exists()
+    events = list(run.glob("runs/*/events.out.tfevents.*"))  # name: ...tfevents.<time>.<host>.<pid>.<n>
+    assert events and len({e.name.split(".")[-2] for e in events}) == 1  # TensorBoard from rank 0 only
+    assert (run / ".hydra" / "config.yaml").exists() and proc.stdout.count("run dir:") == 1
+
+
+def test_rank_0_decides_the_run_dir_for_every_rank(monkeypatch):
+    """share_run_dir through a real store: rank 1 gets rank 0's dir even when its own clock says otherwise."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    import sft.train as entry
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))  # the launcher's store
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    monkeypatch.setattr(sys, "argv", ["sft.train"])
+    seen = {}
+    for rank, clock in (("0", "outputs/2026-01-01/10-00-00"), ("1", "outputs/2026-01-01/10-00-01")):
+        for k, v in {**base, "RANK": rank}.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("SFT_RUN_DIR", raising=False)
+        monkeypatch.setattr(entry.time, "strftime", lambda fmt, clock=clock: clock)
+        entry.share_run_dir()
+        seen[rank] = __import__("os").environ["SFT_RUN_DIR"]
+    assert seen == {"0": "outputs/2026-01-01/10-00-00", "1": "outputs/2026-01-01/10-00-00"}
+    del server
+
+
+def test_merge_gives_the_logits_of_base_plus_adapter(tmp_path):
+    run = tmp_path / "run"
+    proc = run_train("lora=default", "trainer.max_steps=3", "trainer.learning_rate=5e-2", "trainer.eval_steps=100",
+                     "trainer.save_steps=100", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = subprocess.run([sys.executable, "-m", "sft.merge", f"checkpoint={run}", f"output={tmp_path / 'merged'}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sft.model import load_model
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    peft = PeftModel.from_pretrained(load_model("tiny"), run / "model").eval()
+    with torch.no_grad():
+        a, b = plain(ids).logits, peft(ids).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        base = load_model("tiny").eval()(ids).logits
+    assert (a - base).abs().max() > 1e-3, "the adapter changed nothing: the test would not see a failed merge"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["checkpoint={full}", "output={out}"], "holds a full model, not a LoRA adapter"),
+    (["checkpoint={lora}", "output={out}", "base=/no/such/model"], "does not exist"),
+    (["checkpoint={lora}"], "Missing mandatory value: output"),
+])
+def test_merge_errors_are_clear(tmp_path, args, message):
+    full, lora = tmp_path / "full", tmp_path / "lora"
+    (full / "model").mkdir(parents=True)
+    (full / "model" / "model.safetensors").write_bytes(b"")
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text("{}")
+    argv = [a.format(full=full, lora=lora, out=tmp_path / "out") for a in args]
+    proc = subprocess.run([sys.executable, "-m", "sft.merge", *argv], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_deepspeed_presets_are_accepted_by_training_arguments():
+    script = """
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from sft.config import check, register
+from sft.train import training_arguments
+register()
+for preset in ("zero2", "zero3", "zero3_offload"):
+    with initialize_config_dir(config_dir=%r, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"deepspeed={preset}"])
+    check(cfg)
+    args = training_arguments(cfg, "/tmp/unused", resuming=False)
+    stage = args.hf_deepspeed_config.config["zero_optimization"]["stage"]
+    print(preset, stage, args.hf_deepspeed_config.config["train_micro_batch_size_per_gpu"])
+""" % str(REPO / "conf")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-4:-1] == ["zero2 2 16", "zero3 3 16", "zero3_offload 3 16"]
