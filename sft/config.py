@@ -97,11 +97,74 @@ class LoraConfig:
 
 
 @dataclass
-class ClipConfig:
-    """Gradient clipping; `static` clips to `max_norm` (0 turns clipping off)."""
+class NoClipConfig:
+    _target_: str = "sft.clipping.GradClipPolicy"
 
-    kind: str = "static"
+
+@dataclass
+class StaticClipConfig:
+    _target_: str = "sft.clipping.StaticClip"
     max_norm: float = 1.0
+
+
+@dataclass
+class AutoClipConfig:
+    _target_: str = "sft.clipping.AutoClip"
+    percentile: float = 10.0
+    warmup_steps: int = 10
+    max_norm: float = 1.0  # the threshold during warmup
+    history_size: int = 0  # 0: the whole history
+
+
+@dataclass
+class ZClipConfig:
+    _target_: str = "sft.clipping.ZClip"
+    alpha: float = 0.97
+    z_threshold: float = 2.5
+    warmup_steps: int = 10
+    max_norm: float = 1.0  # the threshold during warmup
+
+
+@dataclass
+class EarlyStoppingConfig:
+    _target_: str = "sft.callbacks.EarlyStopping"
+    metric: str = "eval_loss"
+    patience: int = 3
+    min_delta: float = 0.0
+    mode: str = "min"
+
+
+@dataclass
+class LRPlateauConfig:
+    _target_: str = "sft.callbacks.ReduceLROnPlateau"
+    metric: str = "eval_loss"
+    factor: float = 0.5
+    patience: int = 2
+    min_delta: float = 0.0
+    min_lr: float = 0.0
+    mode: str = "min"
+
+
+@dataclass
+class CurriculumConfig:
+    _target_: str = "sft.callbacks.Curriculum"
+    temperature: float = 4.0
+    min_temperature: float = 0.25
+    max_temperature: float = 16.0
+    factor: float = 0.7
+    metric: str = "eval_loss_hardest_bucket"
+    min_delta: float = 0.0
+    chunk_size: int = 256
+
+
+@dataclass
+class AdaptiveEvalConfig:
+    _target_: str = "sft.callbacks.AdaptiveEvalInterval"
+    metric: str = "eval_loss"
+    min_steps: int = 25
+    max_steps: int = 800
+    fast: float = 0.05
+    slow: float = 0.005
 
 
 @dataclass
@@ -162,10 +225,16 @@ class TrainConfig:
     lora: Any = None
     deepspeed: Any = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    clip: ClipConfig = field(default_factory=ClipConfig)
+    clip: Any = MISSING
+    early_stopping: Any = None
+    lr_plateau: Any = None
+    curriculum: Any = None
+    adaptive_eval: Any = None
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     collator: CollatorConfig = field(default_factory=CollatorConfig)
-    resume: Optional[str] = None  # null, "auto" (newest checkpoint in the run dir) or a checkpoint path
+    eval_buckets: List[float] = field(default_factory=lambda: [1.0, 2.0, 3.0])  # difficulty bucket edges
+    resume: Optional[str] = None  # null, "auto" (newest complete checkpoint in the run dir) or a checkpoint path
+    resume_force: bool = False  # resume even if the data changed since the checkpoint
 
 
 def register() -> None:
@@ -178,7 +247,15 @@ def register() -> None:
     cs.store(group="loss", name="hard_sample_schema", node=HardSampleLossConfig)
     cs.store(group="lora", name="lora_schema", node=LoraConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
-    cs.store(group="clip", name="clip_schema", node=ClipConfig)
+    for group, name, node in [
+        ("clip", "none_schema", NoClipConfig), ("clip", "static_schema", StaticClipConfig),
+        ("clip", "autoclip_schema", AutoClipConfig), ("clip", "zclip_schema", ZClipConfig),
+        ("early_stopping", "early_stopping_schema", EarlyStoppingConfig),
+        ("lr_plateau", "lr_plateau_schema", LRPlateauConfig),
+        ("curriculum", "curriculum_schema", CurriculumConfig),
+        ("adaptive_eval", "adaptive_eval_schema", AdaptiveEvalConfig),
+    ]:
+        cs.store(group=group, name=name, node=node)
     if not OmegaConf.has_resolver("sft_sample"):
         OmegaConf.register_new_resolver("sft_sample", lambda name: str(sample_data.HERE / name))
 
@@ -199,7 +276,6 @@ def _installed(module: str) -> bool:
 
 
 NORMALIZE_MODES = ("weight", "token", "sample")
-CLIP_KINDS = ("none", "static")
 
 
 def check(cfg) -> None:
@@ -238,8 +314,37 @@ def check(cfg) -> None:
         require("loss.min_weight", loss.min_weight <= loss.max_weight,
                 f"must be <= loss.max_weight ({loss.max_weight})")
 
-    require("clip.kind", cfg.clip.kind in CLIP_KINDS, f"must be one of {', '.join(CLIP_KINDS)}")
-    require("clip.max_norm", cfg.clip.max_norm >= 0, "must be >= 0 (0 turns clipping off)")
+    clip = cfg.clip
+    if "max_norm" in clip:
+        require("clip.max_norm", clip.max_norm >= 0, "must be >= 0 (0 turns clipping off)")
+    if "percentile" in clip:
+        require("clip.percentile", 0 < clip.percentile <= 100, "must be in (0, 100]")
+    if "alpha" in clip:
+        require("clip.alpha", 0 < clip.alpha < 1, "must be in (0, 1)")
+        require("clip.z_threshold", clip.z_threshold > 0, "must be > 0")
+    if "warmup_steps" in clip:
+        require("clip.warmup_steps", clip.warmup_steps >= 1, "must be >= 1 (the statistics need a first norm)")
+
+    for name in ("early_stopping", "lr_plateau"):
+        node = cfg[name]
+        if node is not None:
+            require(f"{name}.patience", node.patience >= 1, "must be >= 1")
+            require(f"{name}.mode", node.mode in ("min", "max"), "must be min or max")
+    if cfg.lr_plateau is not None:
+        require("lr_plateau.factor", 0 < cfg.lr_plateau.factor < 1, "must be in (0, 1)")
+    if cfg.curriculum is not None:
+        c = cfg.curriculum
+        require("curriculum.factor", 0 < c.factor < 1, "must be in (0, 1)")
+        require("curriculum.min_temperature", 0 < c.min_temperature <= c.temperature <= c.max_temperature,
+                "must satisfy 0 < min_temperature <= temperature <= max_temperature")
+        require("curriculum.chunk_size", c.chunk_size >= 1, "must be >= 1")
+    if cfg.adaptive_eval is not None:
+        a = cfg.adaptive_eval
+        require("adaptive_eval.min_steps", 1 <= a.min_steps <= a.max_steps, "must be >= 1 and <= max_steps")
+        require("adaptive_eval.slow", 0 <= a.slow < a.fast, "must be >= 0 and < adaptive_eval.fast")
+    for name in ("early_stopping", "lr_plateau", "curriculum", "adaptive_eval"):
+        require(name, cfg[name] is None or cfg.data.eval_file is not None, "needs evaluation data (data.eval_file)")
+    require("eval_buckets", list(cfg.eval_buckets) == sorted(cfg.eval_buckets), "bucket edges must be increasing")
 
     require("model.dtype", cfg.model.dtype in ("float32", "bfloat16", "float16"),
             "must be float32, bfloat16 or float16")

@@ -187,14 +187,25 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def data_hash(files: list[str | None], tokenizer, max_length: int, default_score: float | None) -> str:
-    """Identity of the preprocessed data: file bytes, preprocessing settings and tokenizer."""
-    h = hashlib.sha256()
-    for path in files:
-        h.update(b"<none>" if path is None else Path(path).read_bytes())
-    h.update(json.dumps([max_length, default_score, PREPROCESS_VERSION]).encode())
-    h.update(tokenizer_fingerprint(tokenizer).encode())
-    return h.hexdigest()[:16]
+def data_identity(train_file: str, eval_file: str | None, tokenizer, max_length: int,
+                  default_score: float | None) -> dict:
+    """What decides the preprocessed data, part by part: file contents, preprocessing settings, tokenizer."""
+    def file_hash(path):
+        return None if path is None else hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+    return {
+        "train_file": file_hash(train_file),
+        "eval_file": file_hash(eval_file),
+        "max_length": max_length,
+        "default_score": default_score,
+        "tokenizer": tokenizer_fingerprint(tokenizer)[:16],
+        "preprocess_version": PREPROCESS_VERSION,
+    }
+
+
+def data_hash(identity: dict) -> str:
+    """One short hash of a `data_identity`."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_proc, key: str):
@@ -242,7 +253,11 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
 class SFTData:
     train: "datasets.Dataset"  # noqa: F821
     eval: "datasets.Dataset | None"  # noqa: F821
-    data_hash: str
+    identity: dict  # see data_identity
+
+    @property
+    def data_hash(self) -> str:
+        return data_hash(self.identity)
 
 
 def load_sft_datasets(
@@ -255,7 +270,8 @@ def load_sft_datasets(
     num_proc: int | None = None,
 ) -> SFTData:
     """Validated, tokenised train and eval splits with a per-token `loss_weights` column."""
-    key = data_hash([train_file, eval_file], tokenizer, max_length, default_score)
+    identity = data_identity(train_file, eval_file, tokenizer, max_length, default_score)
+    key = data_hash(identity)
 
     def add_weights(batch):
         weights = []
@@ -271,7 +287,7 @@ def load_sft_datasets(
             continue
         ds = _tokenized_split(path, tokenizer, max_length, default_score, num_proc, key)
         splits.append(ds.map(add_weights, batched=True, keep_in_memory=True).remove_columns("truncated"))
-    return SFTData(train=splits[0], eval=splits[1], data_hash=key)
+    return SFTData(train=splits[0], eval=splits[1], identity=identity)
 
 
 # --- collation ----------------------------------------------------------------------------------------

@@ -32,13 +32,14 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool):
+def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_norm: float):
     """`TrainingArguments` from the `trainer` group, plus what the recipe decides itself."""
     import torch
     from transformers import TrainingArguments
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     fields["output_dir"] = fields["output_dir"] or run_dir
+    fields["save_total_limit"] = None  # sft.checkpoints rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()
     fields["dataloader_pin_memory"] &= on_gpu  # pinning without a GPU only warns
     if not on_gpu and not cfg.deepspeed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -53,7 +54,7 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool):
     try:
         return TrainingArguments(
             **fields,
-            max_grad_norm=cfg.clip.max_norm if cfg.clip.kind == "static" else 0.0,
+            max_grad_norm=max_grad_norm,  # the clip policy's; WeightedLossTrainer moves it as the policy says
             remove_unused_columns=False,  # loss_weights must reach compute_loss; the collator drops the rest
             label_names=["labels"],
             include_num_input_tokens_seen="non_padding",
@@ -96,30 +97,59 @@ def gloo_deepspeed_state() -> dict:
     return {"use_configured_state": True}
 
 
-def find_checkpoint(resume: str | None, output_dir: str) -> str | None:
-    """The checkpoint to resume from: none, the newest one in the run dir (`auto`), or the given path."""
-    from transformers.trainer_utils import get_last_checkpoint
+def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | None:
+    """The checkpoint to resume from: none, the newest complete one in the run dir (`auto`), or a path."""
+    from sft.checkpoints import STATE_FILE, latest_complete, remove_incomplete
 
     if resume is None:
         return None
     if resume == "auto":
-        found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        found = latest_complete(output_dir)
+        if os.environ.get("RANK", "0") == "0":
+            for debris in remove_incomplete(output_dir):
+                log.warning("resume=auto: removed %s, a checkpoint left incomplete by a crash", debris)
         log.info("resume=auto: %s", f"resuming from {found}" if found else f"no checkpoint in {output_dir}, starting fresh")
-        return found
+        return str(found) if found else None
+    if not Path(resume, STATE_FILE).is_file() and not force:
+        raise ConfigError("resume", resume, f"no {STATE_FILE}: an incomplete checkpoint, or not one of sft's "
+                          "(resume_force=true resumes anyway)")
     return resume
+
+
+def check_resume_data(checkpoint: str, identity: dict, force: bool) -> dict | None:
+    """The checkpoint's saved state; refuse it if it was trained on other data, unless forced."""
+    from sft.checkpoints import STATE_FILE, data_changes, read_state
+
+    if not Path(checkpoint, STATE_FILE).is_file():
+        return None
+    state = read_state(checkpoint)
+    changes = data_changes(state.get("data", {}), identity)
+    if changes:
+        if not force:
+            raise ConfigError("resume", checkpoint, "the data changed since this checkpoint (" + "; ".join(changes)
+                              + "); set resume_force=true to resume anyway")
+        log.warning("resume_force: resuming although the data changed: %s", "; ".join(changes))
+    return state
+
+
+CONTROLLERS = ("early_stopping", "lr_plateau", "curriculum", "adaptive_eval")
 
 
 def train(cfg: DictConfig) -> dict:
     """Run the recipe for a checked config; return the results written to `results.json`."""
+    from importlib.metadata import version
+
     from hydra.utils import instantiate
     from transformers import set_seed
 
+    from sft.checkpoints import CheckpointState, git_commit
     from sft.trainer import WeightedLossTrainer
 
     run_dir = HydraConfig.get().runtime.output_dir
     output_dir = cfg.trainer.output_dir or run_dir
-    checkpoint = find_checkpoint(cfg.resume, output_dir)
-    args = training_arguments(cfg, run_dir, resuming=checkpoint is not None)
+    checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force)
+    clip_policy = instantiate(cfg.clip)
+    args = training_arguments(cfg, run_dir, resuming=checkpoint is not None, max_grad_norm=clip_policy.initial_threshold())
     set_seed(args.seed)
 
     tokenizer = instantiate(cfg.tokenizer)
@@ -127,6 +157,7 @@ def train(cfg: DictConfig) -> dict:
     with args.main_process_first(desc="preprocessing"):
         data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
+    saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
 
     model = instantiate(cfg.model)
     if cfg.lora is not None:
@@ -139,6 +170,7 @@ def train(cfg: DictConfig) -> dict:
     total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
     log.info("model: %d parameters, %d trainable (%.2f%%)", total, trainable, 100 * trainable / total)
 
+    controllers = {name: instantiate(cfg[name]) for name in CONTROLLERS if cfg[name] is not None}
     trainer = WeightedLossTrainer(
         model=model,
         args=args,
@@ -147,7 +179,19 @@ def train(cfg: DictConfig) -> dict:
         data_collator=instantiate(cfg.collator, tokenizer=tokenizer),
         processing_class=tokenizer,
         loss=loss,
+        clip_policy=clip_policy,
+        controllers=controllers,
+        eval_buckets=cfg.eval_buckets,
     )
+    stateful = {"clip": clip_policy, "trainer": trainer, **controllers}
+    run_info = {"config": OmegaConf.to_container(cfg, resolve=True), "data_hash": data.data_hash,
+                "data": data.identity, "sft_version": version("sft"), "git_commit": git_commit()}
+    trainer.add_callback(CheckpointState(run_info, stateful, cfg.trainer.save_total_limit, checkpoint))
+    if saved is not None:
+        for name, state in saved["controllers"].items():
+            if name in stateful:
+                stateful[name].load_state_dict(state)
+
     train_output = trainer.train(resume_from_checkpoint=checkpoint)
     final_eval = trainer.evaluate() if data.eval is not None else {}
     trainer.save_model(os.path.join(run_dir, "model"))
@@ -156,12 +200,15 @@ def train(cfg: DictConfig) -> dict:
         "eval_loss_initial": initial_eval_loss(trainer, run_dir),
         "eval_loss": final_eval.get("eval_loss"),
         "eval_ce": final_eval.get("eval_ce"),
+        "eval_token_accuracy": final_eval.get("eval_token_accuracy"),
+        **{k: v for k, v in final_eval.items() if k.startswith("eval_loss_bucket_")},
         "train_loss": train_output.training_loss,
         "global_step": trainer.state.global_step,
         "train_tokens_per_second": tokens_per_second(trainer, train_output.metrics),
         "train_runtime": train_output.metrics.get("train_runtime"),
         "data_hash": data.data_hash,
         "resumed_from": checkpoint,
+        "stopped_early": bool(controllers.get("early_stopping") and controllers["early_stopping"].stopped_at_step),
     }
     if trainer.is_world_process_zero():
         Path(run_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -186,7 +233,10 @@ def tokens_per_second(trainer, metrics: dict) -> float | None:
     return round(tokens / runtime, 1) if runtime else None
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the repo's conf/ (editable install)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
     from hydra.errors import InstantiationException
 

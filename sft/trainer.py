@@ -9,27 +9,53 @@ Only what the loss needs is overridden:
 - `evaluation_loop` replaces the mean of per-batch losses by the exact ratio over the eval set (each
   row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
   `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
-- `log` adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`.
+- `log` adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`, and the
+  controllers' current settings (clip threshold, curriculum temperature ...);
+- `_clip_grad_norm` applies the gradient clipping policy (`sft.clipping`); under DeepSpeed, whose engine
+  clips inside its own step, `get_batch_samples` sets the engine's threshold before the step instead;
+- `_get_train_sampler` returns the curriculum's sampler when a curriculum is configured.
+
+Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
+difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`, and
+`eval_loss_hardest_bucket`.
 """
 
 from __future__ import annotations
+
+import bisect
+import math
 
 import torch
 from accelerate.utils import gather_object
 from transformers import Trainer
 
-from sft.losses import WeightedTokenLoss
+from sft.clipping import GradClipPolicy
+from sft.losses import IGNORE_INDEX, WeightedTokenLoss
 
 
 class WeightedLossTrainer(Trainer):
     # compute_loss normalises over the whole accumulated step itself: Trainer must not divide by GA.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, loss: WeightedTokenLoss, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
+                 controllers: dict | None = None, eval_buckets=(1.0, 2.0, 3.0), **kwargs):
+        self.controllers = dict(controllers or {})
+        super().__init__(*args, callbacks=list(self.controllers.values()) + kwargs.pop("callbacks", []), **kwargs)
         self.loss = loss
+        self.clip_policy = clip_policy or GradClipPolicy()
+        self.eval_buckets = list(eval_buckets)
+        self._eval_scores = {}
+        if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
+            self._eval_scores = dict(zip(self.eval_dataset["source_line"], self.eval_dataset["difficulty_score"]))
         self._train_stats = torch.zeros(3, dtype=torch.float64, device=self.args.device)  # ce, weight, tokens
-        self._eval_rows: dict[int, list[float]] | None = None  # source line -> numerator, denominator, ce, tokens
+        self._eval_rows: dict[int, list[float]] | None = None  # source line -> num, den, ce, tokens, correct
+
+    def state_dict(self) -> dict:
+        """What a resume needs to log exactly as an uninterrupted run: statistics since the last log."""
+        return {"train_stats": self._train_stats.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._train_stats = torch.tensor(state["train_stats"], dtype=torch.float64, device=self.args.device)
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(t, reduction="sum") if self.accelerator.num_processes > 1 else t
@@ -45,7 +71,42 @@ class WeightedLossTrainer(Trainer):
         denominator = torch.zeros((), dtype=torch.float64, device=device)
         for batch in batches:
             denominator += self.loss.normaliser(batch["labels"], batch["loss_weights"]).to(device)
+        if self.is_deepspeed_enabled and self.args.max_grad_norm > 0:
+            self._set_deepspeed_clip(self.clip_policy.threshold(None))
         return batches, self._sum_over_ranks(denominator)
+
+    def _set_deepspeed_clip(self, threshold: float) -> None:
+        """The engine clips inside its step to its config's value, ZeRO optimizers to their `clip_grad`."""
+        engine = self.model_wrapped
+        threshold = threshold if math.isfinite(threshold) else 0.0  # DeepSpeed: 0 means no clipping
+        engine._config.gradient_clipping = threshold
+        if hasattr(engine.optimizer, "clip_grad"):
+            engine.optimizer.clip_grad = threshold
+        self._deepspeed_threshold = threshold if threshold > 0 else math.inf
+
+    def _clip_grad_norm(self, model):
+        """Clip to the policy's threshold; return the pre-clip norm (called when max_grad_norm > 0)."""
+        if self.is_deepspeed_enabled:  # already clipped inside the engine's step
+            norm = float(super()._clip_grad_norm(model))
+            self.clip_policy.observe(norm, self._deepspeed_threshold)
+            return norm
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = self.accelerator.clip_grad_norm_(params, math.inf)  # unscales fp16 grads; clips nothing
+        threshold = self.clip_policy.threshold(float(norm))
+        if float(norm) > threshold:
+            torch.nn.utils.clip_grads_with_norm_(params, threshold, norm)
+        self.clip_policy.observe(float(norm), threshold)
+        return norm
+
+    def _get_train_sampler(self, train_dataset=None):
+        from sft.callbacks import CurriculumSampler
+
+        curriculum = self.controllers.get("curriculum")
+        if curriculum is None:
+            return super()._get_train_sampler(train_dataset)
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return CurriculumSampler(dataset["difficulty_score"], curriculum, seed)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
@@ -62,7 +123,11 @@ class WeightedLossTrainer(Trainer):
         else:
             loss = numerator / terms.denominator.sum().clamp_min(1e-12)
             if self._eval_rows is not None and source_lines is not None:
-                per_row = torch.stack([terms.numerator.detach(), terms.denominator, terms.ce_sum, terms.tokens], 1)
+                targets = labels[:, 1:]
+                correct = ((outputs.logits[:, :-1].argmax(-1) == targets) & (targets != IGNORE_INDEX)).sum(1)
+                per_row = torch.stack(
+                    [terms.numerator.detach(), terms.denominator, terms.ce_sum, terms.tokens, correct], 1
+                )
                 self._eval_rows.update(zip(source_lines.tolist(), per_row.double().tolist()))
         return (loss, outputs) if return_outputs else loss
 
@@ -77,10 +142,27 @@ class WeightedLossTrainer(Trainer):
                 rows = dict(item for part in gather_object([rows]) for item in part.items())
         finally:
             self._eval_rows = None
-        numerator, denominator, ce_sum, tokens = (sum(col) for col in zip(*rows.values()))
-        output.metrics[f"{metric_key_prefix}_loss"] = numerator / max(denominator, 1e-12)
-        output.metrics[f"{metric_key_prefix}_ce"] = ce_sum / max(tokens, 1)
+        output.metrics.update(self._eval_metrics(rows, metric_key_prefix))
         return output
+
+    def _eval_metrics(self, rows: dict, prefix: str) -> dict:
+        """Exact ratios over the eval rows (each counted once): loss, ce, token accuracy, buckets."""
+        numerator, denominator, ce_sum, tokens, correct = (sum(col) for col in zip(*rows.values()))
+        metrics = {
+            f"{prefix}_loss": numerator / max(denominator, 1e-12),
+            f"{prefix}_ce": ce_sum / max(tokens, 1),
+            f"{prefix}_token_accuracy": correct / max(tokens, 1),
+        }
+        if self._eval_scores:
+            buckets: dict[int, list[float]] = {}
+            for line, (_, _, ce, n, _) in rows.items():
+                k = bisect.bisect_right(self.eval_buckets, self._eval_scores[line])
+                acc = buckets.setdefault(k, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + ce, acc[1] + n
+            for k, (ce, n) in sorted(buckets.items()):
+                metrics[f"{prefix}_loss_bucket_{k}"] = ce / max(n, 1)
+            metrics[f"{prefix}_loss_hardest_bucket"] = metrics[f"{prefix}_loss_bucket_{max(buckets)}"]
+        return metrics
 
     def log(self, logs, start_time=None):
         if "loss" in logs:  # a training log: every rank gets here together
@@ -89,4 +171,7 @@ class WeightedLossTrainer(Trainer):
             if tokens:
                 logs["ce"] = ce_sum / tokens
                 logs["weight_mean"] = weight_sum / tokens
+            logs.update(self.clip_policy.log_values())
+            for controller in self.controllers.values():
+                logs.update(controller.log_values())
         super().log(logs, start_time)

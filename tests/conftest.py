@@ -62,3 +62,14 @@ def step_losses(run_dir: Path, step: int) -> list[float]:
     """Training losses logged at every step up to `step`, from that checkpoint's trainer_state.json."""
     state = json.loads((run_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
     return [e["loss"] for e in state["log_history"] if "loss" in e]
+
+
+def run_patched(patch: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m sft.train overrides...` with `patch` (Python source) executed first: fault injection."""
+    script = f"import sys\n{patch}\nsys.argv = ['sft.train', *{list(overrides)!r}]\nfrom sft.train import cli\ncli()\n"
+    return subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ))
+
+
+def log_history(run_dir: Path, step: int) -> list[dict]:
+    return json.loads((run_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())["log_history"]

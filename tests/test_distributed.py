@@ -199,7 +199,7 @@ for preset in ("zero2", "zero3", "zero3_offload"):
     with initialize_config_dir(config_dir=%r, version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"deepspeed={preset}"])
     check(cfg)
-    args = training_arguments(cfg, "/tmp/unused", resuming=False)
+    args = training_arguments(cfg, "/tmp/unused", resuming=False, max_grad_norm=1.0)
     stage = args.hf_deepspeed_config.config["zero_optimization"]["stage"]
     print(preset, stage, args.hf_deepspeed_config.config["train_micro_batch_size_per_gpu"])
 """ % str(REPO / "conf")

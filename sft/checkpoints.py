@@ -1,0 +1,120 @@
+"""Checkpoints that are complete or invisible, carrying the project's own state.
+
+Trainer writes `checkpoint-N/` in place, so a crash can leave half of one that `get_last_checkpoint`
+(which goes by name) would pick. Here every checkpoint gets `sft_state.json` last, by rank 0, once all
+ranks have finished writing: it is the completion marker, and it holds what a resume needs beyond
+Trainer's own files (the resolved config, the data identity, the package version and git commit, and
+the state of every controller). `resume=auto` picks the newest checkpoint that has it; rotation keeps the
+newest `save_total_limit` complete ones plus the best one and the one this run resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+log = logging.getLogger("sft")
+
+STATE_FILE = "sft_state.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path, bool]]:
+    """(step, path, complete) of every `checkpoint-N` dir, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))]
+    return [(step, p, (p / STATE_FILE).is_file()) for step, p in sorted(found)]
+
+
+def latest_complete(output_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint whose completion marker was written."""
+    complete = [p for _, p, ok in checkpoints(output_dir) if ok]
+    return complete[-1] if complete else None
+
+
+def remove_incomplete(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete checkpoint dirs without a completion marker (left by a crash); return them."""
+    removed = [p for _, p, ok in checkpoints(output_dir) if not ok]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def read_state(checkpoint: str | os.PathLike) -> dict:
+    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def data_changes(saved: dict, current: dict) -> list[str]:
+    """What differs between the data identity a checkpoint was trained on and the current one."""
+    return [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
+            for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+
+
+def git_commit() -> str | None:
+    """The commit of the source tree, when it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+class CheckpointState(TrainerCallback, ExportableState):
+    """On each save: wait for every rank, write `sft_state.json` (the marker), rotate old checkpoints.
+
+    `controllers` maps a name to any object with `state_dict()`; the data hash also goes into
+    `trainer_state.json` (`stateful_callbacks.CheckpointState`) so a checkpoint names its data version.
+    """
+
+    def __init__(self, run_info: dict, controllers: dict, keep: int | None, resumed_from: str | None):
+        self.run_info, self.controllers, self.keep = run_info, controllers, keep
+        self.resumed_from = Path(resumed_from).resolve() if resumed_from else None
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"data_hash": self.run_info["data_hash"]}}
+
+    def on_save(self, args, state, control, **kwargs):
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()  # every rank's shards are on disk before the marker
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            payload = {**self.run_info, "global_step": state.global_step,
+                       "controllers": {name: c.state_dict() for name, c in self.controllers.items()}}
+            write_json_atomic(folder / STATE_FILE, payload)
+            self.rotate(args.output_dir, state.best_model_checkpoint)
+        PartialState().wait_for_everyone()
+
+    def rotate(self, output_dir: str, best: str | None) -> None:
+        """Keep the newest `keep` complete checkpoints, the best one and the resumed one; drop the rest."""
+        if self.keep is None:
+            return
+        found = checkpoints(output_dir)
+        complete = [p for _, p, ok in found if ok]
+        newest_step = max((s for s, _, ok in found if ok), default=-1)
+        protected = set(complete[-self.keep:]) | {Path(b).resolve() for b in [best] if b}
+        if self.resumed_from is not None:
+            protected.add(self.resumed_from)
+        for step, path, ok in found:
+            if path.resolve() in {p.resolve() for p in protected}:
+                continue
+            if ok or step < newest_step:  # an incomplete one older than a complete one is crash debris
+                shutil.rmtree(path, ignore_errors=True)
+                log.info("checkpoint rotation: removed %s", path)
