@@ -1,0 +1,136 @@
+"""Exact resume after SIGKILL, crash while a checkpoint is written, and data changed since a checkpoint."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import log_history, run_patched, run_train
+from sft import sample_data
+
+# 12 steps of 2 micro-batches, a checkpoint every 4, autoclip and the curriculum moving every 2 steps.
+RUN = ["trainer.max_steps=12", "trainer.save_steps=4", "trainer.save_total_limit=5", "trainer.logging_steps=1",
+       "trainer.eval_steps=2", "trainer.per_device_train_batch_size=4", "trainer.gradient_accumulation_steps=2",
+       "clip=autoclip", "clip.warmup_steps=3", "curriculum=default", "curriculum.chunk_size=12",
+       "curriculum.temperature=2.0"]
+
+KILL_AFTER_CHECKPOINT_8 = """
+import os, signal
+from sft.checkpoints import CheckpointState
+_on_save = CheckpointState.on_save
+def on_save(self, args, state, control, **kwargs):
+    _on_save(self, args, state, control, **kwargs)
+    if state.global_step == 8:
+        os.kill(os.getpid(), signal.SIGKILL)
+CheckpointState.on_save = on_save
+"""
+
+KILL_INSIDE_ACCUMULATION_OF_STEP_10 = """
+import os, signal
+from sft.trainer import WeightedLossTrainer
+_compute = WeightedLossTrainer.compute_loss
+calls = {}
+def compute_loss(self, model, inputs, *args, **kwargs):
+    if model.training:
+        calls[self.state.global_step] = calls.get(self.state.global_step, 0) + 1
+        if self.state.global_step == 9 and calls[9] == 2:  # second micro-batch of the 10th step
+            os.kill(os.getpid(), signal.SIGKILL)
+    return _compute(self, model, inputs, *args, **kwargs)
+WeightedLossTrainer.compute_loss = compute_loss
+"""
+
+CRASH_WHILE_WRITING_CHECKPOINT_8 = """
+import os, signal
+from transformers import Trainer
+_save_rng = Trainer._save_rng_state
+def save_rng(self, output_dir):
+    if self.state.global_step == 8:  # model and optimizer of checkpoint-8 are written, the rest is not
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _save_rng(self, output_dir)
+Trainer._save_rng_state = save_rng
+"""
+
+
+def train_log(run_dir, step=12):
+    return {e["step"]: e for e in log_history(run_dir, step) if "loss" in e}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_train(*RUN, f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def assert_exact_continuation(run, reference):
+    ours, theirs = train_log(run), train_log(reference)
+    for step in (9, 10, 11, 12):
+        assert ours[step]["loss"] == pytest.approx(theirs[step]["loss"], abs=1e-6), step
+        assert ours[step]["clip/threshold"] == pytest.approx(theirs[step]["clip/threshold"], abs=1e-6), step
+        assert ours[step]["curriculum/temperature"] == theirs[step]["curriculum/temperature"], step
+        assert ours[step]["ce"] == pytest.approx(theirs[step]["ce"], abs=1e-6), step
+    a, b = load_file(run / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("patch", [KILL_AFTER_CHECKPOINT_8, KILL_INSIDE_ACCUMULATION_OF_STEP_10],
+                         ids=["after-checkpoint-8", "inside-accumulation"])
+def test_sigkill_then_resume_auto_equals_the_uninterrupted_run(tmp_path, uninterrupted, patch):
+    killed = run_patched(patch, *RUN, f"hydra.run.dir={tmp_path}")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert (tmp_path / "checkpoint-8" / "sft_state.json").exists() and not (tmp_path / "results.json").exists()
+    resumed = run_train(*RUN, "resume=auto", f"hydra.run.dir={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((tmp_path / "results.json").read_text())["resumed_from"] == str(tmp_path / "checkpoint-8")
+    assert_exact_continuation(tmp_path, uninterrupted)
+
+
+def test_a_checkpoint_half_written_by_a_crash_is_never_resumed_from(tmp_path, uninterrupted):
+    crashed = run_patched(CRASH_WHILE_WRITING_CHECKPOINT_8, *RUN, f"hydra.run.dir={tmp_path}")
+    assert crashed.returncode == -9
+    half = tmp_path / "checkpoint-8"
+    assert half.is_dir() and not (half / "sft_state.json").exists()  # what get_last_checkpoint would pick
+    resumed = run_train(*RUN, "resume=auto", f"hydra.run.dir={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["resumed_from"] == str(tmp_path / "checkpoint-4") and results["global_step"] == 12
+    assert "left incomplete by a crash" in resumed.stdout + resumed.stderr
+    assert (tmp_path / "checkpoint-8" / "sft_state.json").exists()  # rewritten whole this time
+    assert_exact_continuation(tmp_path, uninterrupted)
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints_and_the_resumed_one(tmp_path):
+    first = run_train("trainer.max_steps=4", "trainer.save_steps=2", "trainer.save_total_limit=1",
+                      "trainer.eval_steps=100", f"hydra.run.dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+    second = run_train("trainer.max_steps=8", "trainer.save_steps=2", "trainer.save_total_limit=1",
+                       "trainer.eval_steps=100", "resume=auto", f"hydra.run.dir={tmp_path}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+
+
+def test_resume_with_changed_data_is_refused_unless_forced(tmp_path):
+    train = tmp_path / "train.jsonl"
+    shutil.copy(sample_data.TRAIN_FILE, train)
+    common = ["data=jsonl", f"data.train_file={train}", f"data.eval_file={sample_data.EVAL_FILE}",
+              "trainer.eval_steps=100", "trainer.save_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    first = run_train(*common, "trainer.max_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"]["CheckpointState"]["attributes"]["data_hash"] == json.loads(
+        (tmp_path / "run" / "results.json").read_text())["data_hash"]
+
+    lines = train.read_text().splitlines()
+    train.write_text("\n".join(lines[:-100]) + "\n")  # the data changed
+    refused = run_train(*common, "trainer.max_steps=4", "resume=auto")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "the data changed since this checkpoint (train_file:" in refused.stderr
+    assert "resume_force=true" in refused.stderr
+    forced = run_train(*common, "trainer.max_steps=4", "resume=auto", "resume_force=true")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["global_step"] == 4
