@@ -58,6 +58,8 @@ class DataConfig:
     max_length: int = 2048
     default_score: Optional[float] = None
     num_proc: Optional[int] = None
+    on_error: str = "raise"  # raise | skip (train on the valid rows, write rejected.jsonl in the run dir)
+    overlong: str = "truncate"  # truncate (prompt cut from the left first) | drop | error
 
 
 @dataclass
@@ -158,6 +160,22 @@ class CurriculumConfig:
 
 
 @dataclass
+class GuardConfig:
+    _target_: str = "sft.callbacks.TrainingGuard"
+    max_consecutive: int = 3
+    spike_factor: float = 0.0  # 0: no spike detection; e.g. 3.0 flags a step loss above 3x its EMA
+    spike_ema: float = 0.9
+    spike_warmup: int = 10
+    skip_spikes: bool = False
+
+
+@dataclass
+class WatchdogConfig:
+    _target_: str = "sft.callbacks.HangWatchdog"
+    timeout_s: float = 1200.0  # below trainer.ddp_timeout, so that the stacks are dumped first
+
+
+@dataclass
 class AdaptiveEvalConfig:
     _target_: str = "sft.callbacks.AdaptiveEvalInterval"
     metric: str = "eval_loss"
@@ -230,6 +248,8 @@ class TrainConfig:
     lr_plateau: Any = None
     curriculum: Any = None
     adaptive_eval: Any = None
+    guard: Any = None
+    watchdog: Any = None
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     collator: CollatorConfig = field(default_factory=CollatorConfig)
     eval_buckets: List[float] = field(default_factory=lambda: [1.0, 2.0, 3.0])  # difficulty bucket edges
@@ -254,6 +274,8 @@ def register() -> None:
         ("lr_plateau", "lr_plateau_schema", LRPlateauConfig),
         ("curriculum", "curriculum_schema", CurriculumConfig),
         ("adaptive_eval", "adaptive_eval_schema", AdaptiveEvalConfig),
+        ("guard", "guard_schema", GuardConfig),
+        ("watchdog", "watchdog_schema", WatchdogConfig),
     ]:
         cs.store(group=group, name=name, node=node)
     if not OmegaConf.has_resolver("sft_sample"):
@@ -297,6 +319,8 @@ def check(cfg) -> None:
     require("trainer.fp16", not (t.fp16 and t.bf16), "fp16 and bf16 cannot both be on")
 
     require("data.max_length", cfg.data.max_length >= 8, "must be >= 8")
+    require("data.on_error", cfg.data.on_error in ("raise", "skip"), "must be raise or skip")
+    require("data.overlong", cfg.data.overlong in ("truncate", "drop", "error"), "must be truncate, drop or error")
     require("data.default_score", cfg.data.default_score is None or cfg.data.default_score >= 0, "must be >= 0")
     for key in ("data.train_file", "data.eval_file"):
         path = OmegaConf.select(cfg, key)
@@ -342,6 +366,16 @@ def check(cfg) -> None:
         a = cfg.adaptive_eval
         require("adaptive_eval.min_steps", 1 <= a.min_steps <= a.max_steps, "must be >= 1 and <= max_steps")
         require("adaptive_eval.slow", 0 <= a.slow < a.fast, "must be >= 0 and < adaptive_eval.fast")
+    if cfg.guard is not None:
+        g = cfg.guard
+        require("guard.max_consecutive", g.max_consecutive >= 1, "must be >= 1")
+        require("guard.spike_factor", g.spike_factor == 0 or g.spike_factor > 1, "must be 0 (off) or > 1")
+        require("guard.spike_ema", 0 < g.spike_ema < 1, "must be in (0, 1)")
+    if cfg.watchdog is not None:
+        require("watchdog.timeout_s", cfg.watchdog.timeout_s > 0, "must be > 0")
+        require("watchdog.timeout_s", cfg.watchdog.timeout_s < cfg.trainer.ddp_timeout,
+                f"must be below trainer.ddp_timeout ({cfg.trainer.ddp_timeout}), else the collective times "
+                "out first and no stacks are dumped")
     for name in ("early_stopping", "lr_plateau", "curriculum", "adaptive_eval"):
         require(name, cfg[name] is None or cfg.data.eval_file is not None, "needs evaluation data (data.eval_file)")
     require("eval_buckets", list(cfg.eval_buckets) == sorted(cfg.eval_buckets), "bucket edges must be increasing")

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -84,32 +85,59 @@ def _check_row(row, default_score: float | None) -> tuple[str, str] | None:
     return None
 
 
-def read_jsonl(path: str | os.PathLike, default_score: float | None = None) -> list[dict]:
-    """Read and validate a chat JSONL file; raise `DataError` naming file, line and field of bad rows.
+@dataclass
+class Rejected:
+    """A row that failed validation: where, which field, why, and the raw line."""
 
-    A UTF-8 BOM, CRLF line ends and blank lines are accepted. Each returned row carries `source_line`.
+    file: str
+    line: int
+    field: str
+    reason: str
+    raw: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.field}: {self.reason}"
+
+    @property
+    def kind(self) -> str:
+        """The reason without row-specific details, for counting."""
+        return re.sub(r"\[\d+\]", "[]", self.field) + ": " + re.split(r" \(|, got", self.reason)[0]
+
+
+def scan_jsonl(path: str | os.PathLike, default_score: float | None = None) -> tuple[list[dict], list[Rejected]]:
+    """Read a chat JSONL file: the valid rows (each with `source_line`) and the rejected ones.
+
+    A UTF-8 BOM, CRLF line ends and blank lines are accepted.
     """
     path = Path(path)
-    rows, problems = [], []
-    with open(path, "rb") as f:
+    rows, rejected = [], []
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise DataError([f"{path}: file: cannot be read ({e.strerror})"]) from e
+    with f:
         for lineno, raw in enumerate(f, start=1):
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
+
+            def reject(field: str, reason: str) -> None:
+                rejected.append(Rejected(str(path), lineno, field, reason, raw.decode("utf-8", "replace").rstrip()))
+
             try:
                 text = raw.decode("utf-8").strip()
             except UnicodeDecodeError as e:
-                problems.append(f"{path}:{lineno}: row: not UTF-8 ({e.reason} at byte {e.start})")
+                reject("row", f"not UTF-8 ({e.reason} at byte {e.start})")
                 continue
             if not text:
                 continue
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as e:
-                problems.append(f"{path}:{lineno}: row: invalid JSON ({e.msg} at column {e.colno})")
+                reject("row", f"invalid JSON ({e.msg} at column {e.colno})")
                 continue
             problem = _check_row(row, default_score)
             if problem:
-                problems.append(f"{path}:{lineno}: {problem[0]}: {problem[1]}")
+                reject(*problem)
                 continue
             score = row.get("difficulty_score")
             rows.append({
@@ -117,10 +145,16 @@ def read_jsonl(path: str | os.PathLike, default_score: float | None = None) -> l
                 "difficulty_score": float(default_score if score is None else score),
                 "source_line": lineno,
             })
-    if problems:
-        raise DataError(problems)
-    if not rows:
+    if not rows and not rejected:
         raise DataError([f"{path}: file: no rows (the file is empty)"])
+    return rows, rejected
+
+
+def read_jsonl(path: str | os.PathLike, default_score: float | None = None) -> list[dict]:
+    """Read and validate a chat JSONL file; raise `DataError` naming file, line and field of bad rows."""
+    rows, rejected = scan_jsonl(path, default_score)
+    if rejected:
+        raise DataError([str(r) for r in rejected])
     return rows
 
 
@@ -150,26 +184,55 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
     return text, spans
 
 
-def tokenize_batch(batch: dict, tokenizer, max_length: int) -> dict:
-    """`datasets.map` function: input_ids and assistant-only labels; rows left with no label are dropped."""
+def fit_window(n_tokens: int, answer_start: int, max_length: int) -> tuple[int, int]:
+    """The [start, end) token window kept of an over-long row by `overlong=truncate`.
+
+    The prompt is cut from the left first, so the last assistant answer and its end token are kept
+    whenever they fit in `max_length`; an answer longer than that keeps a quarter of the window for
+    the prompt before it and loses its end.
+    """
+    if n_tokens <= max_length:
+        return 0, n_tokens
+    if n_tokens - answer_start <= max_length:
+        return n_tokens - max_length, n_tokens
+    start = max(0, answer_start - max_length // 4)
+    return start, start + max_length
+
+
+def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate") -> dict:
+    """`datasets.map` function: input_ids and assistant-only labels, fitted to `max_length`.
+
+    `overlong`: `truncate` (see `fit_window`), `drop` (over-long rows are left out) or `error` (they are
+    kept whole and flagged in `overlong`, for the caller to report). Rows left with no trainable token
+    are dropped.
+    """
     rendered = [assistant_char_spans(tokenizer, messages) for messages in batch["messages"]]
     enc = tokenizer(
         [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True, truncation=False
     )
-    out = {"input_ids": [], "labels": [], "difficulty_score": [], "source_line": [], "truncated": []}
+    out = {"input_ids": [], "labels": [], "difficulty_score": [], "source_line": [], "truncated": [],
+           "overlong": []}
     for k, (ids, offsets, (_, spans)) in enumerate(zip(enc["input_ids"], enc["offset_mapping"], rendered)):
         starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
         trained = np.zeros(len(ids), dtype=bool)
         for a, b in spans:
             trained |= (starts >= a) & (starts < b)
-        labels = np.where(trained, np.asarray(ids), IGNORE_INDEX)[:max_length]
+        too_long = len(ids) > max_length
+        if too_long and overlong == "drop":
+            continue
+        if too_long and overlong == "truncate":
+            answer_start = int(np.searchsorted(starts, spans[-1][0]))
+            lo, hi = fit_window(len(ids), answer_start, max_length)
+            ids, trained = ids[lo:hi], trained[lo:hi]
+        labels = np.where(trained, np.asarray(ids), IGNORE_INDEX)
         if not (labels[1:] != IGNORE_INDEX).any():  # position 0 is never a prediction target
             continue
-        out["input_ids"].append(ids[:max_length])
+        out["input_ids"].append(list(ids))
         out["labels"].append(labels.tolist())
         out["difficulty_score"].append(batch["difficulty_score"][k])
         out["source_line"].append(batch["source_line"][k])
-        out["truncated"].append(len(ids) > max_length)
+        out["truncated"].append(too_long and overlong == "truncate")
+        out["overlong"].append(too_long)
     return out
 
 
@@ -208,45 +271,74 @@ def data_hash(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_proc, key: str):
-    """Tokenise one file, or load it from the cache written by an earlier run with the same key."""
+def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_proc, key: str,
+                     on_error: str, overlong: str):
+    """Tokenise one file, or load it from the cache an earlier run wrote with the same key.
+
+    Returns the dataset and the rejected rows (kept in the cache too, so every run can report them).
+    """
     from datasets import Dataset, load_from_disk
 
     target = cache_dir() / "datasets" / f"{key}-{Path(path).stem}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
     if target.exists():
         log.info("data: %s from cache %s", path, target)
-        return load_from_disk(str(target))
-    rows = read_jsonl(path, default_score)
+        rejected = [Rejected(**r) for r in json.loads((target / "rejected.json").read_text())]
+        return load_from_disk(str(target / "rows")), rejected
+    rows, rejected = scan_jsonl(path, default_score)
+    if rejected and on_error == "raise":
+        raise DataError([str(r) for r in rejected])
+    if not rows:
+        raise DataError([f"{path}: file: no valid row (all {len(rejected)} rejected)"])
     ds = Dataset.from_list(rows).map(
         tokenize_batch,
         batched=True,
         batch_size=256,
         num_proc=num_proc,
         remove_columns=["messages"],
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong},
         keep_in_memory=True,
         desc=f"tokenising {Path(path).name}",
     )
-    dropped = len(rows) - len(ds)
-    truncated = sum(ds["truncated"])
+    if overlong == "error" and any(ds["overlong"]):
+        lines = [line for line, flag in zip(ds["source_line"], ds["overlong"]) if flag]
+        raise DataError([f"{path}:{line}: row: longer than data.max_length={max_length} tokens "
+                         "(data.overlong=truncate or drop to accept it)" for line in lines])
+    dropped, truncated = len(rows) - len(ds), sum(ds["truncated"])
     if dropped or truncated:
-        log.warning(
-            "data: %s: %d row(s) truncated to data.max_length=%d; %d dropped with no assistant token left",
-            path, truncated, max_length, dropped,
-        )
+        log.warning("data: %s: %d row(s) truncated to data.max_length=%d; %d dropped (over-long with "
+                    "data.overlong=drop, or no assistant token left)", path, truncated, max_length, dropped)
     if len(ds) == 0:
-        raise DataError([f"{path}: file: every row lost its assistant tokens at data.max_length={max_length}"])
+        raise DataError([f"{path}: file: no row left with an assistant token at data.max_length={max_length}"])
+    ds = ds.remove_columns("overlong")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".writing-", dir=target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=target.parent))
     try:
-        ds.save_to_disk(tmp)
+        ds.save_to_disk(str(tmp / "rows"))
+        (tmp / "rejected.json").write_text(json.dumps([vars(r) for r in rejected]))
         os.rename(tmp, target)  # atomic: a later run sees a complete cache or none
     except OSError:
         if not target.exists():
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ds
+    return ds, rejected
+
+
+def report_rejected(rejected: list[Rejected], rejected_file: str | None) -> None:
+    """Log the count of skipped rows per reason and write them, with their reasons, to `rejected_file`."""
+    if not rejected:
+        return
+    counts: dict[str, int] = {}
+    for r in rejected:
+        counts[r.kind] = counts.get(r.kind, 0) + 1
+    log.warning("data: skipped %d invalid row(s) (data.on_error=skip): %s", len(rejected),
+                "; ".join(f"{kind} x{n}" for kind, n in sorted(counts.items())))
+    if rejected_file:
+        with open(rejected_file, "w", encoding="utf-8") as f:
+            for r in rejected:
+                f.write(json.dumps({"file": r.file, "line": r.line, "field": r.field, "reason": r.reason,
+                                    "row": r.raw}, ensure_ascii=False) + "\n")
+        log.warning("data: the skipped rows and their reasons are in %s", rejected_file)
 
 
 @dataclass
@@ -268,9 +360,17 @@ def load_sft_datasets(
     max_length: int = 2048,
     default_score: float | None = None,
     num_proc: int | None = None,
+    on_error: str = "raise",
+    overlong: str = "truncate",
+    rejected_file: str | None = None,
 ) -> SFTData:
-    """Validated, tokenised train and eval splits with a per-token `loss_weights` column."""
+    """Validated, tokenised train and eval splits with a per-token `loss_weights` column.
+
+    `on_error`: `raise` stops at the first bad rows with `DataError`; `skip` trains on the valid rows
+    and reports the others (`report_rejected`). `overlong`: see `tokenize_batch`.
+    """
     identity = data_identity(train_file, eval_file, tokenizer, max_length, default_score)
+    identity["overlong"] = overlong
     key = data_hash(identity)
 
     def add_weights(batch):
@@ -280,13 +380,15 @@ def load_sft_datasets(
             weights.append([w if label != IGNORE_INDEX else 0.0 for label in labels])
         return {"loss_weights": weights}
 
-    splits = []
+    splits, rejected = [], []
     for path in (train_file, eval_file):
         if path is None:
             splits.append(None)
             continue
-        ds = _tokenized_split(path, tokenizer, max_length, default_score, num_proc, key)
+        ds, bad = _tokenized_split(path, tokenizer, max_length, default_score, num_proc, key, on_error, overlong)
+        rejected += bad
         splits.append(ds.map(add_weights, batched=True, keep_in_memory=True).remove_columns("truncated"))
+    report_rejected(rejected, rejected_file)
     return SFTData(train=splits[0], eval=splits[1], identity=identity)
 
 

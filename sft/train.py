@@ -24,12 +24,12 @@ log = logging.getLogger("sft")
 register()
 
 
-def fail(message: str) -> None:
-    """From an `except` block: stop with the reason and exit code 2 (traceback with HYDRA_FULL_ERROR=1)."""
+def fail(message: str, code: int = 2) -> None:
+    """From an `except` block: stop with the reason and `code` (a traceback with HYDRA_FULL_ERROR=1)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_norm: float):
@@ -132,7 +132,11 @@ def check_resume_data(checkpoint: str, identity: dict, force: bool) -> dict | No
     return state
 
 
-CONTROLLERS = ("early_stopping", "lr_plateau", "curriculum", "adaptive_eval")
+CONTROLLERS = ("guard", "early_stopping", "lr_plateau", "curriculum", "adaptive_eval")
+
+
+class TrainingStopped(RuntimeError):
+    """The guard stopped the run; the message says why and how to go on."""
 
 
 def train(cfg: DictConfig) -> dict:
@@ -149,13 +153,16 @@ def train(cfg: DictConfig) -> dict:
     output_dir = cfg.trainer.output_dir or run_dir
     checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force)
     clip_policy = instantiate(cfg.clip)
-    args = training_arguments(cfg, run_dir, resuming=checkpoint is not None, max_grad_norm=clip_policy.initial_threshold())
+    # Positive, so that Trainer hands every step to WeightedLossTrainer._clip_grad_norm (guard, policy).
+    max_grad_norm = clip_policy.initial_threshold() or 1.0
+    args = training_arguments(cfg, run_dir, resuming=checkpoint is not None, max_grad_norm=max_grad_norm)
     set_seed(args.seed)
 
     tokenizer = instantiate(cfg.tokenizer)
     loss = instantiate(cfg.loss)
     with args.main_process_first(desc="preprocessing"):
-        data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight)
+        data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight,
+                           rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0 else None)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
     saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
 
@@ -182,7 +189,10 @@ def train(cfg: DictConfig) -> dict:
         clip_policy=clip_policy,
         controllers=controllers,
         eval_buckets=cfg.eval_buckets,
+        train_file=cfg.data.train_file,
     )
+    if cfg.watchdog is not None:
+        trainer.add_callback(instantiate(cfg.watchdog))
     stateful = {"clip": clip_policy, "trainer": trainer, **controllers}
     run_info = {"config": OmegaConf.to_container(cfg, resolve=True), "data_hash": data.data_hash,
                 "data": data.identity, "sft_version": version("sft"), "git_commit": git_commit()}
@@ -192,7 +202,14 @@ def train(cfg: DictConfig) -> dict:
             if name in stateful:
                 stateful[name].load_state_dict(state)
 
-    train_output = trainer.train(resume_from_checkpoint=checkpoint)
+    train_output = train_with_advice(trainer, cfg, checkpoint)
+    guard = controllers.get("guard")
+    if guard is not None and guard.stopped_at_step is not None:
+        raise TrainingStopped(
+            f"{guard.consecutive} bad steps in a row (non-finite loss or gradient, or skipped spikes), the last at "
+            f"step {guard.stopped_at_step}: stopped with checkpoint-{guard.stopped_at_step} in {output_dir}. "
+            f"The rows are named in {output_dir}/nan_batches/ (and spikes/); fix or drop them (data.on_error, "
+            "guard.*), then resume with resume=auto")
     final_eval = trainer.evaluate() if data.eval is not None else {}
     trainer.save_model(os.path.join(run_dir, "model"))
 
@@ -213,6 +230,26 @@ def train(cfg: DictConfig) -> dict:
     if trainer.is_world_process_zero():
         Path(run_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
+
+
+def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
+    """`trainer.train`, turning a CUDA out-of-memory error into the settings that lower memory."""
+    import torch
+
+    try:
+        return trainer.train(resume_from_checkpoint=checkpoint)
+    except torch.OutOfMemoryError as e:
+        t = cfg.trainer
+        in_use = (f"trainer.per_device_train_batch_size={t.per_device_train_batch_size}, "
+                  f"data.max_length={cfg.data.max_length}, trainer.activation_checkpointing={t.activation_checkpointing}, "
+                  f"lora={'on' if cfg.lora is not None else 'off'}, "
+                  f"deepspeed stage={(cfg.deepspeed or {}).get('zero_optimization', {}).get('stage', 'none')}")
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory with {in_use}. To lower memory, in this order: "
+            "1) a smaller trainer.per_device_train_batch_size with a larger trainer.gradient_accumulation_steps "
+            "(the loss is unchanged); 2) a smaller data.max_length; 3) trainer.activation_checkpointing=true; "
+            "4) lora=default instead of full fine-tuning; 5) deepspeed=zero3, then deepspeed=zero3_offload. "
+            f"Original error: {str(e).splitlines()[0]}") from e
 
 
 def initial_eval_loss(trainer, run_dir: str) -> float | None:
@@ -252,6 +289,8 @@ def main(cfg: DictConfig) -> float | None:
             fail(f"config: {reason}")
         if isinstance(reason, DataError):
             fail(str(reason))
+        if isinstance(reason, TrainingStopped):
+            fail(str(reason), code=1)
         raise
     if os.environ.get("RANK", "0") == "0":
         print(f"run dir: {HydraConfig.get().runtime.output_dir}")

@@ -11,8 +11,10 @@ Only what the loss needs is overridden:
   `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
 - `log` adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`, and the
   controllers' current settings (clip threshold, curriculum temperature ...);
-- `_clip_grad_norm` applies the gradient clipping policy (`sft.clipping`); under DeepSpeed, whose engine
-  clips inside its own step, `get_batch_samples` sets the engine's threshold before the step instead;
+- `_clip_grad_norm`, called once per optimizer step right before `optimizer.step()`, asks the guard
+  (`sft.callbacks.guard`) for a verdict on the step, skips it if it is non-finite (or a skipped spike),
+  else applies the gradient clipping policy (`sft.clipping`); under DeepSpeed, whose engine clips inside
+  its own step, `get_batch_samples` sets the engine's threshold before the step instead;
 - `_get_train_sampler` returns the curriculum's sampler when a curriculum is configured.
 
 Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
@@ -23,7 +25,10 @@ difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`,
 from __future__ import annotations
 
 import bisect
+import json
+import logging
 import math
+from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
@@ -32,14 +37,21 @@ from transformers import Trainer
 from sft.clipping import GradClipPolicy
 from sft.losses import IGNORE_INDEX, WeightedTokenLoss
 
+log = logging.getLogger("sft")
+
 
 class WeightedLossTrainer(Trainer):
     # compute_loss normalises over the whole accumulated step itself: Trainer must not divide by GA.
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
-                 controllers: dict | None = None, eval_buckets=(1.0, 2.0, 3.0), **kwargs):
+                 controllers: dict | None = None, eval_buckets=(1.0, 2.0, 3.0), train_file: str | None = None,
+                 **kwargs):
         self.controllers = dict(controllers or {})
+        self.guard = self.controllers.get("guard")
+        self.train_file = train_file
+        self._train_scores: dict = {}
+        self._step_loss, self._step_rows = None, []
         super().__init__(*args, callbacks=list(self.controllers.values()) + kwargs.pop("callbacks", []), **kwargs)
         self.loss = loss
         self.clip_policy = clip_policy or GradClipPolicy()
@@ -73,6 +85,8 @@ class WeightedLossTrainer(Trainer):
             denominator += self.loss.normaliser(batch["labels"], batch["loss_weights"]).to(device)
         if self.is_deepspeed_enabled and self.args.max_grad_norm > 0:
             self._set_deepspeed_clip(self.clip_policy.threshold(None))
+        self._step_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self._step_rows = []
         return batches, self._sum_over_ranks(denominator)
 
     def _set_deepspeed_clip(self, threshold: float) -> None:
@@ -85,18 +99,75 @@ class WeightedLossTrainer(Trainer):
         self._deepspeed_threshold = threshold if threshold > 0 else math.inf
 
     def _clip_grad_norm(self, model):
-        """Clip to the policy's threshold; return the pre-clip norm (called when max_grad_norm > 0)."""
-        if self.is_deepspeed_enabled:  # already clipped inside the engine's step
+        """Once per optimizer step, after the backward passes: judge the step, then clip or skip it.
+
+        Trainer calls this (when `max_grad_norm > 0`, which the recipe ensures) right before
+        `optimizer.step()`, and logs the pre-clip norm returned.
+        """
+        if self.is_deepspeed_enabled:  # the engine has already clipped and stepped inside backward
             norm = float(super()._clip_grad_norm(model))
-            self.clip_policy.observe(norm, self._deepspeed_threshold)
+            threshold = self._deepspeed_threshold
+        else:
+            params = [p for p in model.parameters() if p.grad is not None]
+            total_norm = self.accelerator.clip_grad_norm_(params, math.inf)  # unscales fp16; clips nothing
+            norm = float(total_norm)
+            threshold = self.clip_policy.threshold(norm) if math.isfinite(norm) else math.inf
+        verdict = self._judge_step(norm)
+        if self.guard is not None and self.guard.skips(verdict):
+            if not self.is_deepspeed_enabled:
+                self._skip_update(model)
             return norm
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = self.accelerator.clip_grad_norm_(params, math.inf)  # unscales fp16 grads; clips nothing
-        threshold = self.clip_policy.threshold(float(norm))
-        if float(norm) > threshold:
-            torch.nn.utils.clip_grads_with_norm_(params, threshold, norm)
-        self.clip_policy.observe(float(norm), threshold)
+        if not self.is_deepspeed_enabled:
+            if norm > threshold:
+                torch.nn.utils.clip_grads_with_norm_(params, threshold, total_norm)
+            if self.accelerator.scaler is None:
+                self.optimizer._is_overflow = False  # undo a skip of the previous step (see _skip_update)
+        self.clip_policy.observe(norm, threshold)
         return norm
+
+    def _skip_update(self, model) -> None:
+        """Leave parameters, optimizer state and schedule exactly as they are for this step."""
+        if self.accelerator.scaler is not None:
+            return  # fp16: the loss scaler skips a non-finite step itself
+        model.zero_grad(set_to_none=True)  # optimizers leave parameters without a gradient alone
+        self.optimizer._is_overflow = True  # accelerate then reports the step as skipped: no scheduler step
+
+    def _judge_step(self, norm: float) -> str:
+        """The guard's verdict on the finished step; a bad step's rows go to a file and the log."""
+        if self.guard is None:
+            return "ok"
+        loss = float(self._sum_over_ranks(self._step_loss)) / self.accelerator.num_processes
+        step = self.state.global_step + 1
+        verdict = self.guard.judge(step, loss, norm)
+        if verdict != "ok":
+            self._record_bad_step(step, verdict, loss, norm)
+        return verdict
+
+    def _record_bad_step(self, step: int, verdict: str, loss: float, norm: float) -> None:
+        """Write `nan_batches/step-N.json` (or `spikes/`) naming the step's rows; warn with the worst ones."""
+        if not self._train_scores:
+            self._train_scores = dict(zip(self.train_dataset["source_line"], self.train_dataset["difficulty_score"]))
+        pad = self.processing_class.pad_token_id
+        rows = []
+        for lines, per_row, ids in self._step_rows:
+            for line, row_loss, seq in zip(lines.tolist(), per_row.float().tolist(), ids.cpu()):
+                rows.append({"source_line": line, "loss": row_loss if math.isfinite(row_loss) else str(row_loss),
+                             "difficulty_score": self._train_scores.get(line),
+                             "text": self.processing_class.decode(seq[seq != pad])})
+        if self.accelerator.num_processes > 1:
+            rows = gather_object(rows)
+        culprits = [r for r in rows if isinstance(r["loss"], str)] or sorted(rows, key=lambda r: -r["loss"])
+        skipped = self.guard.skips(verdict) and not self.is_deepspeed_enabled
+        if self.is_world_process_zero():
+            folder = Path(self.args.output_dir) / ("nan_batches" if verdict == "nonfinite" else "spikes")
+            folder.mkdir(parents=True, exist_ok=True)
+            report = {"step": step, "verdict": verdict, "loss": str(loss), "grad_norm": str(norm),
+                      "update_skipped": skipped, "train_file": self.train_file, "rows": culprits}
+            (folder / f"step-{step}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
+            named = ", ".join(f"{self.train_file}:{r['source_line']} (loss {r['loss']})" for r in culprits[:5])
+            log.warning("step %d: %s (loss %s, grad norm %s): update %s; rows: %s; details in %s", step,
+                        "non-finite loss or gradient" if verdict == "nonfinite" else "loss spike", loss, norm,
+                        "skipped" if skipped else "applied", named, folder / f"step-{step}.json")
 
     def _get_train_sampler(self, train_dataset=None):
         from sft.callbacks import CurriculumSampler
@@ -120,6 +191,10 @@ class WeightedLossTrainer(Trainer):
             loss = numerator / denominator * self.accelerator.num_processes
             stats = torch.stack([terms.ce_sum.sum(), terms.weight_sum.sum(), terms.tokens.sum()])
             self._train_stats += stats.to(self._train_stats)
+            if self.guard is not None:  # kept for the step's verdict and, if bad, its report
+                self._step_loss += loss.detach().to(self._step_loss.dtype)
+                per_row = terms.ce_sum / terms.tokens.clamp_min(1)
+                self._step_rows.append((source_lines, per_row.detach(), inputs["input_ids"].detach()))
         else:
             loss = numerator / terms.denominator.sum().clamp_min(1e-12)
             if self._eval_rows is not None and source_lines is not None:

@@ -47,19 +47,40 @@ def test_exactly_the_assistant_tokens_are_labelled(tokenizer):
     assert n_trained == expected
 
 
-def test_rows_whose_answer_is_truncated_away_are_dropped(tokenizer):
-    long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
-    out = tokenize_batch({"messages": [long_prompt, MULTI_TURN], "difficulty_score": [1.0, 2.0],
-                          "source_line": [1, 2]}, tokenizer, max_length=64)
-    assert out["source_line"] == [2]
-    assert all(len(x) <= 64 for x in out["input_ids"])
+def test_overlong_truncate_cuts_the_prompt_from_the_left_and_keeps_the_answer(tokenizer):
+    long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok then"}]
+    out = tokenize_batch({"messages": [long_prompt], "difficulty_score": [1.0], "source_line": [1]},
+                         tokenizer, max_length=64)
+    assert out["truncated"] == [True] and len(out["input_ids"][0]) == 64
+    trained = [t for t, lab in zip(out["input_ids"][0], out["labels"][0]) if lab != -100]
+    assert tokenizer.decode(trained) == "ok then<|im_end|>"
 
 
-def test_truncation_keeps_the_part_of_the_answer_that_fits(tokenizer):
+def test_overlong_truncate_keeps_the_last_answer_of_a_multi_turn_chat(tokenizer):
     full = encode(tokenizer, MULTI_TURN)
-    cut = encode(tokenizer, MULTI_TURN, max_length=len(full["input_ids"][0]) - 3)
+    n = len(full["input_ids"][0])
+    cut = encode(tokenizer, MULTI_TURN, max_length=n - 3)
     assert cut["truncated"] == [True] and full["truncated"] == [False]
-    assert cut["labels"][0] == full["labels"][0][: len(cut["labels"][0])]
+    assert cut["input_ids"][0] == full["input_ids"][0][3:] and cut["labels"][0] == full["labels"][0][3:]
+
+
+def test_an_answer_longer_than_max_length_keeps_its_start_after_some_prompt(tokenizer):
+    chat_ = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": " ".join(["1 2 3"] * 60)}]
+    out = tokenize_batch({"messages": [chat_], "difficulty_score": [1.0], "source_line": [1]}, tokenizer, 64)
+    labels = out["labels"][0]
+    assert len(labels) == 64 and labels[-1] != -100  # the answer runs to the end of the window
+    first = next(i for i, lab in enumerate(labels) if lab != -100)
+    assert 0 < first <= 64 // 4 + 1  # at most a quarter of the window is prompt
+
+
+def test_overlong_drop_and_error(tokenizer, tmp_path):
+    rows = [chat("word " * 200, "ok", 1.0), chat("What is 1 + 1?", "2", 1.0)]
+    f = write_jsonl(tmp_path / "long.jsonl", rows)
+    dropped = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=64, overlong="drop")
+    assert dropped.train["source_line"] == [2]
+    with pytest.raises(DataError) as e:
+        load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=64, overlong="error")
+    assert f"{f}:1: row: longer than data.max_length=64" in str(e.value)
 
 
 def test_loss_weights_are_the_sample_weight_on_assistant_tokens_only(tokenizer, tmp_path):
@@ -75,8 +96,8 @@ def test_second_load_reuses_the_cache_and_a_change_invalidates_it(tokenizer, tmp
     f = write_jsonl(tmp_path / "t.jsonl", [chat("What is 1 + 1?", "2", 1.0)] * 3)
     first = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=128)
     calls = []
-    real = sft_data.read_jsonl
-    monkeypatch.setattr(sft_data, "read_jsonl", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = sft_data.scan_jsonl
+    monkeypatch.setattr(sft_data, "scan_jsonl", lambda *a, **k: calls.append(a) or real(*a, **k))
     again = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=128)
     assert calls == [] and again.data_hash == first.data_hash
     assert again.train["input_ids"] == first.train["input_ids"]

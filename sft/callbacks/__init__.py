@@ -4,7 +4,9 @@ from sft.callbacks.adaptive_eval import AdaptiveEvalInterval
 from sft.callbacks.base import Controller
 from sft.callbacks.curriculum import Curriculum, CurriculumSampler
 from sft.callbacks.early_stopping import EarlyStopping
+from sft.callbacks.guard import TrainingGuard
 from sft.callbacks.lr_plateau import ReduceLROnPlateau
+from sft.callbacks.watchdog import HangWatchdog
 
 __all__ = ["AdaptiveEvalInterval", "Controller", "Curriculum", "CurriculumSampler", "EarlyStopping",
-           "ReduceLROnPlateau"]
+           "HangWatchdog", "ReduceLROnPlateau", "TrainingGuard"]
