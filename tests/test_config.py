@@ -49,6 +49,32 @@ def test_unknown_keys_and_bad_types_are_rejected_naming_them(override, key):
         (["clip.max_norm=-1"], "clip.max_norm"),
         (["lora=default", "lora.r=0"], "lora.r"),
         (["resume=/no/such/checkpoint"], "resume"),
+        (["data.on_error=ignore"], "data.on_error"),
+        (["data.overlong=cut"], "data.overlong"),
+        (["model.dtype=float8"], "model.dtype"),
+        (["lora=qlora"], "model.quantization"),
+        (["model.quantization=nf4"], "model.quantization"),
+        (["deepspeed=zero3", "deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save=false"],
+         "deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+        (["deepspeed=zero2", "+deepspeed.zero_optimization.offload_param={device: cpu}"],
+         "deepspeed.zero_optimization.offload_param"),
+        (["deepspeed=zero2", "deepspeed.zero_optimization.stage=4"], "deepspeed.zero_optimization.stage"),
+        (["clip=autoclip", "clip.percentile=0"], "clip.percentile"),
+        (["clip=zclip", "clip.alpha=1.5"], "clip.alpha"),
+        (["clip=zclip", "clip.warmup_steps=0"], "clip.warmup_steps"),
+        (["early_stopping=default", "early_stopping.patience=0"], "early_stopping.patience"),
+        (["early_stopping=default", "early_stopping.mode=up"], "early_stopping.mode"),
+        (["lr_plateau=default", "lr_plateau.factor=2"], "lr_plateau.factor"),
+        (["curriculum=default", "curriculum.min_temperature=5"], "curriculum.min_temperature"),
+        (["curriculum=default", "curriculum.factor=1"], "curriculum.factor"),
+        (["adaptive_eval=default", "adaptive_eval.min_steps=900"], "adaptive_eval.min_steps"),
+        (["adaptive_eval=default", "adaptive_eval.slow=0.5"], "adaptive_eval.slow"),
+        (["curriculum=default", "data=jsonl", "data.train_file=README.md"], "curriculum"),
+        (["guard.max_consecutive=0"], "guard.max_consecutive"),
+        (["guard.spike_factor=0.5"], "guard.spike_factor"),
+        (["watchdog.timeout_s=0"], "watchdog.timeout_s"),
+        (["watchdog.timeout_s=3600"], "watchdog.timeout_s"),
+        (["eval_buckets=[3.0,1.0]"], "eval_buckets"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(overrides, key):
@@ -57,7 +83,10 @@ def test_bad_values_are_rejected_naming_the_field(overrides, key):
     assert e.value.key == key and str(e.value).startswith(key)
 
 
-@pytest.mark.parametrize("group", ["model=qwen2_5_7b", "loss=ce", "data=jsonl", "lora=default", "clip=none"])
+@pytest.mark.parametrize("group", ["model=qwen2_5_7b", "loss=ce", "data=jsonl", "lora=default", "lora=dora",
+                                   "clip=none", "clip=autoclip", "clip=zclip", "~guard", "~watchdog",
+                                   "early_stopping=default", "lr_plateau=default", "adaptive_eval=default",
+                                   "curriculum=default"])
 def test_presets_compose(group):
     cfg = composed(group, "data.train_file=README.md") if group == "data=jsonl" else composed(group)
     assert cfg is not None
