@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # ./launch.sh [--nproc N] [hydra overrides...]   train (accelerate launch, one process per GPU)
+# ./launch.sh [--nproc N] -m [sweep overrides]    a sweep, each job in turn through accelerate launch
 # ./launch.sh test [pytest args...]              run the test suite
 # On first use creates .venv and installs the project with a torch build that fits the machine.
 set -euo pipefail
@@ -55,4 +56,10 @@ if [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; then
 elif ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   args+=(--cpu)
 fi
+for a in "$@"; do
+  if [ "$a" = "-m" ] || [ "$a" = "--multirun" ]; then
+    # A sweep: each job in turn through accelerate launch, one run dir per job (sft/sweep.py).
+    SFT_LAUNCH_ARGS="${args[*]}" exec python -m sft.sweep "$@"
+  fi
+done
 exec accelerate launch "${args[@]}" -m sft.train "$@"

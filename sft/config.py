@@ -176,6 +176,19 @@ class WatchdogConfig:
 
 
 @dataclass
+class ExactMatchConfig:
+    """Greedy-decoding exact match on the hardest eval bucket, after training (`eval_exact_match_hardest`)."""
+
+    max_rows: int = 100
+    max_new_tokens: int = 32
+
+
+@dataclass
+class SweepConfig:
+    continue_on_error: bool = True  # in a multirun, a failing job is recorded and the sweep goes on
+
+
+@dataclass
 class AdaptiveEvalConfig:
     _target_: str = "sft.callbacks.AdaptiveEvalInterval"
     metric: str = "eval_loss"
@@ -253,6 +266,8 @@ class TrainConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     collator: CollatorConfig = field(default_factory=CollatorConfig)
     eval_buckets: List[float] = field(default_factory=lambda: [1.0, 2.0, 3.0])  # difficulty bucket edges
+    exact_match: Any = None
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     resume: Optional[str] = None  # null, "auto" (newest complete checkpoint in the run dir) or a checkpoint path
     resume_force: bool = False  # resume even if the data changed since the checkpoint
 
@@ -275,6 +290,7 @@ def register() -> None:
         ("curriculum", "curriculum_schema", CurriculumConfig),
         ("adaptive_eval", "adaptive_eval_schema", AdaptiveEvalConfig),
         ("guard", "guard_schema", GuardConfig),
+        ("exact_match", "exact_match_schema", ExactMatchConfig),
         ("watchdog", "watchdog_schema", WatchdogConfig),
     ]:
         cs.store(group=group, name=name, node=node)

@@ -66,6 +66,18 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_n
         raise ConfigError("trainer", None, str(e).splitlines()[0]) from e
 
 
+def slurm_distributed_env() -> None:
+    """Under SLURM (hydra/launcher=slurm), one task per GPU: torch.distributed's variables from SLURM's.
+
+    MASTER_ADDR and MASTER_PORT come from the launcher preset's setup lines.
+    """
+    if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                      LOCAL_RANK=os.environ["SLURM_LOCALID"],
+                      LOCAL_WORLD_SIZE=os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+
+
 def single_process_distributed_env() -> None:
     """Let DeepSpeed run without a launcher: the env a one-process `torchrun` would set."""
     import socket
@@ -149,8 +161,11 @@ def train(cfg: DictConfig) -> dict:
     from sft.checkpoints import CheckpointState, git_commit
     from sft.trainer import WeightedLossTrainer
 
+    started = time.time()
+    slurm_distributed_env()
     run_dir = HydraConfig.get().runtime.output_dir
     output_dir = cfg.trainer.output_dir or run_dir
+    name_the_run()
     checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force)
     clip_policy = instantiate(cfg.clip)
     # Positive, so that Trainer hands every step to WeightedLossTrainer._clip_grad_norm (guard, policy).
@@ -213,7 +228,10 @@ def train(cfg: DictConfig) -> dict:
     final_eval = trainer.evaluate() if data.eval is not None else {}
     trainer.save_model(os.path.join(run_dir, "model"))
 
+    if cfg.exact_match is not None and data.eval is not None:
+        final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(trainer, tokenizer, cfg)
     results = {
+        "status": "ok",
         "eval_loss_initial": initial_eval_loss(trainer, run_dir),
         "eval_loss": final_eval.get("eval_loss"),
         "eval_ce": final_eval.get("eval_ce"),
@@ -226,10 +244,63 @@ def train(cfg: DictConfig) -> dict:
         "data_hash": data.data_hash,
         "resumed_from": checkpoint,
         "stopped_early": bool(controllers.get("early_stopping") and controllers["early_stopping"].stopped_at_step),
+        "eval_exact_match_hardest": final_eval.get("eval_exact_match_hardest"),
+        "wall_time_s": round(time.time() - started, 1),
+        "eval_history": [{k: e[k] for k in ("step", "eval_loss", "eval_ce") if k in e}
+                         for e in trainer.state.log_history if "eval_loss" in e],
     }
+    log_hparams(cfg, run_dir, results, args)
+    finish_trackers()
     if trainer.is_world_process_zero():
         Path(run_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
+
+
+def job_overrides() -> list[str]:
+    """The overrides that make this job what it is (Hydra's task overrides)."""
+    return list(HydraConfig.get().overrides.task)
+
+
+def name_the_run() -> None:
+    """In a sweep, W&B runs share a group named after the sweep and are named by their overrides."""
+    if in_sweep():
+        os.environ.setdefault("WANDB_RUN_GROUP", Path(HydraConfig.get().sweep.dir).name)
+        os.environ["WANDB_NAME"] = " ".join(job_overrides()) or "defaults"
+
+
+def log_hparams(cfg: DictConfig, run_dir: str, results: dict, args) -> None:
+    """The job's overrides and final metrics in TensorBoard's HParams tab, so sweeps compare side by side."""
+    if "tensorboard" not in (args.report_to or []) or args.process_index != 0:
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    hparams = {k: v for k, v in (o.split("=", 1) for o in job_overrides() if "=" in o) if not k.startswith("hydra.")}
+    hparams.update({"loss": cfg.loss._target_.rsplit(".", 1)[-1], "clip": cfg.clip._target_.rsplit(".", 1)[-1]})
+    metrics = {f"hparam/{k}": results[k] for k in ("eval_loss", "eval_ce", "train_loss", "eval_exact_match_hardest")
+               if isinstance(results.get(k), (int, float))}
+    with SummaryWriter(log_dir=os.path.join(run_dir, "runs", "hparams")) as writer:
+        writer.add_hparams({k: str(v) for k, v in hparams.items()}, metrics, run_name=".")
+
+
+def finish_trackers() -> None:
+    """Close this job's W&B run so that the next job of a sweep starts its own."""
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+
+
+def hardest_bucket_exact_match(trainer, tokenizer, cfg: DictConfig) -> float:
+    """Exact match of greedy answers on the hardest eval bucket (every rank generates; rank 0 reports)."""
+    from sft.generation import exact_match, hardest_bucket_rows
+
+    rows = hardest_bucket_rows(cfg.data.eval_file, list(cfg.eval_buckets), cfg.exact_match.max_rows)
+    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped if zero3 else trainer.model)
+    score = exact_match(model, tokenizer, rows, cfg.exact_match.max_new_tokens, synced_gpus=zero3)
+    log.info("exact match of greedy answers on the hardest eval bucket (%d rows): %.4f", len(rows), score)
+    return score
 
 
 def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
@@ -279,12 +350,16 @@ def main(cfg: DictConfig) -> float | None:
 
     from sft.data import DataError
 
+    started = time.time()
     try:
         check(cfg)
         results = train(cfg)
     except Exception as e:
         # instantiate wraps what the built function raised; the user needs that reason, not the wrapper.
         reason = e.__cause__ if isinstance(e, InstantiationException) else e
+        if in_sweep() and cfg.sweep.continue_on_error:
+            record_failure(reason, time.time() - started)
+            return None
         if isinstance(reason, ConfigError):
             fail(f"config: {reason}")
         if isinstance(reason, DataError):
@@ -294,7 +369,24 @@ def main(cfg: DictConfig) -> float | None:
         raise
     if os.environ.get("RANK", "0") == "0":
         print(f"run dir: {HydraConfig.get().runtime.output_dir}")
-    return results["eval_loss"]
+    return results["eval_ce"]  # the objective of sweeps: comparable across loss weights, unlike eval_loss
+
+
+def in_sweep() -> bool:
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def record_failure(error: BaseException, wall_time_s: float) -> None:
+    """A failed job of a sweep: its error in `results.json` and the log; the sweep goes on."""
+    message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    log.error("job failed (sweep.continue_on_error=true, the sweep goes on): %s", message)
+    if os.environ.get("RANK", "0") == "0":
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "results.json").write_text(json.dumps(
+            {"status": "failed", "error": message, "wall_time_s": round(wall_time_s, 1)}, indent=2) + "\n")
 
 
 def share_run_dir() -> None:
@@ -333,6 +425,11 @@ def rank_overrides() -> list[str]:
 
 def cli() -> None:
     """The `python -m sft.train` entry point: settle the multi-process details, then run `main`."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and {"-m", "--multirun"} & set(sys.argv[1:]):
+        print("error: -m/--multirun cannot run inside a multi-process launch (every rank would run the whole "
+              "sweep). Run `./launch.sh -m ...` (each job in turn through accelerate launch) or use "
+              "hydra/launcher=slurm (one allocation per job).", file=sys.stderr)
+        sys.exit(2)
     share_run_dir()
     sys.argv.extend(rank_overrides())
     main()

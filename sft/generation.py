@@ -1,0 +1,45 @@
+"""Exact-match accuracy of generated answers: does greedy decoding reproduce the reference answer?
+
+Used for the hardest difficulty bucket of the eval set (`exact_match` config node): the prompt is the
+chat up to its last assistant turn, the answer is compared to that turn's content after stripping.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from sft.data import read_jsonl
+
+
+def hardest_bucket_rows(eval_file: str, bucket_edges: list[float], max_rows: int) -> list[dict]:
+    """The eval rows of the highest non-empty difficulty bucket, in file order, at most `max_rows`."""
+    rows = read_jsonl(eval_file, default_score=0.0)
+    bucket = [bisect.bisect_right(bucket_edges, r["difficulty_score"]) for r in rows]
+    hardest = max(bucket)
+    return [r for r, b in zip(rows, bucket) if b == hardest][:max_rows]
+
+
+@torch.no_grad()
+def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 32, batch_size: int = 32,
+                synced_gpus: bool = False) -> float:
+    """Fraction of rows whose greedy answer equals the reference answer."""
+    was_training = model.training
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    hits = 0
+    try:
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            prompts = [tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True)
+                       for r in chunk]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, synced_gpus=synced_gpus,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            hits += sum(a.strip() == r["messages"][-1]["content"].strip() for a, r in zip(answers, chunk))
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return hits / max(len(rows), 1)

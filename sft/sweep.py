@@ -1,0 +1,66 @@
+"""`./launch.sh -m ...`: a sweep whose jobs each need several processes.
+
+Hydra's `-m` runs every job inside the current process, which cannot work under `accelerate launch`
+(every rank would run the whole sweep). Here the overrides are expanded as Hydra's basic sweeper does
+(`a=1,2 b=x,y` gives 4 jobs; `hydra.sweeper.params` of the config count too), then each job runs in
+turn through `accelerate launch ... -m sft.train` with its own run dir `<sweep dir>/<job number>`,
+and the sweep report is written at the end, as after a single-process multirun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def expand(overrides: list[str]) -> list[list[str]]:
+    """The override list of every job, in Hydra's order."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from sft.config import register
+    from sft.train import CONF_DIR
+
+    register()
+    plain = [o for o in overrides if not o.startswith("hydra.sweep.dir=")]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[o for o in plain if "," not in o], return_hydra_config=True)
+    params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]
+    parsed = OverridesParser.create().parse_overrides(params + plain)
+    return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from sft.report import write_report
+
+    argv = sys.argv[1:] if argv is None else argv
+    overrides = [a for a in argv if a not in ("-m", "--multirun")]
+    sweep_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")),
+                     time.strftime("multirun/%Y-%m-%d/%H-%M-%S"))
+    jobs = expand(overrides)
+    launcher = ["accelerate", "launch", *shlex.split(os.environ.get("SFT_LAUNCH_ARGS", "")), "-m", "sft.train"]
+    print(f"[sweep] {len(jobs)} job(s) in {sweep_dir}", flush=True)
+    for number, job in enumerate(jobs):
+        run_dir = Path(sweep_dir) / str(number)
+        print(f"[sweep] #{number}: {' '.join(job)}", flush=True)
+        started = time.time()
+        proc = subprocess.run([*launcher, *job, f"hydra.run.dir={run_dir}"], stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(proc.stderr[-5000:])
+        if proc.returncode != 0 and not (run_dir / "results.json").is_file():
+            last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [""]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "results.json").write_text(json.dumps(
+                {"status": "failed", "error": f"exit code {proc.returncode}: {last[0].strip()}",
+                 "wall_time_s": round(time.time() - started, 1)}, indent=2) + "\n")
+    write_report(sweep_dir)
+    print((Path(sweep_dir) / "sweep_summary.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
