@@ -33,6 +33,7 @@ def test_plateau_scales_the_schedulers_base_lr_and_the_optimizer():
         plateau.on_evaluate(None, state, control, metrics={"eval_loss": value}, lr_scheduler=sched, optimizer=opt)
     assert [r["step"] for r in plateau.reductions] == [2, 5, 7]
     assert sched.base_lrs == [pytest.approx(0.005)]  # 1 -> 0.1 -> 0.01 -> floor 0.005
+    opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.0025)  # the schedule's shape is kept: 0.5 x base
 
