@@ -182,4 +182,3 @@ def load_model(
         trust_remote_code=trust_remote_code,
         **extra,
     )
-    return model

@@ -126,7 +126,7 @@ def test_rank_0_decides_the_run_dir_for_every_rank(monkeypatch):
 
     from torch.distributed import TCPStore
 
-    import sft.train as entry
+    import sft.distributed as distributed
 
     port = free_port()
     server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))  # the launcher's store
@@ -138,8 +138,8 @@ def test_rank_0_decides_the_run_dir_for_every_rank(monkeypatch):
         for k, v in {**base, "RANK": rank}.items():
             monkeypatch.setenv(k, v)
         monkeypatch.delenv("SFT_RUN_DIR", raising=False)
-        monkeypatch.setattr(entry.time, "strftime", lambda fmt, clock=clock: clock)
-        entry.share_run_dir()
+        monkeypatch.setattr(distributed.time, "strftime", lambda fmt, clock=clock: clock)
+        distributed.share_run_dir()
         seen[rank] = __import__("os").environ["SFT_RUN_DIR"]
     assert seen == {"0": "outputs/2026-01-01/10-00-00", "1": "outputs/2026-01-01/10-00-00"}
     del server

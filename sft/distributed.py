@@ -1,0 +1,91 @@
+"""Process-group details the launchers leave to the program: one run dir, rank-0 outputs, CPU back ends.
+
+- `share_run_dir`: every rank of a torchrun/accelerate launch uses rank 0's run dir;
+- `rank_overrides`: ranks other than 0 write no `.hydra/` and no log file;
+- `single_process_distributed_env`, `slurm_distributed_env`: the torch.distributed variables DeepSpeed
+  needs without a launcher, and under SLURM tasks;
+- `gloo_deepspeed_state`: DeepSpeed with several processes on machines without GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def slurm_distributed_env() -> None:
+    """Under SLURM (hydra/launcher=slurm), one task per GPU: torch.distributed's variables from SLURM's.
+
+    MASTER_ADDR and MASTER_PORT come from the launcher preset's setup lines.
+    """
+    if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                      LOCAL_RANK=os.environ["SLURM_LOCALID"],
+                      LOCAL_WORLD_SIZE=os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+
+
+def single_process_distributed_env() -> None:
+    """Let DeepSpeed run without a launcher: the env a one-process `torchrun` would set."""
+    import socket
+
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+        os.environ.setdefault(key, value)
+
+
+def gloo_deepspeed_state() -> dict:
+    """Set up accelerate's process state for DeepSpeed on CPU; return the matching `accelerator_config`.
+
+    Without a GPU accelerate picks no backend for DeepSpeed and then counts one process, while DeepSpeed
+    runs them all: the loss would be scaled and reduced wrongly. Initialising the state with gloo first,
+    and telling TrainingArguments to use it, gives both the true world size.
+    """
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    return {"use_configured_state": True}
+
+
+def share_run_dir() -> None:
+    """Give every rank of a multi-process launch one run dir, rank 0's, before Hydra picks one per rank.
+
+    torchrun and `accelerate launch` host a key-value store (`TORCHELASTIC_USE_AGENT_STORE`) that all
+    ranks of all nodes reach: rank 0 puts its `${now:}`-style dir there, the others read it. An explicit
+    `hydra.run.dir=...` or `SFT_RUN_DIR` is already the same on every rank and is left alone.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("SFT_RUN_DIR"):
+        return
+    if any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        print("error: a multi-process run outside torchrun/accelerate launch needs one run dir for all ranks: "
+              "set SFT_RUN_DIR or hydra.run.dir", file=sys.stderr)
+        sys.exit(2)
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(minutes=10))
+    key = "sft/run_dir"
+    if os.environ.get("RANK") == "0" and not store.check([key]):
+        store.set(key, time.strftime("outputs/%Y-%m-%d/%H-%M-%S"))
+    os.environ["SFT_RUN_DIR"] = store.get(key).decode()
+
+
+def rank_overrides() -> list[str]:
+    """Ranks other than 0 write no `.hydra/` and no log file, and log warnings only, to the console."""
+    if os.environ.get("RANK", "0") == "0":
+        return []
+    return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.job_logging.root.level=WARNING"]
