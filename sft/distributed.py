@@ -89,3 +89,16 @@ def rank_overrides() -> list[str]:
     if os.environ.get("RANK", "0") == "0":
         return []
     return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.job_logging.root.level=WARNING"]
+
+
+def end_process_group() -> None:
+    """Tear the process group down together at the end of a run.
+
+    Exiting with it alive can abort a rank at interpreter shutdown ("terminate called without an active
+    exception") while its peers are still writing results.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -16,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from filelock import FileLock
+
 log = logging.getLogger(__name__)
 
 TINY = "tiny"
@@ -66,18 +68,16 @@ def tiny_model_dir() -> Path:
         sort_keys=True,
     )
     target = cache_dir() / f"tiny-qwen2-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-    if not (target / "config.json").exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-        try:
-            _build_tiny(tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):  # ranks of one launch share the cache: one builds, the others wait
+        if not (target / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
             try:
-                os.rename(tmp, target)  # atomic: a reader sees no directory or a complete one
-            except OSError:  # another process won the race
-                if not (target / "config.json").exists():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+                _build_tiny(tmp)
+                shutil.rmtree(target, ignore_errors=True)  # a dir without config.json would block the rename
+                os.rename(tmp, target)  # atomic: a reader without the lock sees no directory or a complete one
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

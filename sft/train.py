@@ -19,8 +19,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sft.config import ConfigError, check, register
-from sft.distributed import (gloo_deepspeed_state, rank_overrides, share_run_dir, single_process_distributed_env,
-                             slurm_distributed_env)
+from sft.distributed import (end_process_group, gloo_deepspeed_state, rank_overrides, share_run_dir,
+                             single_process_distributed_env, slurm_distributed_env)
 
 log = logging.getLogger("sft")
 register()
@@ -212,6 +212,7 @@ def train(cfg: DictConfig) -> dict:
     finish_trackers()
     if trainer.is_world_process_zero():
         Path(run_dir, "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    end_process_group()
     return results
 
 
