@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -40,6 +40,7 @@ class ModelConfig:
     attn_implementation: Optional[str] = "sdpa"
     trust_remote_code: bool = False
     quantization: Optional[str] = None  # nf4: 4-bit base for QLoRA (bitsandbytes, CUDA only)
+    random_init: Optional[Dict[str, Any]] = None  # a transformers config: this architecture, random weights
 
 
 @dataclass
@@ -57,20 +58,24 @@ class DataConfig:
     eval_file: Optional[str] = None
     max_length: int = 2048
     default_score: Optional[float] = None
-    num_proc: Optional[int] = None
+    num_proc: Optional[int] = None  # tokenising processes; null: all cores (<= 8) from 20k rows on, else 1
     on_error: str = "raise"  # raise | skip (train on the valid rows, write rejected.jsonl in the run dir)
     overlong: str = "truncate"  # truncate (prompt cut from the left first) | drop | error
+    packing: bool = False  # each micro-batch as one row without padding (position_ids restart per sample)
 
 
 @dataclass
 class CollatorConfig:
     _target_: str = "sft.data.WeightedDataCollator"
-    pad_to_multiple_of: Optional[int] = 8
+    pad_to_multiple_of: Optional[int] = 8  # padded batches only
+    packing: bool = "${data.packing}"  # type: ignore[assignment]
 
 
 @dataclass
 class CrossEntropyLossConfig:
     _target_: str = "sft.losses.CrossEntropyLoss"
+    impl: str = "auto"  # auto | naive | chunked | liger | cce (see sft/losses.py)
+    chunk_tokens: int = 1024  # chunked: assistant tokens per chunk of logits
 
 
 @dataclass
@@ -80,6 +85,8 @@ class HardSampleLossConfig:
     min_weight: float = 0.0
     max_weight: float = 100.0
     normalize: str = "weight"
+    impl: str = "auto"
+    chunk_tokens: int = 1024
 
 
 @dataclass
@@ -184,6 +191,12 @@ class ExactMatchConfig:
 
 
 @dataclass
+class ThroughputConfig:
+    _target_: str = "sft.callbacks.ThroughputMeter"
+    peak_tflops: Optional[float] = None  # per device, for the MFU estimate; null: from the GPU's name (table)
+
+
+@dataclass
 class SweepConfig:
     continue_on_error: bool = True  # in a multirun, a failing job is recorded and the sweep goes on
 
@@ -247,6 +260,25 @@ class TrainerConfig:
 
 
 @dataclass
+class BenchConfig:
+    """`python -m sft.bench` (training ignores it): which cases, how long, the loss-only case's shape."""
+
+    cases: List[str] = field(default_factory=lambda: [
+        "hf", "ce", "hard_sample", "packing", "loss_naive", "loss_chunked", "preprocess", "startup"])
+    steps: int = 40  # optimizer steps per training case
+    warmup_steps: int = 5  # not timed
+    repeats: int = 3  # rounds over all cases, interleaved; medians are reported
+    loss_vocab: int = 151936  # Qwen2.5's vocabulary
+    loss_hidden: int = 896  # Qwen2.5-0.5B's hidden size
+    loss_batch: int = 4
+    loss_seq: int = 1024
+    loss_dtype: str = "float32"
+    loss_trainable_head: bool = False  # false: the projection frozen, as with LoRA
+    preprocess_rows: int = 100000
+    case_timeout_s: int = 1800
+
+
+@dataclass
 class TrainConfig:
     """The primary config: one field per group plus the few top-level switches."""
 
@@ -268,6 +300,8 @@ class TrainConfig:
     eval_buckets: List[float] = field(default_factory=lambda: [1.0, 2.0, 3.0])  # difficulty bucket edges
     exact_match: Any = None
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     resume: Optional[str] = None  # null, "auto" (newest complete checkpoint in the run dir) or a checkpoint path
     resume_force: bool = False  # resume even if the data changed since the checkpoint
 
@@ -314,6 +348,7 @@ def _installed(module: str) -> bool:
 
 
 NORMALIZE_MODES = ("weight", "token", "sample")
+LOSS_IMPLS = ("auto", "naive", "chunked", "liger", "cce")  # as sft.losses.IMPLS (not imported: it needs torch)
 
 
 def check(cfg) -> None:
@@ -341,10 +376,14 @@ def check(cfg) -> None:
     for key in ("data.train_file", "data.eval_file"):
         path = OmegaConf.select(cfg, key)
         require(key, path is None or os.path.isfile(path), "no such file")
+    require("throughput.peak_tflops", cfg.throughput.peak_tflops is None or cfg.throughput.peak_tflops > 0,
+            "must be > 0 (or null)")
     require("collator.pad_to_multiple_of",
             cfg.collator.pad_to_multiple_of is None or cfg.collator.pad_to_multiple_of >= 1, "must be >= 1")
 
     loss = cfg.loss
+    require("loss.impl", loss.get("impl", "auto") in LOSS_IMPLS, f"must be one of {', '.join(LOSS_IMPLS)}")
+    require("loss.chunk_tokens", loss.get("chunk_tokens", 1) >= 1, "must be >= 1")
     if "normalize" in loss:
         require("loss.normalize", loss.normalize in NORMALIZE_MODES, f"must be one of {', '.join(NORMALIZE_MODES)}")
     if "alpha" in loss:

@@ -10,97 +10,165 @@ gradients. With `w_t` the token's loss weight and `n_i` the number of assistant 
 - `token`:  c = w, d = 1 (weighted sum over the number of assistant tokens);
 - `sample`: c = w / n_i, d = w / n_i (each sample's mean CE, averaged with the sample weights as
   weights, so long answers do not dominate).
+
+How the cross entropy is computed (`impl`) changes memory and speed, not values:
+- `naive`: from the model's logits, as its own loss does: the whole micro-batch's logits exist at once
+  (at Qwen's 152k vocabulary they, not the weights, dominate activation memory);
+- `chunked`: from the final hidden states and the output projection, a chunk of assistant tokens at a
+  time (`chunked_linear_cross_entropy`); the full logits never exist;
+- `cce`: Apple's cut-cross-entropy kernel (GPU), which returns per-token losses we weight;
+- `liger`: Liger's fused linear cross entropy; no released version takes per-token weights, so it falls
+  back to `chunked` with the reason logged;
+- `auto`: `cce` where usable on a GPU, else `chunked` on CPU or at vocabularies of 32k and
+  more, else `naive`. `choose_impl` logs why a requested kernel is not used.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+IMPLS = ("auto", "naive", "chunked", "liger", "cce")
+LARGE_VOCAB = 32768  # from here on `auto` never materialises the logits
+
+log = logging.getLogger("sft")
+
+
+@dataclass
+class Targets:
+    """The assistant tokens of a micro-batch, flattened (N of them), in the order of the batch."""
+
+    rows: torch.Tensor  # [N] row of the position whose output predicts the token (t - 1)
+    cols: torch.Tensor  # [N] column of that position
+    labels: torch.Tensor  # [N] token ids
+    weights: torch.Tensor  # [N] loss weight w_t (float32)
+    sample: torch.Tensor  # [N] index of the token's sample: its row, or its sequence in a packed row
+    num_samples: int
+
+
+def select_targets(labels: torch.Tensor, loss_weights: torch.Tensor,
+                   position_ids: torch.Tensor | None = None) -> Targets:
+    """The assistant tokens and the positions that predict them (position t predicts label t+1).
+
+    Without `position_ids` every row is one sample; with them (a packed batch) a sample starts wherever the
+    position restarts at 0.
+    """
+    shifted = labels[:, 1:]
+    rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)
+    if position_ids is None:
+        sample, num_samples = rows, labels.size(0)
+    else:
+        starts = (position_ids == 0).long()
+        per_row = starts.sum(dim=1)
+        sequence = starts.cumsum(dim=1) - 1 + (per_row.cumsum(0) - per_row)[:, None]
+        sample, num_samples = sequence[:, 1:][rows, cols], int(per_row.sum())
+    return Targets(rows, cols, shifted[rows, cols], loss_weights[:, 1:][rows, cols].float(), sample, num_samples)
 
 
 @dataclass
 class LossTerms:
-    """Per-sample sums of one micro-batch: its share of a step's loss, plus statistics for the logs."""
+    """One micro-batch's share of a step's loss, plus per-sample sums for evaluation and the logs."""
 
-    numerator: torch.Tensor  # [batch] sum of c_t * ce_t (differentiable)
-    denominator: torch.Tensor  # [batch] sum of d_t
-    ce_sum: torch.Tensor  # [batch] sum of unweighted ce over assistant tokens (detached)
-    weight_sum: torch.Tensor  # [batch] sum of w_t over assistant tokens
-    tokens: torch.Tensor  # [batch] number of assistant tokens
-
-
-def shift(labels: torch.Tensor, loss_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Targets and weights aligned with the logits that predict them (position t predicts t+1)."""
-    labels = labels[:, 1:]
-    weights = torch.where(labels == IGNORE_INDEX, 0.0, loss_weights[:, 1:].float())
-    return labels, weights
+    loss_sum: torch.Tensor  # sum of c_t * ce_t over the micro-batch (differentiable)
+    numerator: torch.Tensor  # [samples] sum of c_t * ce_t (detached)
+    denominator: torch.Tensor  # [samples] sum of d_t
+    ce_sum: torch.Tensor  # [samples] sum of unweighted ce over assistant tokens (detached)
+    weight_sum: torch.Tensor  # [samples] sum of w_t over assistant tokens
+    tokens: torch.Tensor  # [samples] number of assistant tokens
+    correct: torch.Tensor | None  # [samples] assistant tokens whose argmax is the label (when asked for)
 
 
 class WeightedTokenLoss:
     """Base class: per-token cross entropy with per-token weights and a step-global normaliser."""
 
-    normalize: str = "weight"
+    def __init__(self, normalize: str = "weight", impl: str = "auto", chunk_tokens: int = 1024):
+        if normalize not in ("weight", "token", "sample"):
+            raise ValueError(f"loss.normalize={normalize!r}: must be one of weight, token, sample")
+        self.normalize, self.impl, self.chunk_tokens = normalize, impl, chunk_tokens
 
     def sample_weight(self, difficulty_score: float) -> float:
         """The loss weight of a sample's assistant tokens."""
         return 1.0
 
-    def _coefficients(self, labels: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token numerator and denominator coefficients (c, d) on shifted labels and weights."""
-        mask = labels != IGNORE_INDEX
+    def _coefficients(self, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token numerator and denominator coefficients (c, d)."""
         if self.normalize == "weight":
-            return weights, weights
+            return t.weights, t.weights
         if self.normalize == "token":
-            return weights, mask.float()
-        if self.normalize == "sample":
-            per_sample = weights / mask.sum(dim=1, keepdim=True).clamp_min(1)
-            return per_sample, per_sample
-        raise ValueError(f"loss.normalize={self.normalize!r}: must be one of weight, token, sample")
+            return t.weights, torch.ones_like(t.weights)
+        tokens = torch.bincount(t.sample, minlength=t.num_samples).clamp_min(1)
+        per_sample = t.weights / tokens[t.sample]
+        return per_sample, per_sample
 
-    def normaliser(self, labels: torch.Tensor, loss_weights: torch.Tensor) -> torch.Tensor:
+    def normaliser(self, labels: torch.Tensor, loss_weights: torch.Tensor,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """This micro-batch's contribution to the step's denominator (needs no forward pass)."""
-        labels, weights = shift(labels, loss_weights)
-        return self._coefficients(labels, weights)[1].sum()
+        return self._coefficients(select_targets(labels, loss_weights, position_ids))[1].sum()
 
-    def terms(self, logits: torch.Tensor, labels: torch.Tensor, loss_weights: torch.Tensor) -> LossTerms:
-        """Numerator and statistics of a micro-batch from the model's logits."""
-        labels, weights = shift(labels, loss_weights)
-        logits = logits[:, :-1, :]
-        ce = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).view(labels.shape)
-        coef, denominator = self._coefficients(labels, weights)
+    def terms(self, labels: torch.Tensor, loss_weights: torch.Tensor, *, logits: torch.Tensor | None = None,
+              hidden: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, impl: str = "naive", accuracy: bool = False) -> LossTerms:
+        """Numerator and statistics of a micro-batch, from the logits (`naive`) or from the final hidden
+        states and the output projection's weight (`chunked`, `cce`)."""
+        t = select_targets(labels, loss_weights, position_ids)
+        coef, den = self._coefficients(t)
+        correct = None
+        if impl == "naive":
+            selected = logits[t.rows, t.cols]
+            ce = F.cross_entropy(selected.float(), t.labels, reduction="none")
+            loss_sum = (coef * ce).sum()
+            if accuracy:
+                correct = selected.argmax(-1) == t.labels
+        elif impl == "chunked":
+            loss_sum, ce, correct = chunked_linear_cross_entropy(
+                hidden[t.rows, t.cols], lm_head, t.labels, coef, self.chunk_tokens, accuracy)
+        elif impl == "cce":
+            from cut_cross_entropy import linear_cross_entropy
+
+            ce = linear_cross_entropy(hidden[t.rows, t.cols], lm_head, t.labels, reduction="none").float()
+            loss_sum = (coef * ce).sum()
+        else:
+            raise ValueError(f"loss impl {impl!r}: terms() takes naive, chunked or cce (see choose_impl)")
+
+        def per_sample(values):
+            return torch.zeros(t.num_samples, dtype=values.dtype, device=values.device).index_add_(0, t.sample, values)
+
+        ce = ce.detach()
         return LossTerms(
-            numerator=(coef * ce).sum(dim=1),
-            denominator=denominator.sum(dim=1),
-            ce_sum=ce.detach().sum(dim=1),
-            weight_sum=weights.sum(dim=1),
-            tokens=(labels != IGNORE_INDEX).sum(dim=1),
+            loss_sum=loss_sum,
+            numerator=per_sample(coef * ce),
+            denominator=per_sample(den),
+            ce_sum=per_sample(ce),
+            weight_sum=per_sample(t.weights),
+            tokens=per_sample(torch.ones_like(t.labels)),
+            correct=None if correct is None else per_sample(correct.long()),
         )
 
-    def __call__(self, logits, labels, loss_weights) -> torch.Tensor:
+    def __call__(self, logits, labels, loss_weights, position_ids=None) -> torch.Tensor:
         """The loss of one self-contained batch (its own normaliser), e.g. for evaluation or tests."""
-        terms = self.terms(logits, labels, loss_weights)
-        return terms.numerator.sum() / terms.denominator.sum().clamp_min(1e-12)
+        terms = self.terms(labels, loss_weights, logits=logits, position_ids=position_ids)
+        return terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
 
 
 class CrossEntropyLoss(WeightedTokenLoss):
     """Token-mean cross entropy over assistant tokens: equal to the model's own loss."""
 
-    normalize = "weight"
+    def __init__(self, impl: str = "auto", chunk_tokens: int = 1024):
+        super().__init__("weight", impl, chunk_tokens)
 
 
 class HardSampleLoss(WeightedTokenLoss):
     """Weights each sample's assistant tokens by `clamp(difficulty_score ** alpha, min_weight, max_weight)`."""
 
     def __init__(self, alpha: float = 1.0, min_weight: float = 0.0, max_weight: float = 100.0,
-                 normalize: str = "weight"):
-        self.alpha, self.min_weight, self.max_weight, self.normalize = alpha, min_weight, max_weight, normalize
+                 normalize: str = "weight", impl: str = "auto", chunk_tokens: int = 1024):
+        super().__init__(normalize, impl, chunk_tokens)
+        self.alpha, self.min_weight, self.max_weight = alpha, min_weight, max_weight
 
     def sample_weight(self, difficulty_score: float) -> float:
         try:
@@ -108,3 +176,126 @@ class HardSampleLoss(WeightedTokenLoss):
         except ZeroDivisionError:  # 0 ** negative alpha: infinitely easy, clamped below
             w = float("inf")
         return min(max(w, self.min_weight), self.max_weight)
+
+
+# --- the memory-lean cross entropy -------------------------------------------------------------------
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum_t coef_t * CE(hidden_t @ weight.T, label_t), a chunk of tokens at a time.
+
+    The gradients are computed chunk by chunk in the forward pass, while each chunk's logits exist (as
+    Liger's fused linear cross entropy does): the backward only scales them, so nothing is recomputed and
+    at most one chunk of logits is ever held. The loss is linear in what the backward receives, so this is
+    exact for any upstream gradient. Every chunk reuses one logits buffer and works on it in place: a new
+    buffer per chunk would cost fresh pages from the OS each time on CPU.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, coef, chunk_tokens, accuracy):
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = hidden.size(0)
+        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(n, dtype=torch.bool, device=hidden.device) if accuracy else None
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        # Project in the hidden states' dtype, as autocast would (bf16 activations over fp32 master weights).
+        weight_in = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+        rows = min(chunk_tokens, n)
+        buffer = torch.empty(rows, weight.size(0), dtype=hidden.dtype, device=hidden.device)
+        buffer32 = buffer if hidden.dtype == torch.float32 else torch.empty_like(buffer, dtype=torch.float32)
+        autocast_off = torch.autocast(hidden.device.type, enabled=False)
+        autocast_off.__enter__()
+        for start in range(0, n, chunk_tokens):
+            end = min(start + chunk_tokens, n)
+            h, y = hidden[start:end], labels[start:end]
+            logits = torch.mm(h, weight_in.T, out=buffer[: end - start])
+            if logits.dtype != torch.float32:
+                logits = buffer32[: end - start].copy_(logits)
+            if accuracy:
+                correct[start:end] = logits.argmax(-1) == y
+            target = logits.gather(1, y[:, None]).squeeze(1)
+            top = logits.amax(-1)
+            probs = logits.sub_(top[:, None]).exp_()  # in place: the logits become unnormalised probabilities
+            total = probs.sum(-1)
+            ce[start:end] = top + total.log() - target
+            if need_hidden or need_weight:
+                probs.mul_((coef[start:end] / total)[:, None])  # coef * softmax
+                probs[torch.arange(end - start, device=y.device), y] -= coef[start:end]  # minus coef * one-hot
+                grad_logits = probs if hidden.dtype == torch.float32 else buffer[: end - start].copy_(probs)
+                if need_hidden:
+                    torch.mm(grad_logits, weight_in, out=grad_hidden[start:end])
+                if need_weight:
+                    grad_weight.addmm_(probs.T, h.float())
+        autocast_off.__exit__(None, None, None)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        if accuracy:
+            ctx.mark_non_differentiable(ce, correct)
+        else:
+            ctx.mark_non_differentiable(ce)
+        return (coef * ce).sum(), ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_correct):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                 coef: torch.Tensor, chunk_tokens: int = 1024, accuracy: bool = False):
+    """`(sum_t coef_t * ce_t, ce [N], correct [N] or None)` for hidden states [N, H] and a projection
+    weight [V, H], without ever holding more than `chunk_tokens` rows of logits."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, coef.float(), chunk_tokens, accuracy)
+
+
+def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainable_head: bool = False) -> str:
+    """The implementation to run for `loss.impl=requested`, logging why a requested one is not used."""
+    if requested not in IMPLS:
+        raise ValueError(f"loss.impl={requested!r}: must be one of {', '.join(IMPLS)}")
+    # DeepSpeed ZeRO-3 updates a sharded lm_head only through its module's own forward and backward.
+    lean = "naive" if zero3_trainable_head else "chunked"
+    if requested == "cce" or (requested == "auto" and on_gpu):
+        problem = ("needs a CUDA GPU" if not on_gpu else "the lm_head is trainable and sharded by ZeRO-3"
+                   if zero3_trainable_head else _cce_problem())
+        if problem is None:
+            return "cce"
+        if requested == "cce":
+            log.warning("loss.impl=cce: %s; using %s", problem, lean)
+            return lean
+    if requested == "liger":
+        log.warning("loss.impl=liger: %s; using %s", _liger_problem(), lean)
+        return lean
+    if requested == "chunked" and zero3_trainable_head:
+        log.warning("loss.impl=chunked: the lm_head is trainable and sharded by ZeRO-3, which updates it only "
+                    "through its module's own forward; using naive (with LoRA the lm_head is frozen and chunked works)")
+    if requested == "auto":
+        return lean if not on_gpu or vocab_size >= LARGE_VOCAB else "naive"
+    return lean if requested == "chunked" else requested
+
+
+def _cce_problem() -> str | None:
+    """Why cut-cross-entropy cannot give per-token losses here, or None if it can."""
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except Exception as e:  # not installed, or it fails to import (no triton ...)
+        return f"cut-cross-entropy is not usable ({type(e).__name__}: {e})"
+    if "reduction" not in inspect.signature(linear_cross_entropy).parameters:
+        return "this cut-cross-entropy has no reduction='none' (per-token losses), which the weights need"
+    return None
+
+
+def _liger_problem() -> str:
+    """Why Liger's fused linear cross entropy cannot take per-token weights (checked up to liger-kernel 0.6)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = f"liger-kernel {version('liger-kernel')}"
+    except PackageNotFoundError:
+        return "liger-kernel is not installed (and its fused linear cross entropy takes no per-token weights)"
+    return (f"{found}: its fused linear cross entropy weights classes (ce_weight), not tokens, and scales the "
+            "gradient it computes in the forward by one scalar, so per-token weights would get a wrong gradient")

@@ -162,10 +162,22 @@ def load_model(
     attn_implementation: str | None = "sdpa",
     trust_remote_code: bool = False,
     quantization: str | None = None,
+    random_init: dict | None = None,
 ):
-    """Load a causal LM with the Auto classes (the tiny preset included); `quantization=nf4` for QLoRA."""
+    """Load a causal LM with the Auto classes (the tiny preset included); `quantization=nf4` for QLoRA.
+
+    `attn_implementation` is one of transformers' (`sdpa`, `eager`, `flash_attention_2` ...) or
+    `sdpa_varlen` (`sft.attention`: sdpa per sample of a packed row). `random_init` (a transformers
+    config as a dict, e.g. Qwen2.5-7B's shape) builds that architecture with random weights instead of
+    loading `name_or_path`'s, on the GPU when there is one: benchmarks at full size with no download.
+    """
     import torch
     from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "sdpa_varlen":
+        from sft import attention
+
+        attention.register()
 
     extra = {}
     if quantization == "nf4":
@@ -175,6 +187,13 @@ def load_model(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=getattr(torch, dtype),
         )
+    if random_init is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(**random_init)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
+                                                    attn_implementation=attn_implementation)
     return AutoModelForCausalLM.from_pretrained(
         resolve(name_or_path),
         dtype=getattr(torch, dtype),

@@ -1,8 +1,8 @@
 """Fine-tune a chat model: `python -m sft.train [group=option] [key=value ...]` (see conf/train.yaml).
 
 The recipe, top to bottom: check the config, build the training arguments (before the model, as
-DeepSpeed ZeRO-3 requires), tokenizer, loss, data, model (+ LoRA), collator and trainer; evaluate,
-train, evaluate; save the model and `results.json` in the run dir.
+DeepSpeed ZeRO-3 requires), tokenizer, loss, data, model (+ LoRA), collator and trainer (`build`, which
+`sft.bench` shares); evaluate, train, evaluate; save the model and `results.json` in the run dir.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -21,6 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 from sft.config import ConfigError, check, register
 from sft.distributed import (end_process_group, gloo_deepspeed_state, rank_overrides, share_run_dir,
                              single_process_distributed_env, slurm_distributed_env)
+
+if TYPE_CHECKING:
+    from sft.data import SFTData
+    from sft.trainer import WeightedLossTrainer
 
 log = logging.getLogger("sft")
 register()
@@ -110,22 +116,25 @@ class TrainingStopped(RuntimeError):
     """The guard stopped the run; the message says why and how to go on."""
 
 
-def train(cfg: DictConfig) -> dict:
-    """Run the recipe for a checked config; return the results written to `results.json`."""
-    from importlib.metadata import version
+@dataclass
+class Recipe:
+    """What `build` makes from a config: the trainer and the parts the rest of the run needs."""
 
+    trainer: WeightedLossTrainer
+    data: SFTData
+    tokenizer: object
+    clip_policy: object
+    controllers: dict
+
+
+def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recipe:
+    """Training arguments (before the model, as ZeRO-3 requires), tokenizer, loss, data, model (+ LoRA),
+    controllers, collator and trainer, for a checked config."""
     from hydra.utils import instantiate
     from transformers import set_seed
 
-    from sft.checkpoints import CheckpointState, git_commit
     from sft.trainer import WeightedLossTrainer
 
-    started = time.time()
-    slurm_distributed_env()
-    run_dir = HydraConfig.get().runtime.output_dir
-    output_dir = cfg.trainer.output_dir or run_dir
-    name_the_run()
-    checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force)
     clip_policy = instantiate(cfg.clip)
     # Positive, so that Trainer hands every step to WeightedLossTrainer._clip_grad_norm (guard, policy).
     max_grad_norm = clip_policy.initial_threshold() or 1.0
@@ -138,9 +147,12 @@ def train(cfg: DictConfig) -> dict:
         data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight,
                            rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0 else None)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
-    saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
 
-    model = instantiate(cfg.model)
+    attn = cfg.model.attn_implementation
+    if cfg.data.packing and attn == "sdpa":  # sdpa would attend across the whole packed row, under a mask
+        attn = "sdpa_varlen"
+        log.info("data.packing: attention sdpa_varlen (sdpa per sample of the packed row)")
+    model = instantiate(cfg.model, attn_implementation=attn)
     if cfg.lora is not None:
         from peft import get_peft_model, prepare_model_for_kbit_training
 
@@ -164,10 +176,31 @@ def train(cfg: DictConfig) -> dict:
         controllers=controllers,
         eval_buckets=cfg.eval_buckets,
         train_file=cfg.data.train_file,
+        throughput=instantiate(cfg.throughput),
     )
     if cfg.watchdog is not None:
         trainer.add_callback(instantiate(cfg.watchdog))
-    stateful = {"clip": clip_policy, "trainer": trainer, **controllers}
+    return Recipe(trainer, data, tokenizer, clip_policy, controllers)
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run the recipe for a checked config; return the results written to `results.json`."""
+    from importlib.metadata import version
+
+    from sft.checkpoints import CheckpointState, git_commit
+
+    started = time.time()
+    slurm_distributed_env()
+    run_dir = HydraConfig.get().runtime.output_dir
+    output_dir = cfg.trainer.output_dir or run_dir
+    name_the_run()
+    checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force)
+    recipe = build(cfg, run_dir, checkpoint)
+    trainer, data, tokenizer, controllers = recipe.trainer, recipe.data, recipe.tokenizer, recipe.controllers
+    args = trainer.args
+    saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
+
+    stateful = {"clip": recipe.clip_policy, "trainer": trainer, **controllers}
     run_info = {"config": OmegaConf.to_container(cfg, resolve=True), "data_hash": data.data_hash,
                 "data": data.identity, "sft_version": version("sft"), "git_commit": git_commit()}
     trainer.add_callback(CheckpointState(run_info, stateful, cfg.trainer.save_total_limit, checkpoint))
@@ -198,7 +231,8 @@ def train(cfg: DictConfig) -> dict:
         **{k: v for k, v in final_eval.items() if k.startswith("eval_loss_bucket_")},
         "train_loss": train_output.training_loss,
         "global_step": trainer.state.global_step,
-        "train_tokens_per_second": tokens_per_second(trainer, train_output.metrics),
+        "train_tokens_per_second": trainer.throughput.tokens_per_second,
+        "loss_impl": trainer.loss_impl,
         "train_runtime": train_output.metrics.get("train_runtime"),
         "data_hash": data.data_hash,
         "resumed_from": checkpoint,
@@ -292,13 +326,6 @@ def initial_eval_loss(trainer, run_dir: str) -> float | None:
             saved.write_text(json.dumps(first) + "\n")
         return first["eval_loss"]
     return json.loads(saved.read_text())["eval_loss"] if saved.exists() else None
-
-
-def tokens_per_second(trainer, metrics: dict) -> float | None:
-    """Non-padding input tokens per second over this session's training time."""
-    runtime = metrics.get("train_runtime")
-    tokens = trainer.state.num_input_tokens_seen - trainer._initial_num_input_tokens_seen
-    return round(tokens / runtime, 1) if runtime else None
 
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the repo's conf/ (editable install)

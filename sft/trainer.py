@@ -5,12 +5,15 @@ Only what the loss needs is overridden:
   (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to `compute_loss`;
 - `compute_loss` pops `labels`/`loss_weights` (the model's forward never sees them) and divides the
   micro-batch's numerator by that global denominator, times the world size because DDP and DeepSpeed
-  average gradients over ranks;
+  average gradients over ranks. With a lean loss implementation (`loss.impl`, see `sft.losses`) the model
+  runs without its output projection (`logits_to_keep` selects no position) and the loss takes the final
+  hidden states, captured from the decoder, and the projection's weight (gathered under ZeRO-3);
 - `evaluation_loop` replaces the mean of per-batch losses by the exact ratio over the eval set (each
   row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
   `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
-- `log` adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`, and the
-  controllers' current settings (clip threshold, curriculum temperature ...);
+- `log` adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`, the
+  throughput values (`sft.callbacks.throughput`) and the controllers' current settings (clip threshold,
+  curriculum temperature ...);
 - `_clip_grad_norm`, called once per optimizer step right before `optimizer.step()`, asks the guard
   (`sft.callbacks.guard`) for a verdict on the step, skips it if it is non-finite (or a skipped spike),
   else applies the gradient clipping policy (`sft.clipping`); under DeepSpeed, whose engine clips inside
@@ -25,6 +28,7 @@ difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`,
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import math
@@ -34,8 +38,9 @@ import torch
 from accelerate.utils import gather_object
 from transformers import Trainer
 
+from sft.callbacks.throughput import ThroughputMeter
 from sft.clipping import GradClipPolicy
-from sft.losses import IGNORE_INDEX, WeightedTokenLoss
+from sft.losses import WeightedTokenLoss, choose_impl
 
 log = logging.getLogger("sft")
 
@@ -46,28 +51,42 @@ class WeightedLossTrainer(Trainer):
 
     def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
                  controllers: dict | None = None, eval_buckets=(1.0, 2.0, 3.0), train_file: str | None = None,
-                 **kwargs):
+                 throughput: ThroughputMeter | None = None, **kwargs):
         self.controllers = dict(controllers or {})
         self.guard = self.controllers.get("guard")
+        self.throughput = throughput or ThroughputMeter()
         self.train_file = train_file
         self._train_scores: dict = {}
         self._step_loss, self._step_rows = None, []
-        super().__init__(*args, callbacks=list(self.controllers.values()) + kwargs.pop("callbacks", []), **kwargs)
+        callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
+        super().__init__(*args, callbacks=callbacks, **kwargs)
         self.loss = loss
         self.clip_policy = clip_policy or GradClipPolicy()
         self.eval_buckets = list(eval_buckets)
         self._eval_scores = {}
         if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
             self._eval_scores = dict(zip(self.eval_dataset["source_line"], self.eval_dataset["difficulty_score"]))
-        self._train_stats = torch.zeros(3, dtype=torch.float64, device=self.args.device)  # ce, weight, tokens
+        # Since the last log: ce sum, weight sum, assistant tokens, samples, input tokens, positions.
+        self._train_stats = torch.zeros(len(self.TRAIN_STATS), dtype=torch.float64, device=self.args.device)
         self._eval_rows: dict[int, list[float]] | None = None  # source line -> num, den, ce, tokens, correct
+        self._decoder = self.model.get_decoder()
+        self._lm_head = self.model.get_output_embeddings()
+        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        self._zero3_head = zero3 and hasattr(self._lm_head.weight, "ds_id")
+        self.loss_impl = choose_impl(loss.impl, vocab_size=self.model.config.vocab_size,
+                                     on_gpu=self.args.device.type == "cuda",
+                                     zero3_trainable_head=self._zero3_head and self._lm_head.weight.requires_grad)
+        log.info("loss: %s cross entropy (loss.impl=%s)", self.loss_impl, loss.impl)
+
+    TRAIN_STATS = ("ce", "weight", "tokens", "samples", "input_tokens", "positions")
 
     def state_dict(self) -> dict:
         """What a resume needs to log exactly as an uninterrupted run: statistics since the last log."""
         return {"train_stats": self._train_stats.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
-        self._train_stats = torch.tensor(state["train_stats"], dtype=torch.float64, device=self.args.device)
+        saved = torch.tensor(state["train_stats"], dtype=torch.float64, device=self.args.device)
+        self._train_stats[: len(saved)] = saved
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(t, reduction="sum") if self.accelerator.num_processes > 1 else t
@@ -82,7 +101,8 @@ class WeightedLossTrainer(Trainer):
                 break
         denominator = torch.zeros((), dtype=torch.float64, device=device)
         for batch in batches:
-            denominator += self.loss.normaliser(batch["labels"], batch["loss_weights"]).to(device)
+            denominator += self.loss.normaliser(batch["labels"], batch["loss_weights"],
+                                                batch.get("position_ids")).to(device)
         if self.is_deepspeed_enabled and self.args.max_grad_norm > 0:
             self._set_deepspeed_clip(self.clip_policy.threshold(None))
         self._step_loss = torch.zeros((), dtype=torch.float64, device=device)
@@ -147,13 +167,12 @@ class WeightedLossTrainer(Trainer):
         """Write `nan_batches/step-N.json` (or `spikes/`) naming the step's rows; warn with the worst ones."""
         if not self._train_scores:
             self._train_scores = dict(zip(self.train_dataset["source_line"], self.train_dataset["difficulty_score"]))
-        pad = self.processing_class.pad_token_id
         rows = []
-        for lines, per_row, ids in self._step_rows:
-            for line, row_loss, seq in zip(lines.tolist(), per_row.float().tolist(), ids.cpu()):
+        for lines, per_row, batch in self._step_rows:
+            for line, row_loss, seq in zip(lines.tolist(), per_row.float().tolist(), split_samples(*batch)):
                 rows.append({"source_line": line, "loss": row_loss if math.isfinite(row_loss) else str(row_loss),
                              "difficulty_score": self._train_scores.get(line),
-                             "text": self.processing_class.decode(seq[seq != pad])})
+                             "text": self.processing_class.decode(seq)})
         if self.accelerator.num_processes > 1:
             rows = gather_object(rows)
         culprits = [r for r in rows if isinstance(r["loss"], str)] or sorted(rows, key=lambda r: -r["loss"])
@@ -183,28 +202,60 @@ class WeightedLossTrainer(Trainer):
         labels = inputs.pop("labels")
         loss_weights = inputs.pop("loss_weights")
         source_lines = inputs.pop("source_lines", None)
-        outputs = model(**inputs, use_cache=False)
-        terms = self.loss.terms(outputs.logits, labels, loss_weights)
-        numerator = terms.numerator.sum()
+        evaluating = not model.training and self._eval_rows is not None and source_lines is not None
+        outputs, terms = self._forward_terms(model, inputs, labels, loss_weights, accuracy=evaluating)
         if model.training and num_items_in_batch is not None:
-            denominator = num_items_in_batch.clamp_min(1e-12).to(numerator.dtype)
-            loss = numerator / denominator * self.accelerator.num_processes
-            stats = torch.stack([terms.ce_sum.sum(), terms.weight_sum.sum(), terms.tokens.sum()])
-            self._train_stats += stats.to(self._train_stats)
+            denominator = num_items_in_batch.clamp_min(1e-12).to(terms.loss_sum.dtype)
+            loss = terms.loss_sum / denominator * self.accelerator.num_processes
+            mask = inputs.get("attention_mask")
+            stats = (terms.ce_sum.sum(), terms.weight_sum.sum(), terms.tokens.sum(), len(terms.tokens),
+                     mask.sum() if mask is not None else labels.numel(), labels.numel())
+            self._train_stats += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self._train_stats.device)
+                                              for v in stats])
             if self.guard is not None:  # kept for the step's verdict and, if bad, its report
                 self._step_loss += loss.detach().to(self._step_loss.dtype)
                 per_row = terms.ce_sum / terms.tokens.clamp_min(1)
-                self._step_rows.append((source_lines, per_row.detach(), inputs["input_ids"].detach()))
+                batch = [inputs.get(k) for k in ("input_ids", "attention_mask", "position_ids")]
+                self._step_rows.append((source_lines, per_row.detach(), batch))
         else:
-            loss = numerator / terms.denominator.sum().clamp_min(1e-12)
-            if self._eval_rows is not None and source_lines is not None:
-                targets = labels[:, 1:]
-                correct = ((outputs.logits[:, :-1].argmax(-1) == targets) & (targets != IGNORE_INDEX)).sum(1)
-                per_row = torch.stack(
-                    [terms.numerator.detach(), terms.denominator, terms.ce_sum, terms.tokens, correct], 1
-                )
+            loss = terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
+            if evaluating:
+                per_row = torch.stack([terms.numerator, terms.denominator, terms.ce_sum, terms.tokens, terms.correct], 1)
                 self._eval_rows.update(zip(source_lines.tolist(), per_row.double().tolist()))
         return (loss, outputs) if return_outputs else loss
+
+    def _forward_terms(self, model, inputs, labels, loss_weights, accuracy: bool):
+        """The model's forward and the loss terms, the logits either materialised (`naive`) or not."""
+        position_ids = inputs.get("position_ids")
+        if self.loss_impl == "naive":
+            outputs = model(**inputs, use_cache=False)
+            return outputs, self.loss.terms(labels, loss_weights, logits=outputs.logits, position_ids=position_ids,
+                                            accuracy=accuracy)
+        hidden = {}
+
+        def keep_hidden_states(module, args, output):  # returns None: the output itself goes on unchanged
+            hidden["states"] = output[0]
+
+        hook = self._decoder.register_forward_hook(keep_hidden_states)
+        try:
+            no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
+            outputs = model(**inputs, use_cache=False, logits_to_keep=no_logits)
+        finally:
+            hook.remove()
+        # cce computes no argmax: evaluation (no gradient) takes the chunked path, which gives the accuracy.
+        impl = self.loss_impl if model.training else "chunked"
+        with self._gathered_lm_head():
+            terms = self.loss.terms(labels, loss_weights, hidden=hidden["states"], lm_head=self._lm_head.weight,
+                                    position_ids=position_ids, impl=impl, accuracy=accuracy)
+        return outputs, terms
+
+    def _gathered_lm_head(self):
+        """Under ZeRO-3 the projection's weight is sharded; gather it for the loss (read-only)."""
+        if not self._zero3_head:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([self._lm_head.weight], modifier_rank=None)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
@@ -241,12 +292,27 @@ class WeightedLossTrainer(Trainer):
 
     def log(self, logs, start_time=None):
         if "loss" in logs:  # a training log: every rank gets here together
-            ce_sum, weight_sum, tokens = self._sum_over_ranks(self._train_stats).tolist()
+            ce_sum, weight_sum, tokens, samples, input_tokens, positions = (
+                self._sum_over_ranks(self._train_stats).tolist())
             self._train_stats.zero_()
             if tokens:
                 logs["ce"] = ce_sum / tokens
                 logs["weight_mean"] = weight_sum / tokens
+            logs.update(self.throughput.log_values(samples, input_tokens, positions, tokens))
             logs.update(self.clip_policy.log_values())
             for controller in self.controllers.values():
                 logs.update(controller.log_values())
         super().log(logs, start_time)
+
+
+def split_samples(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  position_ids: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each sample's tokens (on CPU): a padded batch's rows without padding, or a packed row's sequences."""
+    if position_ids is None:
+        mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        return [row[keep] for row, keep in zip(input_ids.detach().cpu(), mask.cpu())]
+    samples = []
+    for row, positions in zip(input_ids.detach().cpu(), position_ids.cpu()):
+        starts = (positions == 0).nonzero().flatten().tolist() + [len(row)]
+        samples += [row[a:b] for a, b in zip(starts, starts[1:])]
+    return samples

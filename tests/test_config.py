@@ -75,6 +75,9 @@ def test_unknown_keys_and_bad_types_are_rejected_naming_them(override, key):
         (["watchdog.timeout_s=0"], "watchdog.timeout_s"),
         (["watchdog.timeout_s=3600"], "watchdog.timeout_s"),
         (["eval_buckets=[3.0,1.0]"], "eval_buckets"),
+        (["loss.impl=fast"], "loss.impl"),
+        (["loss=ce", "loss.chunk_tokens=0"], "loss.chunk_tokens"),
+        (["throughput.peak_tflops=0"], "throughput.peak_tflops"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(overrides, key):
@@ -83,7 +86,7 @@ def test_bad_values_are_rejected_naming_the_field(overrides, key):
     assert e.value.key == key and str(e.value).startswith(key)
 
 
-@pytest.mark.parametrize("group", ["model=qwen2_5_7b", "loss=ce", "data=jsonl", "lora=default", "lora=dora",
+@pytest.mark.parametrize("group", ["model=qwen2_5_7b", "model=qwen2_5_7b_random", "loss=ce", "data=jsonl", "lora=default", "lora=dora",
                                    "clip=none", "clip=autoclip", "clip=zclip", "~guard", "~watchdog",
                                    "early_stopping=default", "lr_plateau=default", "adaptive_eval=default",
                                    "curriculum=default"])
@@ -109,3 +112,23 @@ def test_cli_bad_data_names_file_line_and_field(tmp_path):
     proc = run_train("data=jsonl", f"data.train_file={bad}", f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"{bad}:1: messages: no assistant turn" in proc.stderr
+
+
+def test_gpu_7b_bench_preset_is_lora_on_qwen2_5_7b_shape_packed_bf16():
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=["preset=gpu_7b"])
+    check(cfg)
+    shape = cfg.model.random_init
+    assert (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size) == (3584, 28, 152064)
+    assert cfg.lora is not None and cfg.data.packing and cfg.trainer.bf16 and cfg.model.dtype == "bfloat16"
+    assert cfg.loss.impl == "auto" and cfg.bench.steps == 20 and cfg.trainer.per_device_train_batch_size == 80
+
+
+def test_random_init_builds_the_given_architecture_without_weights_on_disk():
+    from sft.model import load_model
+
+    shape = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    model = load_model("no/such/model", random_init=shape)
+    assert model.config.hidden_size == 64 and model.lm_head.weight.shape == (1000, 64)
+    assert len(model.model.layers) == 2

@@ -83,13 +83,18 @@ def test_overlong_drop_and_error(tokenizer, tmp_path):
     assert f"{f}:1: row: longer than data.max_length=64" in str(e.value)
 
 
-def test_loss_weights_are_the_sample_weight_on_assistant_tokens_only(tokenizer, tmp_path):
+@pytest.mark.parametrize("packing", [False, True])
+def test_loss_weights_are_the_sample_weight_on_assistant_tokens_only(tokenizer, tmp_path, packing):
     f = write_jsonl(tmp_path / "t.jsonl", [chat("What is 1 + 1?", "2", 3.0), chat("Add 5 and 6.", "11", 0.5)])
     d = load_sft_datasets(tokenizer, sample_weight=lambda s: s * 10, train_file=str(f))
-    for row, w in zip(d.train, (30.0, 5.0)):
-        assert [x for x, lab in zip(row["loss_weights"], row["labels"]) if lab != -100] == [w] * sum(
-            lab != -100 for lab in row["labels"])
-        assert all(x == 0 for x, lab in zip(row["loss_weights"], row["labels"]) if lab == -100)
+    assert d.train["loss_weight"] == [30.0, 5.0]
+    batch = WeightedDataCollator(tokenizer, packing=packing)(list(d.train))
+    rows = zip(batch["loss_weights"], batch["labels"]) if not packing else [
+        (batch["loss_weights"][0][a:b], batch["labels"][0][a:b])
+        for a, b in [(0, len(d.train[0]["input_ids"])), (len(d.train[0]["input_ids"]), None)]]
+    for (weights, labels), w in zip(rows, (30.0, 5.0)):
+        assert weights[labels != -100].tolist() == [w] * int((labels != -100).sum()) and (labels != -100).any()
+        assert weights[labels == -100].eq(0).all()
 
 
 def test_second_load_reuses_the_cache_and_a_change_invalidates_it(tokenizer, tmp_path, monkeypatch):
@@ -106,9 +111,9 @@ def test_second_load_reuses_the_cache_and_a_change_invalidates_it(tokenizer, tmp
 
 
 def test_collator_pads_to_a_multiple_of_8_with_zero_weights(tokenizer):
-    feats = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "loss_weights": [0.0, 2.0, 2.0],
+    feats = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "loss_weight": 2.0,
               "difficulty_score": 2.0, "source_line": 1},
-             {"input_ids": [5] * 10, "labels": [5] * 10, "loss_weights": [1.0] * 10,
+             {"input_ids": [5] * 10, "labels": [5] * 10, "loss_weight": 1.0,
               "difficulty_score": 1.0, "source_line": 2}]
     batch = WeightedDataCollator(tokenizer, pad_to_multiple_of=8)(feats)
     assert set(batch) == {"input_ids", "attention_mask", "labels", "loss_weights", "source_lines"}
@@ -117,6 +122,20 @@ def test_collator_pads_to_a_multiple_of_8_with_zero_weights(tokenizer):
     assert batch["loss_weights"][0].tolist() == [0.0, 2.0, 2.0] + [0.0] * 13
     assert batch["labels"][0, 3:].eq(-100).all() and batch["attention_mask"][0].sum() == 3
     assert batch["loss_weights"].dtype == torch.float32
+
+
+def test_packing_collator_flattens_the_batch_with_restarting_positions(tokenizer):
+    feats = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "loss_weight": 2.0, "source_line": 1},
+             {"input_ids": [8, 9], "labels": [8, 9], "loss_weight": 1.0, "source_line": 2}]
+    batch = WeightedDataCollator(tokenizer, packing=True)(feats)
+    assert set(batch) == {"input_ids", "labels", "position_ids", "loss_weights", "source_lines", "cu_seq_lens_q",
+                          "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5]
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    # The first token of each sample is never a target: no sample is predicted from the one before it.
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9]]
+    assert batch["loss_weights"].tolist() == [[0.0, 2.0, 2.0, 0.0, 1.0]]
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ from sft.model import load_model, load_tokenizer
 from sft import sample_data
 from sft.trainer import WeightedLossTrainer
 tok = load_tokenizer("tiny")
-loss = HardSampleLoss()
+loss = HardSampleLoss(impl="naive")  # the run's own evaluation took the chunked path, under ZeRO-3
 data = load_sft_datasets(tok, loss.sample_weight, str(sample_data.TRAIN_FILE), str(sample_data.EVAL_FILE), 256)
 model = PeftModel.from_pretrained(load_model("tiny"), {str(adapter_dir)!r})
 args = TrainingArguments(output_dir={str(adapter_dir / "eval")!r}, per_device_eval_batch_size=32, report_to=[],
@@ -80,6 +80,7 @@ def test_zero3_lora_two_processes_save_a_full_adapter_that_reloads_and_resumes(t
     assert adapter["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (64, 16)
     assert any(adapter[k].abs().sum() > 0 for k in lora_b), "lora_B stayed zero: no training reached the adapter"
     results = json.loads((run / "results.json").read_text())
+    assert results["loss_impl"] == "chunked"  # LoRA leaves the lm_head frozen: gathered for the loss, not updated
     assert eval_loss_without_deepspeed(run / "model") == pytest.approx(results["eval_loss"], abs=1e-4)
 
     second = launch("--nproc", "2", *common, "trainer.max_steps=6", "resume=auto")

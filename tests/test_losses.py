@@ -87,3 +87,60 @@ def test_ce_equals_the_models_own_loss(tokenizer):
     out = model(input_ids=ids, labels=labels)
     ours = CrossEntropyLoss()(out.logits, labels, (labels != -100).float())
     assert ours.item() == pytest.approx(out.loss.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("normalize", ["weight", "token", "sample"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_equals_naive_in_value_and_gradients(normalize, packed):
+    from sft.losses import WeightedTokenLoss
+
+    torch.manual_seed(0)
+    rows, length, hidden_size, vocab = (1, 40, 16, 97) if packed else (3, 13, 16, 97)
+    hidden = torch.randn(rows, length, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows, length))
+    labels[:, :2] = -100
+    position_ids = None
+    if packed:  # three samples of 15, 12 and 13 tokens in one row, each with a prompt
+        position_ids = torch.cat([torch.arange(n) for n in (15, 12, 13)])[None]
+        labels[position_ids < 3] = -100
+    weights = torch.rand(rows, length) * (labels != -100)
+    loss = WeightedTokenLoss(normalize=normalize, chunk_tokens=5)
+    naive = loss.terms(labels, weights, logits=hidden @ weight.T, position_ids=position_ids, accuracy=True)
+    chunked = loss.terms(labels, weights, hidden=hidden, lm_head=weight, position_ids=position_ids,
+                         impl="chunked", accuracy=True)
+    assert chunked.loss_sum.item() == pytest.approx(naive.loss_sum.item(), abs=1e-5)
+    for a, b in zip(torch.autograd.grad(naive.loss_sum * 3.0, [hidden, weight]),
+                    torch.autograd.grad(chunked.loss_sum * 3.0, [hidden, weight])):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    for field in ("numerator", "denominator", "ce_sum", "tokens", "correct"):
+        torch.testing.assert_close(getattr(chunked, field), getattr(naive, field), atol=1e-5, rtol=1e-6)
+    assert len(naive.tokens) == (3 if packed else rows)
+
+
+def test_packed_sample_normalisation_counts_each_sample_on_its_own():
+    # The padded batch of LOGITS as one packed row: the same per-sample means, hence the same loss.
+    packed_logits = LOGITS.reshape(1, 8, 3)
+    packed_labels = LABELS.reshape(1, 8).clone()
+    packed_labels[0, 4] = -100  # a sample's first token is never a target (DataCollatorWithFlattening)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    loss = HardSampleLoss(alpha=1.0, normalize="sample")
+    packed = loss(packed_logits, packed_labels, WEIGHTS.reshape(1, 8), position_ids=position_ids)
+    assert packed.item() == pytest.approx(hard_sample("sample").item(), rel=1e-6)
+
+
+def test_choose_impl_falls_back_with_a_logged_reason(caplog):
+    from sft.losses import choose_impl
+
+    with caplog.at_level("WARNING", logger="sft"):
+        assert choose_impl("cce", vocab_size=151936, on_gpu=False) == "chunked"
+        assert "loss.impl=cce: needs a CUDA GPU; using chunked" in caplog.text
+        assert choose_impl("liger", vocab_size=151936, on_gpu=False) == "chunked"
+        assert "loss.impl=liger:" in caplog.text and "per-token weights" in caplog.text
+        assert choose_impl("chunked", vocab_size=320, on_gpu=False, zero3_trainable_head=True) == "naive"
+        assert "sharded by ZeRO-3" in caplog.text
+    assert choose_impl("auto", vocab_size=320, on_gpu=False) == "chunked"
+    assert choose_impl("auto", vocab_size=320, on_gpu=False, zero3_trainable_head=True) == "naive"
+    assert choose_impl("naive", vocab_size=151936, on_gpu=False) == "naive"
+    with pytest.raises(ValueError, match="loss.impl='fast'"):
+        choose_impl("fast", vocab_size=320, on_gpu=False)

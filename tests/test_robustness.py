@@ -21,12 +21,13 @@ def compute_loss(self, model, inputs, *args, **kwargs):
     lines = inputs.get("source_lines")
     rows = [i for i, line in enumerate(lines.tolist()) if line in POISON_LINES] if lines is not None else []
     handle = None
-    if rows and model.training:  # the row's logits turn to NaN (a poisoned sample) or blow up (a spike)
+    if rows and model.training:  # the row's final hidden states, hence its logits, turn to NaN or blow up
         def hook(module, inp, out):
-            out = out.clone()
-            out[rows] = float("nan") if SCALE != SCALE else out[rows] * SCALE
+            hidden = out[0].clone()
+            hidden[rows] = float("nan") if SCALE != SCALE else hidden[rows] * SCALE
+            out.last_hidden_state = hidden
             return out
-        handle = self.accelerator.unwrap_model(model).get_output_embeddings().register_forward_hook(hook)
+        handle = self.accelerator.unwrap_model(model).get_decoder().register_forward_hook(hook)
     try:
         return _compute(self, model, inputs, *args, **kwargs)
     finally:

@@ -23,7 +23,7 @@ ROWS = [
 ]
 
 
-def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, steps=2):
+def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, steps=2, packing=False):
     """Train the tiny model for `steps` SGD steps over `rows` in order; return step losses and parameters."""
     f = write_jsonl(tmp_path / "rows.jsonl", rows)
     data = load_sft_datasets(tokenizer, loss.sample_weight, train_file=str(f), max_length=128)
@@ -47,7 +47,7 @@ def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, 
     )
     trainer = WeightedLossTrainer(
         model=load_model("tiny"), args=args, train_dataset=data.train,
-        data_collator=WeightedDataCollator(tokenizer), processing_class=tokenizer, loss=loss,
+        data_collator=WeightedDataCollator(tokenizer, packing=packing), processing_class=tokenizer, loss=loss,
     )
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -90,3 +90,37 @@ def test_logged_ce_and_weight_mean_describe_the_step(tmp_path, tokenizer):
     expected = sum(t * r["difficulty_score"] for t, r in zip(tokens, rows)) / sum(tokens)
     assert log["weight_mean"] == pytest.approx(expected, rel=1e-5)
     assert log["ce"] > 0 and log["ce"] != pytest.approx(log["loss"], abs=1e-4)
+
+
+@pytest.mark.parametrize("normalize", ["weight", "token", "sample"])
+def test_chunked_loss_trains_exactly_as_the_naive_one(tmp_path, tokenizer, normalize):
+    naive = HardSampleLoss(alpha=1.0, normalize=normalize, impl="naive")
+    chunked = HardSampleLoss(alpha=1.0, normalize=normalize, impl="chunked", chunk_tokens=7)
+    losses_n, params_n, trainer_n = train_steps(tmp_path, tokenizer, naive, 2, 2)
+    losses_c, params_c, trainer_c = train_steps(tmp_path, tokenizer, chunked, 2, 2)
+    assert (trainer_n.loss_impl, trainer_c.loss_impl) == ("naive", "chunked")
+    assert losses_c == pytest.approx(losses_n, abs=1e-5)
+    torch.testing.assert_close(params_c, params_n, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("normalize", ["weight", "sample"])
+def test_packing_trains_exactly_as_padding(tmp_path, tokenizer, normalize):
+    loss = HardSampleLoss(alpha=1.0, normalize=normalize)
+    losses_pad, params_pad, _ = train_steps(tmp_path, tokenizer, loss, 4, 1)
+    losses_pack, params_pack, trainer = train_steps(tmp_path, tokenizer, loss, 4, 1, packing=True)
+    assert losses_pack == pytest.approx(losses_pad, abs=1e-5)
+    torch.testing.assert_close(params_pack, params_pad, atol=1e-5, rtol=0)
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    assert log["padding_fraction"] == 0
+
+
+def test_throughput_values_are_logged(tmp_path, tokenizer):
+    _, _, trainer = train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1, steps=1)
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    rows = trainer.train_dataset.select(range(4))
+    lengths = [len(r["input_ids"]) for r in rows]
+    padded = -(-max(lengths) // 8) * 8 * 4  # the collator pads to a multiple of 8
+    assert log["padding_fraction"] == pytest.approx(1 - sum(lengths) / padded, abs=1e-4)
+    assert log["tokens_per_second"] > 0 and log["trainable_tokens_per_second"] < log["tokens_per_second"]
+    assert log["peak_memory_gb"] > 0.05
+    assert "mfu" not in log  # no GPU and no throughput.peak_tflops: no peak to compare with

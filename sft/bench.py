@@ -1,0 +1,394 @@
+"""`python -m sft.bench [--out bench.json] [overrides]`: what this project's extra control costs.
+
+Trains the same model on the same rows in the same order for `bench.steps` optimizer steps as
+- `hf`: a plain `transformers.Trainer` with `DataCollatorForSeq2Seq` and the model's own loss;
+- `ce`, `hard_sample`: this project (`sft.train.build`, guard and clip policy included) with that loss;
+- `packing`: `hard_sample` with `data.packing=true`;
+and times the loss alone, forward and backward, on `bench.loss_batch x bench.loss_seq` tokens at
+`bench.loss_vocab x bench.loss_hidden` (Qwen2.5's vocabulary) with
+- `loss_naive` (the full logits, then the cross entropy) and `loss_chunked` (`loss.impl=chunked`).
+Each case runs in a fresh process, so peak memory is its own; the rounds interleave the cases and
+repeat `bench.repeats` times, and the medians are compared. Training cases are timed from the end of
+step `bench.warmup_steps` to the last step: input tokens (padding excluded) per second.
+
+Also: `preprocess`, tokenising `bench.preprocess_rows` rows into a fresh cache and then loading them
+from it; `startup`, the wall time of `python -m sft.train --cfg job` and `--help`.
+
+`preset=gpu_7b` is the GPU check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16,
+packed rows of about 4k tokens, the lean loss, 20 steps (see conf/preset/gpu_7b.yaml).
+
+The overrides are the training config's (`loss.impl=naive`, `trainer.per_device_train_batch_size=8`,
+`model=...`), plus `bench.*`. Prints a table and writes the raw numbers and ratios to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from sft.config import register
+
+TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if at most)
+    "ce_vs_hf": (0.97, "min"),
+    "hard_sample_vs_hf": (0.95, "min"),
+    "packing_vs_hf": (1.3, "min"),
+    "chunked_vs_naive_loss_memory": (0.3, "max"),
+    "chunked_vs_naive_loss_time": (1.3, "max"),
+    "preprocess_cached_speedup": (10.0, "min"),
+    "startup_cfg_job_s": (2.0, "max"),
+    "startup_help_s": (2.0, "max"),
+}
+CASE_OVERRIDES = {"hf": [], "ce": ["loss=ce"], "hard_sample": ["loss=hard_sample"],
+                  "packing": ["loss=hard_sample", "data.packing=true"]}
+TRAINING_CASES = tuple(CASE_OVERRIDES)
+LOSS_CASES = ("loss_naive", "loss_chunked")
+RESULT = "BENCH_RESULT "
+
+
+def compose(overrides: list[str]):
+    """The training config with the bench's overrides, as `python -m sft.train` would compose it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from sft.train import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="bench", overrides=overrides)
+
+
+def timed_training_overrides(cfg) -> list[str]:
+    """Train `bench.steps` steps, log once at the end; no evaluation, checkpoints or trackers."""
+    steps = cfg.bench.steps
+    return [f"trainer.max_steps={steps}", "trainer.eval_strategy=no", "trainer.save_strategy=no",
+            "trainer.report_to=[]", f"trainer.logging_steps={steps}", "trainer.logging_first_step=false",
+            "trainer.disable_tqdm=true", "data.eval_file=null"]
+
+
+# --- one case, in its own process ---------------------------------------------------------------------
+
+
+class StepClock:
+    """A Trainer callback: the time at the end of every optimizer step."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.times.append(time.perf_counter())
+
+        self.times: list[float] = []
+        self.callback = Callback()
+
+
+class CountingCollator:
+    """Wraps a collator; records each batch's input tokens (padding excluded), in order."""
+
+    def __init__(self, collator):
+        self.collator, self.tokens = collator, []
+
+    def __call__(self, features):
+        self.tokens.append(sum(len(f["input_ids"]) for f in features))
+        return self.collator(features)
+
+
+def run_training_case(case: str, cfg) -> dict:
+    """Train as `case` says; tokens per second over the timed steps, peak memory, MFU where known."""
+    from hydra.utils import instantiate
+
+    from sft.callbacks.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
+    from sft.train import build
+
+    run_dir = tempfile.mkdtemp(prefix=f"sft-bench-{case}-")
+    if case == "hf":
+        from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments, set_seed
+
+        fields = OmegaConf.to_container(cfg.trainer, resolve=True)
+        fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 1.0))
+        fields["dataloader_pin_memory"] &= _on_gpu()
+        args = TrainingArguments(**fields)
+        set_seed(args.seed)
+        tokenizer = instantiate(cfg.tokenizer)
+        loss = instantiate(cfg.loss)
+        data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight)
+        model = instantiate(cfg.model)
+        if cfg.lora is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, instantiate(cfg.lora, _convert_="all"))
+        collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100))
+        trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=collator,
+                          processing_class=tokenizer)
+    else:
+        trainer = build(cfg, run_dir).trainer
+        collator = trainer.data_collator = CountingCollator(trainer.data_collator)
+    clock = StepClock()
+    trainer.add_callback(clock.callback)
+    trainer.train()
+
+    accumulation, warmup = trainer.args.gradient_accumulation_steps, cfg.bench.warmup_steps
+    timed_batches = collator.tokens[warmup * accumulation: len(clock.times) * accumulation]
+    seconds = clock.times[-1] - clock.times[warmup - 1]
+    tokens_per_second = sum(timed_batches) / seconds
+    result = {"tokens_per_second": tokens_per_second, "peak_memory_gb": peak_memory_gb(),
+              "timed_steps": len(clock.times) - warmup, "seconds": seconds}
+    peak = cfg.throughput.peak_tflops or device_peak_tflops()
+    if peak:
+        rows = trainer.train_dataset.select(range(min(len(trainer.train_dataset), 2000)))
+        mean_length = sum(len(ids) for ids in rows["input_ids"]) / len(rows)
+        flops = flops_per_token(trainer.model, mean_length) * tokens_per_second
+        result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
+    return result
+
+
+def run_loss_case(case: str, cfg) -> dict:
+    """Forward and backward of the loss alone: the naive path (logits, then cross entropy) or chunked."""
+    import torch
+
+    from sft.losses import WeightedTokenLoss
+
+    b = cfg.bench
+    device = "cuda" if _on_gpu() else "cpu"
+    dtype = getattr(torch, b.loss_dtype)
+    torch.manual_seed(0)
+    hidden = torch.randn(b.loss_batch, b.loss_seq, b.loss_hidden, device=device, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(b.loss_vocab, b.loss_hidden, device=device, dtype=dtype) * 0.02).requires_grad_(
+        b.loss_trainable_head)
+    labels = torch.randint(0, b.loss_vocab, (b.loss_batch, b.loss_seq), device=device)
+    loss_weights = torch.rand(b.loss_batch, b.loss_seq, device=device)
+    loss = WeightedTokenLoss(chunk_tokens=cfg.loss.get("chunk_tokens", 1024))
+
+    def forward_backward():
+        if case == "loss_naive":
+            logits = torch.nn.functional.linear(hidden, weight)  # what the model's output projection makes
+            terms = loss.terms(labels, loss_weights, logits=logits)
+        else:
+            terms = loss.terms(labels, loss_weights, hidden=hidden, lm_head=weight, impl="chunked")
+        terms.loss_sum.backward()
+        hidden.grad = weight.grad = None
+
+    baseline = _memory_reset(device)
+    started = time.perf_counter()
+    forward_backward()
+    _sync(device)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "peak_memory_gb": _memory_peak(device) - baseline,
+            "tokens": b.loss_batch * b.loss_seq}
+
+
+def run_preprocess_case(case: str, cfg) -> dict:
+    """Load `bench.preprocess_rows` rows with `sft.data.load_sft_datasets` (a cold or a warm cache)."""
+    from hydra.utils import instantiate
+
+    tokenizer = instantiate(cfg.tokenizer)
+    started = time.perf_counter()
+    data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=lambda score: 1.0)
+    return {"seconds": time.perf_counter() - started, "rows": len(data.train)}
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _memory_reset(device: str) -> float:
+    """Start a peak-memory measurement here; return the baseline in GiB."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**30
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak resident set to the current one
+    return _proc_status("VmRSS")
+
+
+def _memory_peak(device: str) -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else _proc_status("VmHWM")
+
+
+def _proc_status(key: str) -> float:
+    """A memory line of /proc/self/status, in GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def child(case: str, config_file: str) -> None:
+    """Entry of a case's process: run it, print its result as one JSON line."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    register()
+    cfg = OmegaConf.load(config_file)
+    if case in TRAINING_CASES:
+        result = run_training_case(case, cfg)
+    elif case in LOSS_CASES:
+        result = run_loss_case(case, cfg)
+    else:
+        result = run_preprocess_case(case, cfg)
+    print(RESULT + json.dumps(result), flush=True)
+
+
+# --- the driver --------------------------------------------------------------------------------------
+
+
+def spawn(case: str, cfg, env: dict | None = None) -> dict:
+    """Run one case in a fresh process; its result, or why it failed."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(OmegaConf.to_yaml(cfg))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "sft.bench", "--case", case, "--config", f.name],
+                              capture_output=True, text=True, timeout=cfg.bench.case_timeout_s,
+                              env={**os.environ, **(env or {})})
+    finally:
+        os.unlink(f.name)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+    raise RuntimeError(f"bench case {case} failed (exit {proc.returncode}):\n{tail}")
+
+
+def synthetic_rows(path: Path, rows: int) -> None:
+    """`rows` chats in the bundled data's format: distinct additions, so none is a duplicate."""
+    from sft.sample_data import SYSTEM_PROMPT
+
+    with open(path, "w") as f:
+        for i in range(rows):
+            a, b = 7919 * i % 100003, 104729 * i % 99991
+            f.write(json.dumps({"messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                                             {"role": "user", "content": f"What is {a} + {b}?"},
+                                             {"role": "assistant", "content": f"{a} + {b} = {a + b}"}],
+                                "difficulty_score": 1.0 + i % 4}) + "\n")
+
+
+def startup_seconds(*args: str) -> float:
+    """Wall time of `python -m sft.train args...`, the best of three."""
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "sft.train", *args], capture_output=True, check=True)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def run_all(overrides: list[str]) -> dict:
+    """Every case of `bench.cases`, interleaved and repeated; the raw numbers, medians and ratios."""
+    base = compose(overrides)
+    b = base.bench
+    configs = {case: compose(overrides + CASE_OVERRIDES[case] + timed_training_overrides(base))
+               for case in b.cases if case in TRAINING_CASES}
+    configs.update({case: base for case in b.cases if case in LOSS_CASES})
+    raw: dict[str, list[dict]] = {case: [] for case in configs}
+    for round_ in range(b.repeats):
+        for case, cfg in configs.items():
+            print(f"[round {round_ + 1}/{b.repeats}] {case} ...", file=sys.stderr, flush=True)
+            raw[case].append(spawn(case, cfg))
+    report: dict = {"overrides": overrides, "raw": raw, "cases": {}, "ratios": {}}
+    for case, runs in raw.items():
+        report["cases"][case] = {key: statistics.median(run[key] for run in runs)
+                                 for key in runs[0] if isinstance(runs[0][key], (int, float))}
+    cases, ratios = report["cases"], report["ratios"]
+    for case in ("ce", "hard_sample", "packing"):
+        if case in cases and "hf" in cases:
+            ratios[f"{case}_vs_hf"] = cases[case]["tokens_per_second"] / cases["hf"]["tokens_per_second"]
+    if all(case in cases for case in LOSS_CASES):
+        naive, chunked = cases["loss_naive"], cases["loss_chunked"]
+        ratios["chunked_vs_naive_loss_memory"] = chunked["peak_memory_gb"] / naive["peak_memory_gb"]
+        ratios["chunked_vs_naive_loss_time"] = chunked["seconds"] / naive["seconds"]
+    if "preprocess" in b.cases:
+        with tempfile.TemporaryDirectory(prefix="sft-bench-preprocess-") as tmp:
+            rows = Path(tmp, "rows.jsonl")
+            synthetic_rows(rows, b.preprocess_rows)
+            cfg = compose(overrides + [f"data.train_file={rows}", "data.eval_file=null"])
+            env = {"SFT_CACHE": str(Path(tmp, "cache"))}  # cold: nothing cached yet (the tiny model is rebuilt)
+            spawn("preprocess", cfg, env)  # builds the tiny model into the fresh cache, tokenises (untimed)
+            shutil_rmtree(Path(tmp, "cache", "datasets"))
+            cold = spawn("preprocess", cfg, env)
+            warm = spawn("preprocess", cfg, env)
+        cases["preprocess"] = {"rows": cold["rows"], "first_s": cold["seconds"], "cached_s": warm["seconds"]}
+        ratios["preprocess_cached_speedup"] = cold["seconds"] / warm["seconds"]
+    if "startup" in b.cases:
+        ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job")
+        ratios["startup_help_s"] = startup_seconds("--help")
+    report["targets"] = {k: {"target": t, "kind": kind, "met": (ratios[k] >= t if kind == "min" else ratios[k] <= t)}
+                         for k, (t, kind) in TARGETS.items() if k in ratios}
+    return report
+
+
+def shutil_rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def print_report(report: dict) -> None:
+    cases = report["cases"]
+    hf = cases.get("hf", {}).get("tokens_per_second")
+    print(f"\n{'case':<14}{'tokens/s':>12}{'vs hf':>8}{'peak GiB':>10}{'vs hf':>8}{'mfu':>8}")
+    for case in TRAINING_CASES:
+        if case in cases:
+            c = cases[case]
+            mem_hf = cases.get("hf", {}).get("peak_memory_gb")
+            print(f"{case:<14}{c['tokens_per_second']:>12.0f}"
+                  f"{c['tokens_per_second'] / hf if hf else float('nan'):>8.2f}{c['peak_memory_gb']:>10.2f}"
+                  f"{c['peak_memory_gb'] / mem_hf if mem_hf else float('nan'):>8.2f}"
+                  f"{c['mfu'] if 'mfu' in c else float('nan'):>8.3f}")
+    for case in LOSS_CASES:
+        if case in cases:
+            c = cases[case]
+            print(f"{case:<14}{c['tokens'] / c['seconds']:>12.0f}{'':>8}{c['peak_memory_gb']:>10.2f}   "
+                  f"({c['seconds']:.2f} s forward+backward)")
+    if "preprocess" in cases:
+        p = cases["preprocess"]
+        print(f"preprocess    {p['rows']} rows: first {p['first_s']:.1f} s, cached {p['cached_s']:.2f} s")
+    print()
+    for key, value in report["ratios"].items():
+        target = report["targets"].get(key)
+        mark = "" if target is None else (f"  target {'>=' if target['kind'] == 'min' else '<='} {target['target']}: "
+                                          f"{'met' if target['met'] else 'NOT MET'}")
+        print(f"{key:<32}{value:>8.3f}{mark}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sft.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench.json", help="where to write the raw numbers and ratios")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args, overrides = parser.parse_known_args(argv)
+    if args.case:
+        child(args.case, args.config)
+        return 0
+    report = run_all(overrides)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
