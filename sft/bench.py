@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -77,20 +78,18 @@ def timed_training_overrides(cfg) -> list[str]:
 # --- one case, in its own process ---------------------------------------------------------------------
 
 
-class StepClock:
-    """A Trainer callback: the time at the end of every optimizer step."""
+def step_clock():
+    """A Trainer callback that records the time at the end of every optimizer step (in `.times`)."""
+    from transformers import TrainerCallback
 
-    def __init__(self):
-        from transformers import TrainerCallback
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
 
-        clock = self
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter())
 
-        class Callback(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                clock.times.append(time.perf_counter())
-
-        self.times: list[float] = []
-        self.callback = Callback()
+    return StepClock()
 
 
 class CountingCollator:
@@ -134,8 +133,8 @@ def run_training_case(case: str, cfg) -> dict:
     else:
         trainer = build(cfg, run_dir).trainer
         collator = trainer.data_collator = CountingCollator(trainer.data_collator)
-    clock = StepClock()
-    trainer.add_callback(clock.callback)
+    clock = step_clock()
+    trainer.add_callback(clock)
     trainer.train()
 
     accumulation, warmup = trainer.args.gradient_accumulation_steps, cfg.bench.warmup_steps
@@ -327,7 +326,7 @@ def run_all(overrides: list[str]) -> dict:
             cfg = compose(overrides + [f"data.train_file={rows}", "data.eval_file=null"])
             env = {"SFT_CACHE": str(Path(tmp, "cache"))}  # cold: nothing cached yet (the tiny model is rebuilt)
             spawn("preprocess", cfg, env)  # builds the tiny model into the fresh cache, tokenises (untimed)
-            shutil_rmtree(Path(tmp, "cache", "datasets"))
+            shutil.rmtree(Path(tmp, "cache", "datasets"), ignore_errors=True)
             cold = spawn("preprocess", cfg, env)
             warm = spawn("preprocess", cfg, env)
         cases["preprocess"] = {"rows": cold["rows"], "first_s": cold["seconds"], "cached_s": warm["seconds"]}
@@ -338,12 +337,6 @@ def run_all(overrides: list[str]) -> dict:
     report["targets"] = {k: {"target": t, "kind": kind, "met": (ratios[k] >= t if kind == "min" else ratios[k] <= t)}
                          for k, (t, kind) in TARGETS.items() if k in ratios}
     return report
-
-
-def shutil_rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def print_report(report: dict) -> None:

@@ -67,7 +67,7 @@ class DataConfig:
 @dataclass
 class CollatorConfig:
     _target_: str = "sft.data.WeightedDataCollator"
-    pad_to_multiple_of: Optional[int] = 8  # padded batches only
+    pad_to_multiple_of: Optional[int] = None  # padded batches only; 8 or 64 on GPU
     packing: bool = "${data.packing}"  # type: ignore[assignment]
 
 

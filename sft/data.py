@@ -417,7 +417,7 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
     which the trainer pops before the forward.
     """
 
-    def __init__(self, tokenizer, pad_to_multiple_of: int | None = 8, packing: bool = False):
+    def __init__(self, tokenizer, pad_to_multiple_of: int | None = None, packing: bool = False):
         super().__init__(tokenizer=tokenizer, padding=True, pad_to_multiple_of=pad_to_multiple_of,
                          label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
         self.packing = packing
