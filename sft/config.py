@@ -287,7 +287,7 @@ class TrainConfig:
     loss: Any = MISSING
     lora: Any = None
     deepspeed: Any = None
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: Any = MISSING  # typed by trainer_schema in the trainer group (nesting it here would copy it)
     clip: Any = MISSING
     early_stopping: Any = None
     lr_plateau: Any = None
@@ -301,7 +301,7 @@ class TrainConfig:
     exact_match: Any = None
     sweep: SweepConfig = field(default_factory=SweepConfig)
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
+    bench: Any = None  # python -m sft.bench only: bench_schema (conf/bench.yaml)
     resume: Optional[str] = None  # null, "auto" (newest complete checkpoint in the run dir) or a checkpoint path
     resume_force: bool = False  # resume even if the data changed since the checkpoint
 
@@ -310,6 +310,7 @@ def register() -> None:
     """Register the schemas and the `${sft_sample:FILE}` resolver (path of a bundled sample file)."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="bench_schema", node=BenchConfig, package="bench")
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="loss", name="ce_schema", node=CrossEntropyLossConfig)
