@@ -17,6 +17,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from sft.data import packed_bounds
+
 NAME = "sdpa_varlen"
 
 
@@ -31,7 +33,8 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout=0.0
     bounds, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     positions = kwargs.get("position_ids")
     if bounds is None and attention_mask is None and positions is not None and positions.shape[0] == 1:
-        bounds, longest = _bounds(positions[0])  # a packed row given by its position_ids alone
+        bounds = packed_bounds(positions[0])  # a packed row given by its position_ids alone
+        longest = (bounds[1:] - bounds[:-1]).max()
     if bounds is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -46,13 +49,6 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout=0.0
     out, _ = sdpa_attention_forward(module, spread(query), spread(key), spread(value), None, dropout=dropout,
                                     scaling=scaling, is_causal=True)
     return out.reshape(samples * longest, *out.shape[2:])[slots][None], None  # [1, T, heads, d]
-
-
-def _bounds(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sample boundaries (as `cu_seq_lens_q`) and the longest sample's length, from restarting positions."""
-    starts = (positions == 0).nonzero().flatten()
-    bounds = torch.cat([starts, starts.new_tensor([positions.numel()])])
-    return bounds, int((bounds[1:] - bounds[:-1]).max())
 
 
 def sdpa_varlen_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, **kwargs):

@@ -108,7 +108,8 @@ def run_training_case(case: str, cfg) -> dict:
     from hydra.utils import instantiate
 
     from sft.callbacks.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
-    from sft.train import build
+    from sft.data import column
+    from sft.train import build, build_model
 
     run_dir = tempfile.mkdtemp(prefix=f"sft-bench-{case}-")
     if case == "hf":
@@ -122,11 +123,7 @@ def run_training_case(case: str, cfg) -> dict:
         tokenizer = instantiate(cfg.tokenizer)
         loss = instantiate(cfg.loss)
         data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight)
-        model = instantiate(cfg.model)
-        if cfg.lora is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, instantiate(cfg.lora, _convert_="all"))
+        model = build_model(cfg, args.activation_checkpointing)
         collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100))
         trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=collator,
                           processing_class=tokenizer)
@@ -145,8 +142,8 @@ def run_training_case(case: str, cfg) -> dict:
               "timed_steps": len(clock.times) - warmup, "seconds": seconds}
     peak = cfg.throughput.peak_tflops or device_peak_tflops()
     if peak:
-        rows = trainer.train_dataset.select(range(min(len(trainer.train_dataset), 2000)))
-        mean_length = sum(len(ids) for ids in rows["input_ids"]) / len(rows)
+        lengths = [len(ids) for ids in column(trainer.train_dataset, "input_ids")]
+        mean_length = sum(lengths) / len(lengths)
         flops = flops_per_token(trainer.model, mean_length) * tokens_per_second
         result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
     return result

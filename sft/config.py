@@ -349,7 +349,7 @@ def _installed(module: str) -> bool:
 
 
 NORMALIZE_MODES = ("weight", "token", "sample")
-LOSS_IMPLS = ("auto", "naive", "chunked", "liger", "cce")  # as sft.losses.IMPLS (not imported: it needs torch)
+LOSS_IMPLS = ("auto", "naive", "chunked", "liger", "cce")  # see sft.losses
 
 
 def check(cfg) -> None:

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sft.config import LOSS_IMPLS
+
 IGNORE_INDEX = -100
-IMPLS = ("auto", "naive", "chunked", "liger", "cce")
 LARGE_VOCAB = 32768  # from here on `auto` never materialises the logits
 
 log = logging.getLogger("sft")
@@ -255,8 +256,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
 
 def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainable_head: bool = False) -> str:
     """The implementation to run for `loss.impl=requested`, logging why a requested one is not used."""
-    if requested not in IMPLS:
-        raise ValueError(f"loss.impl={requested!r}: must be one of {', '.join(IMPLS)}")
+    if requested not in LOSS_IMPLS:
+        raise ValueError(f"loss.impl={requested!r}: must be one of {', '.join(LOSS_IMPLS)}")
     # DeepSpeed ZeRO-3 updates a sharded lm_head only through its module's own forward and backward.
     lean = "naive" if zero3_trainable_head else "chunked"
     if requested == "cce" or (requested == "auto" and on_gpu):

@@ -127,6 +127,27 @@ class Recipe:
     controllers: dict
 
 
+def build_model(cfg: DictConfig, activation_checkpointing: bool):
+    """The model (+ LoRA) of the `model` and `lora` groups, with the attention packed batches need."""
+    from hydra.utils import instantiate
+
+    attn = cfg.model.attn_implementation
+    if cfg.data.packing and attn == "sdpa":  # sdpa would attend across the whole packed row, under a mask
+        attn = "sdpa_varlen"
+        log.info("data.packing: attention sdpa_varlen (sdpa per sample of the packed row)")
+    model = instantiate(cfg.model, attn_implementation=attn)
+    if cfg.lora is not None:
+        from peft import get_peft_model, prepare_model_for_kbit_training
+
+        if cfg.model.quantization:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=activation_checkpointing)
+        model = get_peft_model(model, instantiate(cfg.lora, _convert_="all"))
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3 shards
+    total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
+    log.info("model: %d parameters, %d trainable (%.2f%%)", total, trainable, 100 * trainable / total)
+    return model
+
+
 def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recipe:
     """Training arguments (before the model, as ZeRO-3 requires), tokenizer, loss, data, model (+ LoRA),
     controllers, collator and trainer, for a checked config."""
@@ -148,21 +169,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
                            rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0 else None)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
 
-    attn = cfg.model.attn_implementation
-    if cfg.data.packing and attn == "sdpa":  # sdpa would attend across the whole packed row, under a mask
-        attn = "sdpa_varlen"
-        log.info("data.packing: attention sdpa_varlen (sdpa per sample of the packed row)")
-    model = instantiate(cfg.model, attn_implementation=attn)
-    if cfg.lora is not None:
-        from peft import get_peft_model, prepare_model_for_kbit_training
-
-        if cfg.model.quantization:
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.activation_checkpointing)
-        model = get_peft_model(model, instantiate(cfg.lora, _convert_="all"))
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3 shards
-    total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
-    log.info("model: %d parameters, %d trainable (%.2f%%)", total, trainable, 100 * trainable / total)
-
+    model = build_model(cfg, args.activation_checkpointing)
     controllers = {name: instantiate(cfg[name]) for name in CONTROLLERS if cfg[name] is not None}
     trainer = WeightedLossTrainer(
         model=model,
@@ -290,9 +297,8 @@ def hardest_bucket_exact_match(trainer, tokenizer, cfg: DictConfig) -> float:
     from sft.generation import exact_match, hardest_bucket_rows
 
     rows = hardest_bucket_rows(cfg.data.eval_file, list(cfg.eval_buckets), cfg.exact_match.max_rows)
-    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped if zero3 else trainer.model)
-    score = exact_match(model, tokenizer, rows, cfg.exact_match.max_new_tokens, synced_gpus=zero3)
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped if trainer.is_zero3 else trainer.model)
+    score = exact_match(model, tokenizer, rows, cfg.exact_match.max_new_tokens, synced_gpus=trainer.is_zero3)
     log.info("exact match of greedy answers on the hardest eval bucket (%d rows): %.4f", len(rows), score)
     return score
 

@@ -40,6 +40,7 @@ from transformers import Trainer
 
 from sft.callbacks.throughput import ThroughputMeter
 from sft.clipping import GradClipPolicy
+from sft.data import column, packed_bounds
 from sft.losses import WeightedTokenLoss, choose_impl
 
 log = logging.getLogger("sft")
@@ -65,18 +66,22 @@ class WeightedLossTrainer(Trainer):
         self.eval_buckets = list(eval_buckets)
         self._eval_scores = {}
         if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
-            self._eval_scores = dict(zip(self.eval_dataset["source_line"], self.eval_dataset["difficulty_score"]))
+            self._eval_scores = row_scores(self.eval_dataset)
         # Since the last log: ce sum, weight sum, assistant tokens, samples, input tokens, positions.
         self._train_stats = torch.zeros(len(self.TRAIN_STATS), dtype=torch.float64, device=self.args.device)
         self._eval_rows: dict[int, list[float]] | None = None  # source line -> num, den, ce, tokens, correct
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
-        zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        self._zero3_head = zero3 and hasattr(self._lm_head.weight, "ds_id")
+        self._zero3_head = self.is_zero3 and hasattr(self._lm_head.weight, "ds_id")
         self.loss_impl = choose_impl(loss.impl, vocab_size=self.model.config.vocab_size,
                                      on_gpu=self.args.device.type == "cuda",
                                      zero3_trainable_head=self._zero3_head and self._lm_head.weight.requires_grad)
         log.info("loss: %s cross entropy (loss.impl=%s)", self.loss_impl, loss.impl)
+
+    @property
+    def is_zero3(self) -> bool:
+        """DeepSpeed ZeRO stage 3: parameters are sharded and gathered only around their use."""
+        return self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
 
     TRAIN_STATS = ("ce", "weight", "tokens", "samples", "input_tokens", "positions")
 
@@ -166,7 +171,7 @@ class WeightedLossTrainer(Trainer):
     def _record_bad_step(self, step: int, verdict: str, loss: float, norm: float) -> None:
         """Write `nan_batches/step-N.json` (or `spikes/`) naming the step's rows; warn with the worst ones."""
         if not self._train_scores:
-            self._train_scores = dict(zip(self.train_dataset["source_line"], self.train_dataset["difficulty_score"]))
+            self._train_scores = row_scores(self.train_dataset)
         rows = []
         for lines, per_row, batch in self._step_rows:
             for line, row_loss, seq in zip(lines.tolist(), per_row.float().tolist(), split_samples(*batch)):
@@ -196,7 +201,7 @@ class WeightedLossTrainer(Trainer):
             return super()._get_train_sampler(train_dataset)
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return CurriculumSampler(dataset["difficulty_score"], curriculum, seed)
+        return CurriculumSampler(column(dataset, "difficulty_score"), curriculum, seed)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
@@ -305,6 +310,11 @@ class WeightedLossTrainer(Trainer):
         super().log(logs, start_time)
 
 
+def row_scores(dataset) -> dict[int, float]:
+    """`difficulty_score` by `source_line`: names a row's difficulty in reports and eval buckets."""
+    return dict(zip(column(dataset, "source_line"), column(dataset, "difficulty_score")))
+
+
 def split_samples(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                   position_ids: torch.Tensor | None) -> list[torch.Tensor]:
     """Each sample's tokens (on CPU): a padded batch's rows without padding, or a packed row's sequences."""
@@ -313,6 +323,6 @@ def split_samples(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
         return [row[keep] for row, keep in zip(input_ids.detach().cpu(), mask.cpu())]
     samples = []
     for row, positions in zip(input_ids.detach().cpu(), position_ids.cpu()):
-        starts = (positions == 0).nonzero().flatten().tolist() + [len(row)]
-        samples += [row[a:b] for a, b in zip(starts, starts[1:])]
+        bounds = packed_bounds(positions).tolist()
+        samples += [row[a:b] for a, b in zip(bounds, bounds[1:])]
     return samples
