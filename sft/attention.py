@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sft.data import packed_bounds
+from sft.batch import packed_bounds
 
 NAME = "sdpa_varlen"
 

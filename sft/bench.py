@@ -35,7 +35,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sft.config import register
+from sft import config
 
 TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if at most)
     "ce_vs_hf": (0.97, "min"),
@@ -56,14 +56,7 @@ RESULT = "BENCH_RESULT "
 
 def compose(overrides: list[str]):
     """The training config with the bench's overrides, as `python -m sft.train` would compose it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from sft.train import CONF_DIR
-
-    register()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="bench", overrides=overrides)
+    return config.compose("bench", overrides)
 
 
 def timed_training_overrides(cfg) -> list[str]:
@@ -106,7 +99,7 @@ def run_training_case(case: str, cfg) -> dict:
     """Train as `case` says; tokens per second over the timed steps, peak memory, MFU where known."""
     from hydra.utils import instantiate
 
-    from sft.callbacks.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
+    from sft.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
     from sft.data import column
     from sft.train import build, build_model
 
@@ -152,7 +145,7 @@ def run_loss_case(case: str, cfg) -> dict:
     """Forward and backward of the loss alone: the naive path (logits, then cross entropy) or chunked."""
     import torch
 
-    from sft.losses import WeightedTokenLoss
+    from sft.losses import CrossEntropyLoss
 
     b = cfg.bench
     device = "cuda" if _on_gpu() else "cpu"
@@ -163,7 +156,7 @@ def run_loss_case(case: str, cfg) -> dict:
         b.loss_trainable_head)
     labels = torch.randint(0, b.loss_vocab, (b.loss_batch, b.loss_seq), device=device)
     loss_weights = torch.rand(b.loss_batch, b.loss_seq, device=device)
-    loss = WeightedTokenLoss(chunk_tokens=cfg.loss.get("chunk_tokens", 1024))
+    loss = CrossEntropyLoss(chunk_tokens=cfg.loss.chunk_tokens)
 
     def forward_backward():
         if case == "loss_naive":
@@ -237,7 +230,7 @@ def child(case: str, config_file: str) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    register()
+    config.register()
     cfg = OmegaConf.load(config_file)
     if case in TRAINING_CASES:
         result = run_training_case(case, cfg)

@@ -21,6 +21,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from sft.config import ConfigError
+
 log = logging.getLogger("sft")
 
 STATE_FILE = "sft_state.json"
@@ -58,6 +60,37 @@ def data_changes(saved: dict, current: dict) -> list[str]:
     """What differs between the data identity a checkpoint was trained on and the current one."""
     return [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
             for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+
+
+def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | None:
+    """The checkpoint to resume from: none, the newest complete one in the run dir (`auto`), or a path."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = latest_complete(output_dir)
+        if os.environ.get("RANK", "0") == "0":
+            for debris in remove_incomplete(output_dir):
+                log.warning("resume=auto: removed %s, a checkpoint left incomplete by a crash", debris)
+        log.info("resume=auto: %s", f"resuming from {found}" if found else f"no checkpoint in {output_dir}, starting fresh")
+        return str(found) if found else None
+    if not Path(resume, STATE_FILE).is_file() and not force:
+        raise ConfigError("resume", resume, f"no {STATE_FILE}: an incomplete checkpoint, or not one of sft's "
+                          "(resume_force=true resumes anyway)")
+    return resume
+
+
+def check_resume_data(checkpoint: str, identity: dict, force: bool) -> dict | None:
+    """The checkpoint's saved state; refuse it if it was trained on other data, unless forced."""
+    if not Path(checkpoint, STATE_FILE).is_file():
+        return None
+    state = read_state(checkpoint)
+    changes = data_changes(state.get("data", {}), identity)
+    if changes:
+        if not force:
+            raise ConfigError("resume", checkpoint, "the data changed since this checkpoint (" + "; ".join(changes)
+                              + "); set resume_force=true to resume anyway")
+        log.warning("resume_force: resuming although the data changed: %s", "; ".join(changes))
+    return state
 
 
 def git_commit() -> str | None:

@@ -5,28 +5,36 @@ is the step's pre-clip norm where the trainer knows it before clipping (plain Py
 under DeepSpeed, where the engine clips inside its own step and the threshold is set beforehand from the
 history alone. After the step the trainer reports the pre-clip norm with `observe`. Every policy's
 state is a plain dict, saved in each checkpoint's `sft_state.json` and restored on resume.
+
+A policy's knobs, defaults and checks are its schema's (`sft.config.*ClipConfig`), which it extends. A
+policy of your own subclasses `GradClipPolicy` (see the README's recipe).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+from sft.config import AutoClipConfig, NoClipConfig, StaticClipConfig, ZClipConfig
 
 
-class GradClipPolicy:
+@dataclass(eq=False, kw_only=True)
+class GradClipPolicy(NoClipConfig):
     """No clipping; the pre-clip norm is still tracked for the logs."""
 
     name = "none"
 
-    def __init__(self, max_norm: float = 0.0):
-        self.max_norm = max_norm
+    def __post_init__(self):
         self.steps = 0
         self.clipped_steps = 0
         self.last_threshold = math.inf
         self.last_clipped = False
 
     def initial_threshold(self) -> float:
-        """The threshold handed to TrainingArguments.max_grad_norm (and DeepSpeed's gradient_clipping)."""
-        return 0.0
+        """The threshold handed to TrainingArguments.max_grad_norm (and DeepSpeed's gradient_clipping): the
+        first step's, or 0 where the policy does not clip."""
+        first = self.threshold(None)
+        return first if math.isfinite(first) else 0.0
 
     def threshold(self, norm: float | None = None) -> float:
         return math.inf
@@ -59,19 +67,18 @@ class GradClipPolicy:
         vars(self).update(state)
 
 
-class StaticClip(GradClipPolicy):
+@dataclass(eq=False, kw_only=True)
+class StaticClip(StaticClipConfig, GradClipPolicy):
     """Clip to `max_norm` every step."""
 
     name = "static"
-
-    def initial_threshold(self) -> float:
-        return self.max_norm
 
     def threshold(self, norm: float | None = None) -> float:
         return self.max_norm if self.max_norm > 0 else math.inf
 
 
-class AutoClip(GradClipPolicy):
+@dataclass(eq=False, kw_only=True)
+class AutoClip(AutoClipConfig, GradClipPolicy):
     """AutoClip: clip to the `percentile`-th percentile of the (clipped) norms seen so far.
 
     The history holds pre-clip norms, as in the AutoClip paper. The first `warmup_steps` steps clip at
@@ -80,14 +87,9 @@ class AutoClip(GradClipPolicy):
 
     name = "autoclip"
 
-    def __init__(self, percentile: float = 10.0, warmup_steps: int = 10, max_norm: float = 1.0,
-                 history_size: int = 0):
-        super().__init__(max_norm)
-        self.percentile, self.warmup_steps, self.history_size = percentile, warmup_steps, history_size
+    def __post_init__(self):
+        super().__post_init__()
         self.history: list[float] = []
-
-    def initial_threshold(self) -> float:
-        return self.max_norm
 
     def threshold(self, norm: float | None = None) -> float:
         if self.steps < self.warmup_steps or not self.history:
@@ -104,7 +106,8 @@ class AutoClip(GradClipPolicy):
             del self.history[0]
 
 
-class ZClip(GradClipPolicy):
+@dataclass(eq=False, kw_only=True)
+class ZClip(ZClipConfig, GradClipPolicy):
     """ZClip: EMA mean and variance of the norm; a norm whose z-score exceeds `z_threshold` is clipped.
 
     With the current norm known, the clip value is the paper's reciprocal one, `mean + z_threshold**2 / z
@@ -116,16 +119,11 @@ class ZClip(GradClipPolicy):
 
     name = "zclip"
 
-    def __init__(self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 10,
-                 max_norm: float = 1.0):
-        super().__init__(max_norm)
-        self.alpha, self.z_threshold, self.warmup_steps = alpha, z_threshold, warmup_steps
+    def __post_init__(self):
+        super().__post_init__()
         self.mean: float | None = None
         self.var = 0.0
         self.warmup_norms: list[float] = []
-
-    def initial_threshold(self) -> float:
-        return self.max_norm
 
     def threshold(self, norm: float | None = None) -> float:
         if self.steps < self.warmup_steps or self.mean is None:

@@ -1,24 +1,32 @@
-"""The structured config: one dataclass schema per config group, registered in Hydra's ConfigStore.
+"""The structured config: one dataclass schema per config group, each checking its own values.
 
-Hydra rejects an unknown key or a wrongly typed value at composition, naming it. `check` then
-validates values (ranges, files) before anything heavy is built, raising `ConfigError`, which the
-entrypoint turns into a one-line message and exit code 2.
+Hydra rejects an unknown key or a wrongly typed value at composition, naming it. `check` then walks the
+composed config and lets every node's schema validate its values (`Schema.check`: ranges, files, rules
+that span nodes) before anything heavy is built, raising `ConfigError`, which the entrypoint turns
+into a one-line message and exit code 2. A node built from a class with no schema here (your own
+controller, loss or clip policy) is checked against that class's signature instead.
+
+Each default is stated once, here: the YAML options of `conf/` carry only what differs, and the
+classes that a schema builds (`_target_`) extend it, so `ZClip()` has ZClip's defaults and checks.
 
 This module imports neither torch nor transformers so that `--cfg job` and `--help` answer at once.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from sft import sample_data
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the repo's conf/ (editable install)
 
 
 class ConfigError(ValueError):
@@ -28,12 +36,28 @@ class ConfigError(ValueError):
         super().__init__(f"{key}={value!r}: {reason}" if value is not None else f"{key}: {reason}")
         self.key, self.value, self.reason = key, value, reason
 
+    def within(self, path: str) -> ConfigError:
+        """The same error with its key placed under the node at `path` (`clip` + `max_norm`)."""
+        return ConfigError(f"{path}.{self.key}" if self.key else path, self.value, self.reason)
 
-# --- group schemas ------------------------------------------------------------------------------------
+
+class Schema:
+    """Base of every schema: `check` validates the node's values; `require` names the failing field."""
+
+    def check(self, cfg: DictConfig | None = None) -> None:
+        """Raise `ConfigError` for the first bad value. `cfg` is the whole config, for rules that span
+        nodes; None where the class is built directly in Python (those rules are then skipped)."""
+
+    def require(self, key: str, ok: bool, reason: str) -> None:
+        if not ok:
+            raise ConfigError(key, getattr(self, key) if key else None, reason)
+
+
+# --- model, tokenizer, data, collator -----------------------------------------------------------------
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Schema):
     _target_: str = "sft.model.load_model"
     name_or_path: str = "tiny"
     dtype: str = "float32"
@@ -42,9 +66,18 @@ class ModelConfig:
     quantization: Optional[str] = None  # nf4: 4-bit base for QLoRA (bitsandbytes, CUDA only)
     random_init: Optional[Dict[str, Any]] = None  # a transformers config: this architecture, random weights
 
+    def check(self, cfg=None):
+        self.require("dtype", self.dtype in ("float32", "bfloat16", "float16"), "must be float32, bfloat16 or float16")
+        self.require("quantization", self.quantization in (None, "nf4"), "must be null or nf4")
+        if self.quantization is not None and cfg is not None:
+            self.require("quantization", cfg.lora is not None, "a quantized base trains only with LoRA (lora=qlora)")
+            self.require("quantization", _cuda_available(),
+                         "4-bit QLoRA needs a CUDA GPU (bitsandbytes); this machine has none: use lora=default")
+            self.require("quantization", _installed("bitsandbytes"), "needs bitsandbytes: pip install bitsandbytes")
+
 
 @dataclass
-class TokenizerConfig:
+class TokenizerConfig(Schema):
     _target_: str = "sft.model.load_tokenizer"
     name_or_path: str = "${model.name_or_path}"
     chat_template: Optional[str] = None
@@ -52,7 +85,7 @@ class TokenizerConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Schema):
     _target_: str = "sft.data.load_sft_datasets"
     train_file: str = MISSING
     eval_file: Optional[str] = None
@@ -63,34 +96,73 @@ class DataConfig:
     overlong: str = "truncate"  # truncate (prompt cut from the left first) | drop | error
     packing: bool = False  # each micro-batch as one row without padding (position_ids restart per sample)
 
+    def check(self, cfg=None):
+        self.require("max_length", self.max_length >= 8, "must be >= 8")
+        self.require("on_error", self.on_error in ("raise", "skip"), "must be raise or skip")
+        self.require("overlong", self.overlong in ("truncate", "drop", "error"), "must be truncate, drop or error")
+        self.require("default_score", self.default_score is None or self.default_score >= 0, "must be >= 0")
+        for key in ("train_file", "eval_file"):
+            path = getattr(self, key)
+            self.require(key, path is None or os.path.isfile(path), "no such file")
+
 
 @dataclass
-class CollatorConfig:
+class CollatorConfig(Schema):
     _target_: str = "sft.data.WeightedDataCollator"
     pad_to_multiple_of: Optional[int] = None  # padded batches only; 8 or 64 on GPU
     packing: bool = "${data.packing}"  # type: ignore[assignment]
 
+    def check(self, cfg=None):
+        self.require("pad_to_multiple_of", self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
+                     "must be >= 1")
 
-@dataclass
-class CrossEntropyLossConfig:
-    _target_: str = "sft.losses.CrossEntropyLoss"
+
+# --- losses (built as sft.losses.*, which extend these) -----------------------------------------------
+
+NORMALIZE_MODES = ("weight", "token", "sample")
+LOSS_IMPLS = ("auto", "naive", "chunked", "liger", "cce")  # see sft.losses.choose_impl
+
+
+@dataclass(kw_only=True)
+class LossConfig(Schema):
+    """What every weighted token loss has: how its cross entropy is computed (`sft.losses`)."""
+
+    _target_: str = MISSING
     impl: str = "auto"  # auto | naive | chunked | liger | cce (see sft/losses.py)
     chunk_tokens: int = 1024  # chunked: assistant tokens per chunk of logits
 
+    def check(self, cfg=None):
+        self.require("impl", self.impl in LOSS_IMPLS, f"must be one of {', '.join(LOSS_IMPLS)}")
+        self.require("chunk_tokens", self.chunk_tokens >= 1, "must be >= 1")
 
-@dataclass
-class HardSampleLossConfig:
+
+@dataclass(kw_only=True)
+class CrossEntropyLossConfig(LossConfig):
+    _target_: str = "sft.losses.CrossEntropyLoss"
+
+
+@dataclass(kw_only=True)
+class HardSampleLossConfig(LossConfig):
     _target_: str = "sft.losses.HardSampleLoss"
     alpha: float = 1.0
     min_weight: float = 0.0
     max_weight: float = 100.0
-    normalize: str = "weight"
-    impl: str = "auto"
-    chunk_tokens: int = 1024
+    normalize: str = "weight"  # weight: sum(w*ce)/sum(w) | token: sum(w*ce)/#tokens | sample: mean of per-sample means
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("normalize", self.normalize in NORMALIZE_MODES, f"must be one of {', '.join(NORMALIZE_MODES)}")
+        self.require("alpha", math.isfinite(self.alpha), "must be a finite number")
+        self.require("min_weight", self.min_weight >= 0, "must be >= 0")
+        self.require("max_weight", 0 < self.max_weight < math.inf, "must be finite and > 0")
+        self.require("min_weight", self.min_weight <= self.max_weight, f"must be <= loss.max_weight ({self.max_weight})")
+
+
+# --- LoRA ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(Schema):
     """Fields of `peft.LoraConfig`, which `instantiate` builds directly."""
 
     _target_: str = "peft.LoraConfig"
@@ -104,59 +176,116 @@ class LoraConfig:
     use_dora: bool = False
     task_type: str = "CAUSAL_LM"
 
+    def check(self, cfg=None):
+        self.require("r", self.r >= 1, "must be >= 1")
+        self.require("lora_alpha", self.lora_alpha > 0, "must be > 0")
+        self.require("lora_dropout", 0 <= self.lora_dropout < 1, "must be in [0, 1)")
 
-@dataclass
-class NoClipConfig:
+
+# --- gradient clipping policies (built as sft.clipping.*, which extend these) -------------------------
+
+
+@dataclass(kw_only=True)
+class NoClipConfig(Schema):
     _target_: str = "sft.clipping.GradClipPolicy"
 
 
-@dataclass
-class StaticClipConfig:
+@dataclass(kw_only=True)
+class StaticClipConfig(NoClipConfig):
     _target_: str = "sft.clipping.StaticClip"
-    max_norm: float = 1.0
+    max_norm: float = 1.0  # 0 turns clipping off
+
+    def check(self, cfg=None):
+        self.require("max_norm", self.max_norm >= 0, "must be >= 0 (0 turns clipping off)")
 
 
-@dataclass
-class AutoClipConfig:
+@dataclass(kw_only=True)
+class WarmupClipConfig(StaticClipConfig):
+    """An adaptive policy: `max_norm` for the first `warmup_steps` steps, while its statistics fill."""
+
+    warmup_steps: int = 10
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("warmup_steps", self.warmup_steps >= 1, "must be >= 1 (the statistics need a first norm)")
+
+
+@dataclass(kw_only=True)
+class AutoClipConfig(WarmupClipConfig):
     _target_: str = "sft.clipping.AutoClip"
     percentile: float = 10.0
-    warmup_steps: int = 10
-    max_norm: float = 1.0  # the threshold during warmup
     history_size: int = 0  # 0: the whole history
 
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("percentile", 0 < self.percentile <= 100, "must be in (0, 100]")
+        self.require("history_size", self.history_size >= 0, "must be >= 0 (0: the whole history)")
 
-@dataclass
-class ZClipConfig:
+
+@dataclass(kw_only=True)
+class ZClipConfig(WarmupClipConfig):
     _target_: str = "sft.clipping.ZClip"
     alpha: float = 0.97
     z_threshold: float = 2.5
-    warmup_steps: int = 10
-    max_norm: float = 1.0  # the threshold during warmup
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("alpha", 0 < self.alpha < 1, "must be in (0, 1)")
+        self.require("z_threshold", self.z_threshold > 0, "must be > 0")
 
 
-@dataclass
-class EarlyStoppingConfig:
-    _target_: str = "sft.callbacks.EarlyStopping"
+# --- controllers (the `controllers` node; built as sft.controllers.*, which extend these) -------------
+
+
+@dataclass(kw_only=True)
+class ControllerConfig(Schema):
+    """A controller's knobs. `needs_eval_data`: it acts on evaluation metrics."""
+
+    _target_: str = MISSING
+    needs_eval_data: ClassVar[bool] = False
+
+    def check(self, cfg=None):
+        if self.needs_eval_data and cfg is not None:
+            self.require("", cfg.data.eval_file is not None, "needs evaluation data (data.eval_file)")
+
+
+@dataclass(kw_only=True)
+class MetricWatchConfig(ControllerConfig):
+    """A controller that watches an eval metric for improvement."""
+
+    needs_eval_data: ClassVar[bool] = True
     metric: str = "eval_loss"
     patience: int = 3
     min_delta: float = 0.0
     mode: str = "min"
 
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("patience", self.patience >= 1, "must be >= 1")
+        self.require("mode", self.mode in ("min", "max"), "must be min or max")
 
-@dataclass
-class LRPlateauConfig:
-    _target_: str = "sft.callbacks.ReduceLROnPlateau"
-    metric: str = "eval_loss"
-    factor: float = 0.5
+
+@dataclass(kw_only=True)
+class EarlyStoppingConfig(MetricWatchConfig):
+    _target_: str = "sft.controllers.EarlyStopping"
+
+
+@dataclass(kw_only=True)
+class LRPlateauConfig(MetricWatchConfig):
+    _target_: str = "sft.controllers.ReduceLROnPlateau"
     patience: int = 2
-    min_delta: float = 0.0
+    factor: float = 0.5
     min_lr: float = 0.0
-    mode: str = "min"
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("factor", 0 < self.factor < 1, "must be in (0, 1)")
 
 
-@dataclass
-class CurriculumConfig:
-    _target_: str = "sft.callbacks.Curriculum"
+@dataclass(kw_only=True)
+class CurriculumConfig(ControllerConfig):
+    _target_: str = "sft.controllers.Curriculum"
+    needs_eval_data: ClassVar[bool] = True
     temperature: float = 4.0
     min_temperature: float = 0.25
     max_temperature: float = 16.0
@@ -165,25 +294,65 @@ class CurriculumConfig:
     min_delta: float = 0.0
     chunk_size: int = 256
 
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("factor", 0 < self.factor < 1, "must be in (0, 1)")
+        self.require("min_temperature", 0 < self.min_temperature <= self.temperature <= self.max_temperature,
+                     "must satisfy 0 < min_temperature <= temperature <= max_temperature")
+        self.require("chunk_size", self.chunk_size >= 1, "must be >= 1")
 
-@dataclass
-class GuardConfig:
-    _target_: str = "sft.callbacks.TrainingGuard"
+
+@dataclass(kw_only=True)
+class AdaptiveEvalConfig(ControllerConfig):
+    _target_: str = "sft.controllers.AdaptiveEvalInterval"
+    needs_eval_data: ClassVar[bool] = True
+    metric: str = "eval_loss"
+    min_steps: int = 25
+    max_steps: int = 800
+    fast: float = 0.05
+    slow: float = 0.005
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("min_steps", 1 <= self.min_steps <= self.max_steps, "must be >= 1 and <= max_steps")
+        self.require("slow", 0 <= self.slow < self.fast, "must be >= 0 and < adaptive_eval.fast")
+
+
+@dataclass(kw_only=True)
+class GuardConfig(ControllerConfig):
+    _target_: str = "sft.controllers.TrainingGuard"
     max_consecutive: int = 3
     spike_factor: float = 0.0  # 0: no spike detection; e.g. 3.0 flags a step loss above 3x its EMA
     spike_ema: float = 0.9
     spike_warmup: int = 10
     skip_spikes: bool = False
 
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("max_consecutive", self.max_consecutive >= 1, "must be >= 1")
+        self.require("spike_factor", self.spike_factor == 0 or self.spike_factor > 1, "must be 0 (off) or > 1")
+        self.require("spike_ema", 0 < self.spike_ema < 1, "must be in (0, 1)")
 
-@dataclass
-class WatchdogConfig:
-    _target_: str = "sft.callbacks.HangWatchdog"
+
+@dataclass(kw_only=True)
+class WatchdogConfig(ControllerConfig):
+    _target_: str = "sft.controllers.HangWatchdog"
     timeout_s: float = 1200.0  # below trainer.ddp_timeout, so that the stacks are dumped first
 
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("timeout_s", self.timeout_s > 0, "must be > 0")
+        if cfg is not None:
+            self.require("timeout_s", self.timeout_s < cfg.trainer.ddp_timeout,
+                         f"must be below trainer.ddp_timeout ({cfg.trainer.ddp_timeout}), else the collective "
+                         "times out first and no stacks are dumped")
+
+
+# --- trainer, evaluation extras, throughput, sweeps, bench --------------------------------------------
+
 
 @dataclass
-class ExactMatchConfig:
+class ExactMatchConfig(Schema):
     """Greedy-decoding exact match on the hardest eval bucket, after training (`eval_exact_match_hardest`)."""
 
     max_rows: int = 100
@@ -191,28 +360,21 @@ class ExactMatchConfig:
 
 
 @dataclass
-class ThroughputConfig:
-    _target_: str = "sft.callbacks.ThroughputMeter"
+class ThroughputConfig(Schema):
+    _target_: str = "sft.throughput.ThroughputMeter"
     peak_tflops: Optional[float] = None  # per device, for the MFU estimate; null: from the GPU's name (table)
+
+    def check(self, cfg=None):
+        self.require("peak_tflops", self.peak_tflops is None or self.peak_tflops > 0, "must be > 0 (or null)")
 
 
 @dataclass
-class SweepConfig:
+class SweepConfig(Schema):
     continue_on_error: bool = True  # in a multirun, a failing job is recorded and the sweep goes on
 
 
 @dataclass
-class AdaptiveEvalConfig:
-    _target_: str = "sft.callbacks.AdaptiveEvalInterval"
-    metric: str = "eval_loss"
-    min_steps: int = 25
-    max_steps: int = 800
-    fast: float = 0.05
-    slow: float = 0.005
-
-
-@dataclass
-class TrainerConfig:
+class TrainerConfig(Schema):
     """Fields named exactly as in `transformers.TrainingArguments`; passed to it as they are."""
 
     output_dir: Optional[str] = None  # None: the Hydra run dir
@@ -258,9 +420,20 @@ class TrainerConfig:
     ddp_backend: Optional[str] = None
     use_cpu: bool = False
 
+    def check(self, cfg=None):
+        self.require("learning_rate", self.learning_rate > 0, "must be > 0")
+        self.require("weight_decay", self.weight_decay >= 0, "must be >= 0")
+        for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            self.require(key, getattr(self, key) >= 1, "must be >= 1")
+        self.require("max_steps", self.max_steps == -1 or self.max_steps > 0, "must be > 0, or -1 to use epochs")
+        self.require("num_train_epochs", self.num_train_epochs > 0, "must be > 0")
+        self.require("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1,
+                     "must be >= 1 (or null to keep every checkpoint)")
+        self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
+
 
 @dataclass
-class BenchConfig:
+class BenchConfig(Schema):
     """`python -m sft.bench` (training ignores it): which cases, how long, the loss-only case's shape."""
 
     cases: List[str] = field(default_factory=lambda: [
@@ -279,7 +452,7 @@ class BenchConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Schema):
     """The primary config: one field per group plus the few top-level switches."""
 
     model: Any = MISSING
@@ -289,12 +462,8 @@ class TrainConfig:
     deepspeed: Any = None
     trainer: Any = MISSING  # typed by trainer_schema in the trainer group (nesting it here would copy it)
     clip: Any = MISSING
-    early_stopping: Any = None
-    lr_plateau: Any = None
-    curriculum: Any = None
-    adaptive_eval: Any = None
-    guard: Any = None
-    watchdog: Any = None
+    # name -> a controller node (`_target_` + its knobs); `conf/controllers/`, `+controllers=<name>`
+    controllers: Dict[str, Any] = field(default_factory=dict)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     collator: CollatorConfig = field(default_factory=CollatorConfig)
     eval_buckets: List[float] = field(default_factory=lambda: [1.0, 2.0, 3.0])  # difficulty bucket edges
@@ -305,32 +474,54 @@ class TrainConfig:
     resume: Optional[str] = None  # null, "auto" (newest complete checkpoint in the run dir) or a checkpoint path
     resume_force: bool = False  # resume even if the data changed since the checkpoint
 
+    def check(self, cfg=None):
+        self.require("eval_buckets", list(self.eval_buckets) == sorted(self.eval_buckets),
+                     "bucket edges must be increasing")
+        self.require("resume", self.resume in (None, "auto") or Path(self.resume).is_dir(),
+                     "must be null, 'auto' or an existing checkpoint directory")
+
+
+SCHEMAS = {  # (group, name) -> schema; a YAML option of the group names its schema in `defaults`
+    (None, "train_schema"): TrainConfig,
+    ("model", "model_schema"): ModelConfig,
+    ("data", "data_schema"): DataConfig,
+    ("loss", "ce_schema"): CrossEntropyLossConfig,
+    ("loss", "hard_sample_schema"): HardSampleLossConfig,
+    ("lora", "lora_schema"): LoraConfig,
+    ("trainer", "trainer_schema"): TrainerConfig,
+    ("clip", "none_schema"): NoClipConfig,
+    ("clip", "static_schema"): StaticClipConfig,
+    ("clip", "autoclip_schema"): AutoClipConfig,
+    ("clip", "zclip_schema"): ZClipConfig,
+    ("controllers", "early_stopping_schema"): EarlyStoppingConfig,
+    ("controllers", "lr_plateau_schema"): LRPlateauConfig,
+    ("controllers", "curriculum_schema"): CurriculumConfig,
+    ("controllers", "adaptive_eval_schema"): AdaptiveEvalConfig,
+    ("controllers", "guard_schema"): GuardConfig,
+    ("controllers", "watchdog_schema"): WatchdogConfig,
+    ("exact_match", "exact_match_schema"): ExactMatchConfig,
+}
+
 
 def register() -> None:
     """Register the schemas and the `${sft_sample:FILE}` resolver (path of a bundled sample file)."""
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    cs.store(name="bench_schema", node=BenchConfig, package="bench")
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="loss", name="ce_schema", node=CrossEntropyLossConfig)
-    cs.store(group="loss", name="hard_sample_schema", node=HardSampleLossConfig)
-    cs.store(group="lora", name="lora_schema", node=LoraConfig)
-    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
-    for group, name, node in [
-        ("clip", "none_schema", NoClipConfig), ("clip", "static_schema", StaticClipConfig),
-        ("clip", "autoclip_schema", AutoClipConfig), ("clip", "zclip_schema", ZClipConfig),
-        ("early_stopping", "early_stopping_schema", EarlyStoppingConfig),
-        ("lr_plateau", "lr_plateau_schema", LRPlateauConfig),
-        ("curriculum", "curriculum_schema", CurriculumConfig),
-        ("adaptive_eval", "adaptive_eval_schema", AdaptiveEvalConfig),
-        ("guard", "guard_schema", GuardConfig),
-        ("exact_match", "exact_match_schema", ExactMatchConfig),
-        ("watchdog", "watchdog_schema", WatchdogConfig),
-    ]:
+    for (group, name), node in SCHEMAS.items():
         cs.store(group=group, name=name, node=node)
+    cs.store(name="bench_schema", node=BenchConfig, package="bench")
     if not OmegaConf.has_resolver("sft_sample"):
         OmegaConf.register_new_resolver("sft_sample", lambda name: str(sample_data.HERE / name))
+
+
+def compose(config_name: str = "train", overrides: list[str] = (), return_hydra_config: bool = False) -> DictConfig:
+    """A config of `conf/` composed as `python -m sft.train overrides...` would compose it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides),
+                             return_hydra_config=return_hydra_config)
 
 
 # --- value checks -------------------------------------------------------------------------------------
@@ -348,119 +539,77 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-NORMALIZE_MODES = ("weight", "token", "sample")
-LOSS_IMPLS = ("auto", "naive", "chunked", "liger", "cce")  # see sft.losses
+def check(cfg: DictConfig) -> None:
+    """Validate every node of a composed config; raise `ConfigError` naming the first bad field.
+
+    A node typed by a schema is checked by that schema's `check`; an untyped node with a `_target_` (a
+    class of yours) by the target's signature.
+    """
+    for path, node in _nodes(cfg):
+        try:
+            check_node(node, cfg)
+        except ConfigError as e:
+            raise e.within(path) if path else e
+    if cfg.deepspeed is not None:
+        _check_deepspeed(cfg)
 
 
-def check(cfg) -> None:
-    """Validate values that types cannot express; raise `ConfigError` naming the first bad field."""
+def _nodes(cfg: DictConfig, path: str = ""):
+    """(path, node) of the config and every dict node below it, parents first."""
+    yield path, cfg
+    for key in cfg:
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            yield from _nodes(child, f"{path}.{key}" if path else str(key))
+
+
+def check_node(node: DictConfig, cfg: DictConfig | None = None) -> None:
+    """Check one node: by its schema, or, for an untyped `_target_`, by the target's signature."""
+    schema = OmegaConf.get_type(node)
+    if is_dataclass(schema) and issubclass(schema, Schema):
+        values = {}
+        for f in fields(schema):  # the node's own values; nested nodes stay DictConfigs (checked on their own)
+            if OmegaConf.is_missing(node, f.name):
+                raise ConfigError(f.name, None, "missing: set it on the command line or in a config")
+            values[f.name] = node[f.name]
+        schema(**values).check(cfg)
+    elif "_target_" in node:
+        check_signature(node)
+
+
+def check_signature(node: DictConfig) -> None:
+    """The keys of a node without a schema must be parameters of its `_target_` (a class or function)."""
+    from hydra.utils import get_object
+
+    target = node._target_
+    try:
+        built = get_object(target)
+    except Exception as e:  # ImportError, AttributeError ...: not importable as written
+        raise ConfigError("_target_", target, f"cannot be imported ({type(e).__name__}: {e})") from None
+    params = inspect.signature(built).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in node:
+        if key not in params and not str(key).startswith("_"):
+            accepted = ", ".join(p for p in params if p != "self") or "none"
+            raise ConfigError(str(key), None, f"not a parameter of {target} (it takes: {accepted})")
+
+
+def _check_deepspeed(cfg: DictConfig) -> None:
+    """The DeepSpeed dict mirrors DeepSpeed's own JSON: no schema, so its rules are checked here."""
+    zero = cfg.deepspeed.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
 
     def require(key: str, ok: bool, reason: str) -> None:
         if not ok:
             raise ConfigError(key, OmegaConf.select(cfg, key), reason)
 
-    t = cfg.trainer
-    require("trainer.learning_rate", t.learning_rate > 0, "must be > 0")
-    require("trainer.weight_decay", t.weight_decay >= 0, "must be >= 0")
-    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        require(f"trainer.{key}", t[key] >= 1, "must be >= 1")
-    require("trainer.max_steps", t.max_steps == -1 or t.max_steps > 0, "must be > 0, or -1 to use epochs")
-    require("trainer.num_train_epochs", t.num_train_epochs > 0, "must be > 0")
-    require("trainer.save_total_limit", t.save_total_limit is None or t.save_total_limit >= 1,
-            "must be >= 1 (or null to keep every checkpoint)")
-    require("trainer.fp16", not (t.fp16 and t.bf16), "fp16 and bf16 cannot both be on")
+    require("deepspeed.zero_optimization.stage", stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3")
+    if stage == 3:
+        require("deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                zero.get("stage3_gather_16bit_weights_on_model_save") is True,
+                "must be true with ZeRO-3, else the saved model or LoRA adapter is empty")
+    require("deepspeed.zero_optimization.offload_param", stage == 3 or "offload_param" not in zero,
+            "parameter offload needs ZeRO stage 3")
+    require("deepspeed", cfg.model.quantization is None, "DeepSpeed ZeRO does not shard a 4-bit base model")
 
-    require("data.max_length", cfg.data.max_length >= 8, "must be >= 8")
-    require("data.on_error", cfg.data.on_error in ("raise", "skip"), "must be raise or skip")
-    require("data.overlong", cfg.data.overlong in ("truncate", "drop", "error"), "must be truncate, drop or error")
-    require("data.default_score", cfg.data.default_score is None or cfg.data.default_score >= 0, "must be >= 0")
-    for key in ("data.train_file", "data.eval_file"):
-        path = OmegaConf.select(cfg, key)
-        require(key, path is None or os.path.isfile(path), "no such file")
-    require("throughput.peak_tflops", cfg.throughput.peak_tflops is None or cfg.throughput.peak_tflops > 0,
-            "must be > 0 (or null)")
-    require("collator.pad_to_multiple_of",
-            cfg.collator.pad_to_multiple_of is None or cfg.collator.pad_to_multiple_of >= 1, "must be >= 1")
-
-    loss = cfg.loss
-    require("loss.impl", loss.get("impl", "auto") in LOSS_IMPLS, f"must be one of {', '.join(LOSS_IMPLS)}")
-    require("loss.chunk_tokens", loss.get("chunk_tokens", 1) >= 1, "must be >= 1")
-    if "normalize" in loss:
-        require("loss.normalize", loss.normalize in NORMALIZE_MODES, f"must be one of {', '.join(NORMALIZE_MODES)}")
-    if "alpha" in loss:
-        require("loss.alpha", math.isfinite(loss.alpha), "must be a finite number")
-        require("loss.min_weight", loss.min_weight >= 0, "must be >= 0")
-        require("loss.max_weight", 0 < loss.max_weight < math.inf, "must be finite and > 0")
-        require("loss.min_weight", loss.min_weight <= loss.max_weight,
-                f"must be <= loss.max_weight ({loss.max_weight})")
-
-    clip = cfg.clip
-    if "max_norm" in clip:
-        require("clip.max_norm", clip.max_norm >= 0, "must be >= 0 (0 turns clipping off)")
-    if "percentile" in clip:
-        require("clip.percentile", 0 < clip.percentile <= 100, "must be in (0, 100]")
-    if "alpha" in clip:
-        require("clip.alpha", 0 < clip.alpha < 1, "must be in (0, 1)")
-        require("clip.z_threshold", clip.z_threshold > 0, "must be > 0")
-    if "warmup_steps" in clip:
-        require("clip.warmup_steps", clip.warmup_steps >= 1, "must be >= 1 (the statistics need a first norm)")
-
-    for name in ("early_stopping", "lr_plateau"):
-        node = cfg[name]
-        if node is not None:
-            require(f"{name}.patience", node.patience >= 1, "must be >= 1")
-            require(f"{name}.mode", node.mode in ("min", "max"), "must be min or max")
-    if cfg.lr_plateau is not None:
-        require("lr_plateau.factor", 0 < cfg.lr_plateau.factor < 1, "must be in (0, 1)")
-    if cfg.curriculum is not None:
-        c = cfg.curriculum
-        require("curriculum.factor", 0 < c.factor < 1, "must be in (0, 1)")
-        require("curriculum.min_temperature", 0 < c.min_temperature <= c.temperature <= c.max_temperature,
-                "must satisfy 0 < min_temperature <= temperature <= max_temperature")
-        require("curriculum.chunk_size", c.chunk_size >= 1, "must be >= 1")
-    if cfg.adaptive_eval is not None:
-        a = cfg.adaptive_eval
-        require("adaptive_eval.min_steps", 1 <= a.min_steps <= a.max_steps, "must be >= 1 and <= max_steps")
-        require("adaptive_eval.slow", 0 <= a.slow < a.fast, "must be >= 0 and < adaptive_eval.fast")
-    if cfg.guard is not None:
-        g = cfg.guard
-        require("guard.max_consecutive", g.max_consecutive >= 1, "must be >= 1")
-        require("guard.spike_factor", g.spike_factor == 0 or g.spike_factor > 1, "must be 0 (off) or > 1")
-        require("guard.spike_ema", 0 < g.spike_ema < 1, "must be in (0, 1)")
-    if cfg.watchdog is not None:
-        require("watchdog.timeout_s", cfg.watchdog.timeout_s > 0, "must be > 0")
-        require("watchdog.timeout_s", cfg.watchdog.timeout_s < cfg.trainer.ddp_timeout,
-                f"must be below trainer.ddp_timeout ({cfg.trainer.ddp_timeout}), else the collective times "
-                "out first and no stacks are dumped")
-    for name in ("early_stopping", "lr_plateau", "curriculum", "adaptive_eval"):
-        require(name, cfg[name] is None or cfg.data.eval_file is not None, "needs evaluation data (data.eval_file)")
-    require("eval_buckets", list(cfg.eval_buckets) == sorted(cfg.eval_buckets), "bucket edges must be increasing")
-
-    require("model.dtype", cfg.model.dtype in ("float32", "bfloat16", "float16"),
-            "must be float32, bfloat16 or float16")
-    require("model.quantization", cfg.model.quantization in (None, "nf4"), "must be null or nf4")
-    if cfg.model.quantization is not None:
-        require("model.quantization", cfg.lora is not None, "a quantized base trains only with LoRA (lora=qlora)")
-        require("model.quantization", _cuda_available(),
-                "4-bit QLoRA needs a CUDA GPU (bitsandbytes); this machine has none: use lora=default")
-        require("model.quantization", _installed("bitsandbytes"), "needs bitsandbytes: pip install bitsandbytes")
-
-    if cfg.lora is not None:
-        require("lora.r", cfg.lora.r >= 1, "must be >= 1")
-        require("lora.lora_alpha", cfg.lora.lora_alpha > 0, "must be > 0")
-        require("lora.lora_dropout", 0 <= cfg.lora.lora_dropout < 1, "must be in [0, 1)")
-
-    if cfg.deepspeed is not None:
-        zero = cfg.deepspeed.get("zero_optimization") or {}
-        stage = zero.get("stage", 0)
-        require("deepspeed.zero_optimization.stage", stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3")
-        if stage == 3:
-            require("deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                    zero.get("stage3_gather_16bit_weights_on_model_save") is True,
-                    "must be true with ZeRO-3, else the saved model or LoRA adapter is empty")
-        require("deepspeed.zero_optimization.offload_param", stage == 3 or "offload_param" not in zero,
-                "parameter offload needs ZeRO stage 3")
-        require("deepspeed", cfg.model.quantization is None, "DeepSpeed ZeRO does not shard a 4-bit base model")
-
-    require("resume", cfg.resume in (None, "auto") or Path(cfg.resume).is_dir(),
-            "must be null, 'auto' or an existing checkpoint directory")

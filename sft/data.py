@@ -16,8 +16,6 @@ import logging
 import math
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -26,14 +24,14 @@ import numpy as np
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-from sft.model import cache_dir
+from sft.batch import IGNORE_INDEX
+from sft.cache import building, cache_dir
 
 if TYPE_CHECKING:
     import datasets
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
 PREPROCESS_VERSION = 1  # bump when tokenisation or labelling changes, to invalidate caches
 MAX_ERRORS_SHOWN = 10
@@ -318,17 +316,9 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
     if len(ds) == 0:
         raise DataError([f"{path}: file: no row left with an assistant token at data.max_length={max_length}"])
     ds = ds.remove_columns("overlong")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=target.parent))
-    try:
+    with building(target) as tmp:
         ds.save_to_disk(str(tmp / "rows"))
         (tmp / "rejected.json").write_text(json.dumps([vars(r) for r in rejected]))
-        os.rename(tmp, target)  # atomic: a later run sees a complete cache or none
-    except OSError:
-        if not target.exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return ds, rejected
 
 
@@ -338,6 +328,11 @@ def column(ds: datasets.Dataset, name: str) -> list:
     `ds[name]` in datasets 5 iterates row by row: about 2 s per column at 100k rows.
     """
     return ds.with_format("arrow").select_columns([name])[:][name].to_pylist()
+
+
+def row_scores(dataset) -> dict[int, float]:
+    """`difficulty_score` by `source_line`: names a row's difficulty in reports and eval buckets."""
+    return dict(zip(column(dataset, "source_line"), column(dataset, "difficulty_score")))
 
 
 def report_rejected(rejected: list[Rejected], rejected_file: str | None) -> None:
@@ -409,12 +404,6 @@ def load_sft_datasets(
 
 
 # --- collation ----------------------------------------------------------------------------------------
-
-
-def packed_bounds(positions: torch.Tensor) -> torch.Tensor:
-    """The sample boundaries of a packed row (as `cu_seq_lens_q`): where its `position_ids` restart at 0."""
-    starts = (positions == 0).nonzero().flatten()
-    return torch.cat([starts, starts.new_tensor([positions.numel()])])
 
 
 class WeightedDataCollator(DataCollatorForSeq2Seq):

@@ -4,7 +4,9 @@
 - `rank_overrides`: ranks other than 0 write no `.hydra/` and no log file;
 - `single_process_distributed_env`, `slurm_distributed_env`: the torch.distributed variables DeepSpeed
   needs without a launcher, and under SLURM tasks;
-- `gloo_deepspeed_state`: DeepSpeed with several processes on machines without GPUs.
+- `gloo_deepspeed_state`: DeepSpeed with several processes on machines without GPUs;
+- `process_fields`: the TrainingArguments fields these decide;
+- `refuse_multirun_in_launch`: `-m` cannot run inside a multi-process launch.
 """
 
 from __future__ import annotations
@@ -57,6 +59,31 @@ def gloo_deepspeed_state() -> dict:
     return {"use_configured_state": True}
 
 
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def process_fields(deepspeed: bool, on_gpu: bool) -> dict:
+    """TrainingArguments fields for this launch's processes (and the environment DeepSpeed needs)."""
+    fields = {}
+    if not on_gpu and not deepspeed and world_size() > 1:
+        fields["use_cpu"] = True  # else accelerate sees no GPU and runs each rank alone; DeepSpeed inits gloo itself
+    if deepspeed:
+        single_process_distributed_env()
+        if not on_gpu:
+            fields["accelerator_config"] = gloo_deepspeed_state()
+    return fields
+
+
+def refuse_multirun_in_launch(argv: list[str]) -> None:
+    """Exit with the reason when `-m` is asked for inside a multi-process launch."""
+    if world_size() > 1 and {"-m", "--multirun"} & set(argv):
+        print("error: -m/--multirun cannot run inside a multi-process launch (every rank would run the whole "
+              "sweep). Run `./launch.sh -m ...` (each job in turn through accelerate launch) or use "
+              "hydra/launcher=slurm (one allocation per job).", file=sys.stderr)
+        sys.exit(2)
+
+
 def share_run_dir() -> None:
     """Give every rank of a multi-process launch one run dir, rank 0's, before Hydra picks one per rank.
 
@@ -64,7 +91,7 @@ def share_run_dir() -> None:
     ranks of all nodes reach: rank 0 puts its `${now:}`-style dir there, the others read it. An explicit
     `hydra.run.dir=...` or `SFT_RUN_DIR` is already the same on every rank and is left alone.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or os.environ.get("SFT_RUN_DIR"):
+    if world_size() == 1 or os.environ.get("SFT_RUN_DIR"):
         return
     if any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
         return

@@ -7,10 +7,13 @@ chat up to its last assistant turn, the answer is compared to that turn's conten
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 
 from sft.data import read_jsonl
+
+log = logging.getLogger("sft")
 
 
 def hardest_bucket_rows(eval_file: str, bucket_edges: list[float], max_rows: int) -> list[dict]:
@@ -43,3 +46,13 @@ def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 32, ba
         tokenizer.padding_side = side
         model.train(was_training)
     return hits / max(len(rows), 1)
+
+
+def hardest_bucket_exact_match(trainer, tokenizer, eval_file: str, bucket_edges: list[float], max_rows: int,
+                               max_new_tokens: int) -> float:
+    """Exact match of greedy answers on the hardest eval bucket (every rank generates; rank 0 reports)."""
+    rows = hardest_bucket_rows(eval_file, bucket_edges, max_rows)
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped if trainer.is_zero3 else trainer.model)
+    score = exact_match(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.is_zero3)
+    log.info("exact match of greedy answers on the hardest eval bucket (%d rows): %.4f", len(rows), score)
+    return score

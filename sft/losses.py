@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sft.config import LOSS_IMPLS
+from sft.batch import IGNORE_INDEX, sample_index
+from sft.config import LOSS_IMPLS, ConfigError, CrossEntropyLossConfig, HardSampleLossConfig
 
-IGNORE_INDEX = -100
 LARGE_VOCAB = 32768  # from here on `auto` never materialises the logits
 
 log = logging.getLogger("sft")
@@ -56,18 +56,16 @@ def select_targets(labels: torch.Tensor, loss_weights: torch.Tensor,
                    position_ids: torch.Tensor | None = None) -> Targets:
     """The assistant tokens and the positions that predict them (position t predicts label t+1).
 
-    Without `position_ids` every row is one sample; with them (a packed batch) a sample starts wherever the
-    position restarts at 0.
+    Without `position_ids` every row is one sample; with them (a packed batch) each packed sample is one
+    (`sft.batch.sample_index`).
     """
     shifted = labels[:, 1:]
     rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)
     if position_ids is None:
         sample, num_samples = rows, labels.size(0)
     else:
-        starts = (position_ids == 0).long()
-        per_row = starts.sum(dim=1)
-        sequence = starts.cumsum(dim=1) - 1 + (per_row.cumsum(0) - per_row)[:, None]
-        sample, num_samples = sequence[:, 1:][rows, cols], int(per_row.sum())
+        index, num_samples = sample_index(position_ids)
+        sample = index[:, 1:][rows, cols]
     return Targets(rows, cols, shifted[rows, cols], loss_weights[:, 1:][rows, cols].float(), sample, num_samples)
 
 
@@ -85,12 +83,18 @@ class LossTerms:
 
 
 class WeightedTokenLoss:
-    """Base class: per-token cross entropy with per-token weights and a step-global normaliser."""
+    """Base class: per-token cross entropy with per-token weights and a step-global normaliser.
 
-    def __init__(self, normalize: str = "weight", impl: str = "auto", chunk_tokens: int = 1024):
-        if normalize not in ("weight", "token", "sample"):
-            raise ValueError(f"loss.normalize={normalize!r}: must be one of weight, token, sample")
-        self.normalize, self.impl, self.chunk_tokens = normalize, impl, chunk_tokens
+    A loss's knobs, defaults and checks are its schema's (`sft.config.*LossConfig`), which each loss
+    class extends; `normalize` is one of `weight`, `token`, `sample` (see the module docstring).
+    """
+
+    normalize = "weight"
+    impl = "auto"
+    chunk_tokens = 1024
+
+    def __post_init__(self):
+        self.check()
 
     def sample_weight(self, difficulty_score: float) -> float:
         """The loss weight of a sample's assistant tokens."""
@@ -156,20 +160,20 @@ class WeightedTokenLoss:
         return terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
 
 
-class CrossEntropyLoss(WeightedTokenLoss):
-    """Token-mean cross entropy over assistant tokens: equal to the model's own loss."""
+@dataclass(eq=False, kw_only=True)
+class CrossEntropyLoss(CrossEntropyLossConfig, WeightedTokenLoss):
+    """Token-mean cross entropy over assistant tokens: equal to the model's own loss.
 
-    def __init__(self, impl: str = "auto", chunk_tokens: int = 1024):
-        super().__init__("weight", impl, chunk_tokens)
+        CrossEntropyLoss()(logits, labels, loss_weights)  ==  model(input_ids, labels=labels).loss
+    """
 
 
-class HardSampleLoss(WeightedTokenLoss):
-    """Weights each sample's assistant tokens by `clamp(difficulty_score ** alpha, min_weight, max_weight)`."""
+@dataclass(eq=False, kw_only=True)
+class HardSampleLoss(HardSampleLossConfig, WeightedTokenLoss):
+    """Weights each sample's assistant tokens by `clamp(difficulty_score ** alpha, min_weight, max_weight)`.
 
-    def __init__(self, alpha: float = 1.0, min_weight: float = 0.0, max_weight: float = 100.0,
-                 normalize: str = "weight", impl: str = "auto", chunk_tokens: int = 1024):
-        super().__init__(normalize, impl, chunk_tokens)
-        self.alpha, self.min_weight, self.max_weight = alpha, min_weight, max_weight
+        HardSampleLoss(alpha=2, max_weight=10).sample_weight(3.0)  ->  9.0   (and 10.0 for a score of 4)
+    """
 
     def sample_weight(self, difficulty_score: float) -> float:
         try:
@@ -257,7 +261,7 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
 def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainable_head: bool = False) -> str:
     """The implementation to run for `loss.impl=requested`, logging why a requested one is not used."""
     if requested not in LOSS_IMPLS:
-        raise ValueError(f"loss.impl={requested!r}: must be one of {', '.join(LOSS_IMPLS)}")
+        raise ConfigError("loss.impl", requested, f"must be one of {', '.join(LOSS_IMPLS)}")
     # DeepSpeed ZeRO-3 updates a sharded lm_head only through its module's own forward and backward.
     lean = "naive" if zero3_trainable_head else "chunked"
     if requested == "cce" or (requested == "auto" and on_gpu):

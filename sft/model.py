@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from filelock import FileLock
+
+from sft.cache import building, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,6 @@ TINY_VOCAB_MERGES = 400
 TINY_SEED = 0
 
 
-def cache_dir() -> Path:
-    """Where locally built artefacts live: `$SFT_CACHE`, else `~/.cache/sft`."""
-    return Path(os.environ.get("SFT_CACHE", Path.home() / ".cache" / "sft")).expanduser()
-
-
 def tiny_model_dir() -> Path:
     """Directory of the embedded tiny model, built on first use (safe when several ranks race)."""
     from sft import sample_data
@@ -71,13 +66,9 @@ def tiny_model_dir() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):  # ranks of one launch share the cache: one builds, the others wait
         if not (target / "config.json").exists():
-            tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-            try:
+            shutil.rmtree(target, ignore_errors=True)  # a dir without config.json would block the rename
+            with building(target) as tmp:
                 _build_tiny(tmp)
-                shutil.rmtree(target, ignore_errors=True)  # a dir without config.json would block the rename
-                os.rename(tmp, target)  # atomic: a reader without the lock sees no directory or a complete one
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

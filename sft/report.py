@@ -10,12 +10,13 @@ jobs on one plot, and the final metric against each swept parameter).
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from pathlib import Path
 
 import yaml
 from hydra.experimental.callback import Callback
+
+from sft.results import BUCKET, RunResults
 
 # Overrides that only place or shape the run: never a swept parameter worth a column.
 _NOT_PARAMETERS = ("hydra.", "trainer.output_dir", "trainer.report_to", "trainer.run_name")
@@ -35,25 +36,28 @@ def job_overrides(job: Path) -> dict[str, str]:
 
 def job_row(job: Path) -> dict:
     """A job's summary: its results, or `interrupted` when it never wrote any."""
-    results_file = job / "results.json"
-    results = json.loads(results_file.read_text()) if results_file.is_file() else {"status": "interrupted"}
-    history = results.get("eval_history") or []
-    losses = [h["eval_loss"] for h in history if h.get("eval_loss") is not None]
-    row = {
+    results = RunResults.read(job) or RunResults(status="interrupted")
+    losses = [h["eval_loss"] for h in results.eval_history if h.get("eval_loss") is not None]
+    return {
         "job": int(job.name),
-        "status": results.get("status", "ok"),
-        "eval_loss": results.get("eval_loss"),
-        "best_eval_loss": min(losses) if losses else results.get("eval_loss"),
-        "eval_ce": results.get("eval_ce"),
-        **{k: v for k, v in results.items() if k.startswith("eval_loss_bucket_")},
-        "train_loss": results.get("train_loss"),
-        "global_step": results.get("global_step"),
-        "train_tokens_per_second": results.get("train_tokens_per_second"),
-        "wall_time_s": results.get("wall_time_s"),
-        "exact_match_hardest": results.get("eval_exact_match_hardest"),
-        "error": results.get("error", ""),
+        "status": results.status,
+        "eval_loss": results.eval_loss,
+        "best_eval_loss": min(losses) if losses else results.eval_loss,
+        "eval_ce": results.eval_ce,
+        **{f"{BUCKET}{k}": v for k, v in results.eval_loss_buckets.items()},
+        "train_loss": results.train_loss,
+        "global_step": results.global_step,
+        "train_tokens_per_second": results.train_tokens_per_second,
+        "wall_time_s": results.wall_time_s,
+        "exact_match_hardest": results.eval_exact_match_hardest,
+        "error": results.error or "",
     }
-    return row
+
+
+def _parameters(row: dict) -> list[str]:
+    """The swept parameters of a summary row: the leading columns before the job's results."""
+    keys = list(row)
+    return keys[1:keys.index("status")]
 
 
 def summarize(sweep_dir: str | Path) -> list[dict]:
@@ -102,14 +106,12 @@ def plot(sweep_dir: Path, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fixed = {"job", "status", "eval_loss", "best_eval_loss", "eval_ce", "train_loss", "global_step",
-             "train_tokens_per_second", "wall_time_s", "exact_match_hardest", "error"}
-    params = [k for k in rows[0] if k not in fixed and not k.startswith("eval_loss_bucket_")]
+    params = _parameters(rows[0])
     fig, axes = plt.subplots(1, 1 + max(len(params), 1), figsize=(6 + 4 * max(len(params), 1), 4.5), squeeze=False)
     curves = axes[0][0]
     for row in rows:
-        results_file = sweep_dir / str(row["job"]) / "results.json"
-        history = json.loads(results_file.read_text()).get("eval_history", []) if results_file.is_file() else []
+        results = RunResults.read(sweep_dir / str(row["job"]))
+        history = results.eval_history if results else []
         points = [(h["step"], h["eval_loss"]) for h in history if h.get("eval_loss") is not None]
         if points:
             label = " ".join(f"{k}={row[k]}" for k in params) or f"job {row['job']}"

@@ -9,7 +9,6 @@ and the sweep report is written at the end, as after a single-process multirun.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -20,17 +19,13 @@ from pathlib import Path
 
 def expand(overrides: list[str]) -> list[list[str]]:
     """The override list of every job, in Hydra's order."""
-    from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from sft.config import register
-    from sft.train import CONF_DIR
+    from sft.config import compose
 
-    register()
     plain = [o for o in overrides if not o.startswith("hydra.sweep.dir=")]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[o for o in plain if "," not in o], return_hydra_config=True)
+    cfg = compose("train", [o for o in plain if "," not in o], return_hydra_config=True)
     params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]
     parsed = OverridesParser.create().parse_overrides(params + plain)
     return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
@@ -38,6 +33,7 @@ def expand(overrides: list[str]) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     from sft.report import write_report
+    from sft.results import RunResults
 
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
@@ -52,12 +48,9 @@ def main(argv: list[str] | None = None) -> None:
         started = time.time()
         proc = subprocess.run([*launcher, *job, f"hydra.run.dir={run_dir}"], stderr=subprocess.PIPE, text=True)
         sys.stderr.write(proc.stderr[-5000:])
-        if proc.returncode != 0 and not (run_dir / "results.json").is_file():
+        if proc.returncode != 0 and RunResults.read(run_dir) is None:
             last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [""]
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "results.json").write_text(json.dumps(
-                {"status": "failed", "error": f"exit code {proc.returncode}: {last[0].strip()}",
-                 "wall_time_s": round(time.time() - started, 1)}, indent=2) + "\n")
+            RunResults.failed(f"exit code {proc.returncode}: {last[0].strip()}", time.time() - started).write(run_dir)
     write_report(sweep_dir)
     print((Path(sweep_dir) / "sweep_summary.md").read_text())
 

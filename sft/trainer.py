@@ -1,24 +1,26 @@
 """`WeightedLossTrainer`: the stock `transformers.Trainer` with a weighted loss that stays exact.
 
-Only what the loss needs is overridden:
-- `get_batch_samples` sums the loss's denominator over the optimizer step's micro-batches and all ranks
-  (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to `compute_loss`;
-- `compute_loss` pops `labels`/`loss_weights` (the model's forward never sees them) and divides the
-  micro-batch's numerator by that global denominator, times the world size because DDP and DeepSpeed
-  average gradients over ranks. With a lean loss implementation (`loss.impl`, see `sft.losses`) the model
-  runs without its output projection (`logits_to_keep` selects no position) and the loss takes the final
-  hidden states, captured from the decoder, and the projection's weight (gathered under ZeRO-3);
-- `evaluation_loop` replaces the mean of per-batch losses by the exact ratio over the eval set (each
-  row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
+Every override, and why it is needed (each is marked `@override`; a test checks that transformers
+still has each one, with the same parameters):
+- `get_batch_samples` (public) sums the loss's denominator over the optimizer step's micro-batches and
+  all ranks (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to
+  `compute_loss`; it also opens the step in `sft.step_control` (DeepSpeed's clip threshold is set there);
+- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines` (the model's forward never sees
+  them) and divides the micro-batch's numerator by that global denominator, times the world size because
+  DDP and DeepSpeed average gradients over ranks. With a lean loss implementation (`loss.impl`, see
+  `sft.losses`) the model runs without its output projection (`logits_to_keep` selects no position) and
+  the loss takes the final hidden states, captured from the decoder, and the projection's weight
+  (gathered under ZeRO-3);
+- `_clip_grad_norm` (private: Trainer's only hook between the backward passes and `optimizer.step()`
+  that receives the model) hands the step to `sft.step_control.StepControl.finish`: controllers' verdicts,
+  skip, clip policy;
+- `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
+  curriculum's) when one provides it (`Controller.train_sampler`);
+- `evaluation_loop` (public) replaces the mean of per-batch losses by the exact ratio over the eval set
+  (each row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
   `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
-- `log` adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`, the
-  throughput values (`sft.callbacks.throughput`) and the controllers' current settings (clip threshold,
-  curriculum temperature ...);
-- `_clip_grad_norm`, called once per optimizer step right before `optimizer.step()`, asks the guard
-  (`sft.callbacks.guard`) for a verdict on the step, skips it if it is non-finite (or a skipped spike),
-  else applies the gradient clipping policy (`sft.clipping`); under DeepSpeed, whose engine clips inside
-  its own step, `get_batch_samples` sets the engine's threshold before the step instead;
-- `_get_train_sampler` returns the curriculum's sampler when a curriculum is configured.
+- `log` (public) adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`, the
+  throughput values (`sft.throughput`), the clip policy's and the controllers' `log_values`.
 
 Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
 difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`, and
@@ -29,19 +31,19 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import json
 import logging
-import math
-from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
 from transformers import Trainer
+from typing_extensions import override
 
-from sft.callbacks.throughput import ThroughputMeter
 from sft.clipping import GradClipPolicy
-from sft.data import column, packed_bounds
+from sft.controllers import Controller
+from sft.data import row_scores
 from sft.losses import WeightedTokenLoss, choose_impl
+from sft.step_control import StepControl
+from sft.throughput import ThroughputMeter
 
 log = logging.getLogger("sft")
 
@@ -51,18 +53,15 @@ class WeightedLossTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
-                 controllers: dict | None = None, eval_buckets=(1.0, 2.0, 3.0), train_file: str | None = None,
-                 throughput: ThroughputMeter | None = None, **kwargs):
+                 controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
+                 train_file: str | None = None, throughput: ThroughputMeter | None = None, **kwargs):
         self.controllers = dict(controllers or {})
-        self.guard = self.controllers.get("guard")
         self.throughput = throughput or ThroughputMeter()
-        self.train_file = train_file
-        self._train_scores: dict = {}
-        self._step_loss, self._step_rows = None, []
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
         super().__init__(*args, callbacks=callbacks, **kwargs)
         self.loss = loss
         self.clip_policy = clip_policy or GradClipPolicy()
+        self.step_control = StepControl(self, self.clip_policy, self.controllers, train_file)
         self.eval_buckets = list(eval_buckets)
         self._eval_scores = {}
         if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
@@ -96,6 +95,7 @@ class WeightedLossTrainer(Trainer):
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(t, reduction="sum") if self.accelerator.num_processes > 1 else t
 
+    @override
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Fetch the step's micro-batches and the loss denominator summed over them and all ranks."""
         batches = []
@@ -108,101 +108,30 @@ class WeightedLossTrainer(Trainer):
         for batch in batches:
             denominator += self.loss.normaliser(batch["labels"], batch["loss_weights"],
                                                 batch.get("position_ids")).to(device)
-        if self.is_deepspeed_enabled and self.args.max_grad_norm > 0:
-            self._set_deepspeed_clip(self.clip_policy.threshold(None))
-        self._step_loss = torch.zeros((), dtype=torch.float64, device=device)
-        self._step_rows = []
+        self.step_control.begin(device)
         return batches, self._sum_over_ranks(denominator)
 
-    def _set_deepspeed_clip(self, threshold: float) -> None:
-        """The engine clips inside its step to its config's value, ZeRO optimizers to their `clip_grad`."""
-        engine = self.model_wrapped
-        threshold = threshold if math.isfinite(threshold) else 0.0  # DeepSpeed: 0 means no clipping
-        engine._config.gradient_clipping = threshold
-        if hasattr(engine.optimizer, "clip_grad"):
-            engine.optimizer.clip_grad = threshold
-        self._deepspeed_threshold = threshold if threshold > 0 else math.inf
-
+    @override
     def _clip_grad_norm(self, model):
-        """Once per optimizer step, after the backward passes: judge the step, then clip or skip it.
+        """Once per optimizer step, after the backward passes: `StepControl.finish` judges, skips or clips it.
 
         Trainer calls this (when `max_grad_norm > 0`, which the recipe ensures) right before
         `optimizer.step()`, and logs the pre-clip norm returned.
         """
-        if self.is_deepspeed_enabled:  # the engine has already clipped and stepped inside backward
-            norm = float(super()._clip_grad_norm(model))
-            threshold = self._deepspeed_threshold
-        else:
-            params = [p for p in model.parameters() if p.grad is not None]
-            total_norm = self.accelerator.clip_grad_norm_(params, math.inf)  # unscales fp16; clips nothing
-            norm = float(total_norm)
-            threshold = self.clip_policy.threshold(norm) if math.isfinite(norm) else math.inf
-        verdict = self._judge_step(norm)
-        if self.guard is not None and self.guard.skips(verdict):
-            if not self.is_deepspeed_enabled:
-                self._skip_update(model)
-            return norm
-        if not self.is_deepspeed_enabled:
-            if norm > threshold:
-                torch.nn.utils.clip_grads_with_norm_(params, threshold, total_norm)
-            if self.accelerator.scaler is None:
-                self.optimizer._is_overflow = False  # undo a skip of the previous step (see _skip_update)
-        self.clip_policy.observe(norm, threshold)
-        return norm
+        return self.step_control.finish(model)
 
-    def _skip_update(self, model) -> None:
-        """Leave parameters, optimizer state and schedule exactly as they are for this step."""
-        if self.accelerator.scaler is not None:
-            return  # fp16: the loss scaler skips a non-finite step itself
-        model.zero_grad(set_to_none=True)  # optimizers leave parameters without a gradient alone
-        self.optimizer._is_overflow = True  # accelerate then reports the step as skipped: no scheduler step
-
-    def _judge_step(self, norm: float) -> str:
-        """The guard's verdict on the finished step; a bad step's rows go to a file and the log."""
-        if self.guard is None:
-            return "ok"
-        loss = float(self._sum_over_ranks(self._step_loss)) / self.accelerator.num_processes
-        step = self.state.global_step + 1
-        verdict = self.guard.judge(step, loss, norm)
-        if verdict != "ok":
-            self._record_bad_step(step, verdict, loss, norm)
-        return verdict
-
-    def _record_bad_step(self, step: int, verdict: str, loss: float, norm: float) -> None:
-        """Write `nan_batches/step-N.json` (or `spikes/`) naming the step's rows; warn with the worst ones."""
-        if not self._train_scores:
-            self._train_scores = row_scores(self.train_dataset)
-        rows = []
-        for lines, per_row, batch in self._step_rows:
-            for line, row_loss, seq in zip(lines.tolist(), per_row.float().tolist(), split_samples(*batch)):
-                rows.append({"source_line": line, "loss": row_loss if math.isfinite(row_loss) else str(row_loss),
-                             "difficulty_score": self._train_scores.get(line),
-                             "text": self.processing_class.decode(seq)})
-        if self.accelerator.num_processes > 1:
-            rows = gather_object(rows)
-        culprits = [r for r in rows if isinstance(r["loss"], str)] or sorted(rows, key=lambda r: -r["loss"])
-        skipped = self.guard.skips(verdict) and not self.is_deepspeed_enabled
-        if self.is_world_process_zero():
-            folder = Path(self.args.output_dir) / ("nan_batches" if verdict == "nonfinite" else "spikes")
-            folder.mkdir(parents=True, exist_ok=True)
-            report = {"step": step, "verdict": verdict, "loss": str(loss), "grad_norm": str(norm),
-                      "update_skipped": skipped, "train_file": self.train_file, "rows": culprits}
-            (folder / f"step-{step}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
-            named = ", ".join(f"{self.train_file}:{r['source_line']} (loss {r['loss']})" for r in culprits[:5])
-            log.warning("step %d: %s (loss %s, grad norm %s): update %s; rows: %s; details in %s", step,
-                        "non-finite loss or gradient" if verdict == "nonfinite" else "loss spike", loss, norm,
-                        "skipped" if skipped else "applied", named, folder / f"step-{step}.json")
-
+    @override
     def _get_train_sampler(self, train_dataset=None):
-        from sft.callbacks import CurriculumSampler
-
-        curriculum = self.controllers.get("curriculum")
-        if curriculum is None:
-            return super()._get_train_sampler(train_dataset)
+        """The first controller's sampler (`Controller.train_sampler`: the curriculum's), else Trainer's."""
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return CurriculumSampler(column(dataset, "difficulty_score"), curriculum, seed)
+        for controller in self.controllers.values():
+            sampler = controller.train_sampler(dataset, seed)
+            if sampler is not None:
+                return sampler
+        return super()._get_train_sampler(train_dataset)
 
+    @override
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
         loss_weights = inputs.pop("loss_weights")
@@ -217,11 +146,8 @@ class WeightedLossTrainer(Trainer):
                      mask.sum() if mask is not None else labels.numel(), labels.numel())
             self._train_stats += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self._train_stats.device)
                                               for v in stats])
-            if self.guard is not None:  # kept for the step's verdict and, if bad, its report
-                self._step_loss += loss.detach().to(self._step_loss.dtype)
-                per_row = terms.ce_sum / terms.tokens.clamp_min(1)
-                batch = [inputs.get(k) for k in ("input_ids", "attention_mask", "position_ids")]
-                self._step_rows.append((source_lines, per_row.detach(), batch))
+            batch = [inputs.get(k) for k in ("input_ids", "attention_mask", "position_ids")]
+            self.step_control.add_micro_batch(loss, source_lines, terms.ce_sum / terms.tokens.clamp_min(1), batch)
         else:
             loss = terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
             if evaluating:
@@ -262,6 +188,7 @@ class WeightedLossTrainer(Trainer):
 
         return deepspeed.zero.GatheredParameters([self._lm_head.weight], modifier_rank=None)
 
+    @override
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):
         self._eval_rows = {}
@@ -295,6 +222,7 @@ class WeightedLossTrainer(Trainer):
             metrics[f"{prefix}_loss_hardest_bucket"] = metrics[f"{prefix}_loss_bucket_{max(buckets)}"]
         return metrics
 
+    @override
     def log(self, logs, start_time=None):
         if "loss" in logs:  # a training log: every rank gets here together
             ce_sum, weight_sum, tokens, samples, input_tokens, positions = (
@@ -309,20 +237,3 @@ class WeightedLossTrainer(Trainer):
                 logs.update(controller.log_values())
         super().log(logs, start_time)
 
-
-def row_scores(dataset) -> dict[int, float]:
-    """`difficulty_score` by `source_line`: names a row's difficulty in reports and eval buckets."""
-    return dict(zip(column(dataset, "source_line"), column(dataset, "difficulty_score")))
-
-
-def split_samples(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                  position_ids: torch.Tensor | None) -> list[torch.Tensor]:
-    """Each sample's tokens (on CPU): a padded batch's rows without padding, or a packed row's sequences."""
-    if position_ids is None:
-        mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-        return [row[keep] for row, keep in zip(input_ids.detach().cpu(), mask.cpu())]
-    samples = []
-    for row, positions in zip(input_ids.detach().cpu(), position_ids.cpu()):
-        bounds = packed_bounds(positions).tolist()
-        samples += [row[a:b] for a, b in zip(bounds, bounds[1:])]
-    return samples

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 # Every test (and subprocess) builds the tiny model and data caches in a fresh place, never in ~/.cache.
 os.environ.setdefault("SFT_CACHE", tempfile.mkdtemp(prefix="sft-test-cache-"))
@@ -73,3 +74,69 @@ def run_patched(patch: str, *overrides: str, timeout: int = 600) -> subprocess.C
 
 def log_history(run_dir: Path, step: int) -> list[dict]:
     return json.loads((run_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())["log_history"]
+
+
+# Answers of very different lengths, so that a per-micro-batch mean would visibly differ from the step's.
+ROWS = [
+    chat("What is 1 + 1?", "2", 0.5),
+    chat("What is 4969 + 5866? Show the sum.", "4969 + 5866 = 10835, carrying four times along the way", 4.0),
+    chat("Add 7 and 8.", "15", 1.0),
+    chat("Compute 123 + 456.", "123 + 456 = 579", 2.0),
+    chat("What is 99 + 1?", "99 + 1 = 100, two carries", 3.0),
+    chat("Add 3 and 4.", "7", 0.5),
+    chat("Compute 250 + 250.", "250 + 250 = 500", 1.5),
+    chat("What is 5005 + 995? Explain briefly.", "5005 + 995 = 6000; every column carries", 3.5),
+]
+
+
+def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, steps=2, packing=False,
+                max_grad_norm=0.0, **trainer_kwargs):
+    """Train the tiny model for `steps` SGD steps over `rows` in order; return step losses and parameters."""
+    from transformers import TrainingArguments
+
+    from sft.data import WeightedDataCollator, load_sft_datasets
+    from sft.model import load_model
+    from sft.trainer import WeightedLossTrainer
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    f = write_jsonl(tmp_path / "rows.jsonl", rows)
+    data = load_sft_datasets(tokenizer, loss.sample_weight, train_file=str(f), max_length=128)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"out-{batch_size}x{accumulation}"),
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        optim="sgd",  # Adam would hide a wrong gradient scale; SGD shows it
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_grad_norm=max_grad_norm,
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        remove_unused_columns=False,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = WeightedLossTrainer(
+        model=load_model("tiny"), args=args, train_dataset=data.train,
+        data_collator=WeightedDataCollator(tokenizer, packing=packing), processing_class=tokenizer, loss=loss,
+        **trainer_kwargs,
+    )
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    return losses, params, trainer
+
+
+def plugin(tmp_path: Path, module: str, configs: dict[str, str]) -> tuple[list[str], dict]:
+    """A user's extension outside `sft/`: `module` as `my_plugins.py` and YAML files under a config dir of
+    their own. Returns the override that adds that dir to Hydra's search path, and the env to import it."""
+    (tmp_path / "my_plugins.py").write_text(module)
+    for name, text in configs.items():
+        path = tmp_path / "my_conf" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    return [f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]"], env

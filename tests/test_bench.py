@@ -4,9 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow
 def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(

@@ -1,5 +1,7 @@
-"""Gradient clipping policies on synthetic norms, and a 100x gradient spike in real runs."""
+"""Gradient clipping policies on synthetic norms, a 100x gradient spike in real runs, and a policy of your
+own (a class and a YAML file outside sft/) through the command line."""
 
+import json
 import math
 import statistics
 
@@ -7,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import log_history, run_patched
+from conftest import log_history, plugin, run_patched, run_train
 from sft.clipping import AutoClip, GradClipPolicy, StaticClip, ZClip
 
 
@@ -81,6 +83,7 @@ SGD = ["trainer.optim=sgd", "trainer.learning_rate=0.1", "trainer.lr_scheduler_t
        "trainer.logging_steps=1", "trainer.eval_steps=100", "trainer.per_device_train_batch_size=4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", [
     ["clip=autoclip", "clip.warmup_steps=2", "clip.percentile=50"],
     ["clip=zclip", "clip.warmup_steps=3"],
@@ -99,3 +102,37 @@ def test_a_100x_gradient_spike_is_clipped_to_the_threshold(tmp_path, clip):
     # SGD: the update is lr x the applied gradient, whose norm the threshold bounds.
     assert update / 0.1 <= step6["clip/threshold"] * (1 + 1e-3)
     assert update / 0.1 >= 0.5 * step6["clip/threshold"]  # and the step did happen, clipped, not skipped
+
+
+HALVING = '''
+from sft.clipping import GradClipPolicy
+
+
+class HalvingClip(GradClipPolicy):
+    """Clips to `max_norm`, halved every `every` steps."""
+
+    def __init__(self, max_norm: float = 1.0, every: int = 2):
+        super().__init__()
+        self.max_norm, self.every = max_norm, every
+
+    def threshold(self, norm=None):
+        return self.max_norm / 2 ** (self.steps // self.every)
+'''
+
+
+def test_a_clip_policy_of_your_own_is_one_class_and_one_yaml_file(tmp_path):
+    search, env = plugin(tmp_path, HALVING, {"clip/halving.yaml": "_target_: my_plugins.HalvingClip\nmax_norm: 0.4\nevery: 3\n"})
+    run = tmp_path / "run"
+    proc = run_train(*search, "clip=halving", "clip.every=2", *SGD[:-2], "trainer.max_steps=4", "data.eval_file=null",
+                     "trainer.report_to=[]", f"hydra.run.dir={run}", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = [e for e in log_history(run, 4) if "loss" in e]
+    assert [e["clip/threshold"] for e in logs] == [0.4, 0.4, 0.2, 0.2]
+    for step in (2, 3, 4):  # every step is clipped (norms are > 0.4): SGD's update is lr x the threshold
+        before = load_file(run / f"checkpoint-{step - 1}" / "model.safetensors")
+        after = load_file(run / f"checkpoint-{step}" / "model.safetensors")
+        update = torch.sqrt(sum(((after[k] - before[k]) ** 2).sum() for k in before))
+        assert logs[step - 1]["grad_norm"] > 0.4
+        assert update / 0.1 == pytest.approx(logs[step - 1]["clip/threshold"], rel=1e-3)
+    saved = json.loads((run / "checkpoint-4" / "sft_state.json").read_text())["controllers"]["clip"]
+    assert saved["steps"] == 4 and saved["every"] == 2

@@ -62,18 +62,18 @@ def test_unknown_keys_and_bad_types_are_rejected_naming_them(override, key):
         (["clip=autoclip", "clip.percentile=0"], "clip.percentile"),
         (["clip=zclip", "clip.alpha=1.5"], "clip.alpha"),
         (["clip=zclip", "clip.warmup_steps=0"], "clip.warmup_steps"),
-        (["early_stopping=default", "early_stopping.patience=0"], "early_stopping.patience"),
-        (["early_stopping=default", "early_stopping.mode=up"], "early_stopping.mode"),
-        (["lr_plateau=default", "lr_plateau.factor=2"], "lr_plateau.factor"),
-        (["curriculum=default", "curriculum.min_temperature=5"], "curriculum.min_temperature"),
-        (["curriculum=default", "curriculum.factor=1"], "curriculum.factor"),
-        (["adaptive_eval=default", "adaptive_eval.min_steps=900"], "adaptive_eval.min_steps"),
-        (["adaptive_eval=default", "adaptive_eval.slow=0.5"], "adaptive_eval.slow"),
-        (["curriculum=default", "data=jsonl", "data.train_file=README.md"], "curriculum"),
-        (["guard.max_consecutive=0"], "guard.max_consecutive"),
-        (["guard.spike_factor=0.5"], "guard.spike_factor"),
-        (["watchdog.timeout_s=0"], "watchdog.timeout_s"),
-        (["watchdog.timeout_s=3600"], "watchdog.timeout_s"),
+        (["+controllers=early_stopping", "controllers.early_stopping.patience=0"], "controllers.early_stopping.patience"),
+        (["+controllers=early_stopping", "controllers.early_stopping.mode=up"], "controllers.early_stopping.mode"),
+        (["+controllers=lr_plateau", "controllers.lr_plateau.factor=2"], "controllers.lr_plateau.factor"),
+        (["+controllers=curriculum", "controllers.curriculum.min_temperature=5"], "controllers.curriculum.min_temperature"),
+        (["+controllers=curriculum", "controllers.curriculum.factor=1"], "controllers.curriculum.factor"),
+        (["+controllers=adaptive_eval", "controllers.adaptive_eval.min_steps=900"], "controllers.adaptive_eval.min_steps"),
+        (["+controllers=adaptive_eval", "controllers.adaptive_eval.slow=0.5"], "controllers.adaptive_eval.slow"),
+        (["+controllers=curriculum", "data=jsonl", "data.train_file=README.md"], "controllers.curriculum"),
+        (["controllers.guard.max_consecutive=0"], "controllers.guard.max_consecutive"),
+        (["controllers.guard.spike_factor=0.5"], "controllers.guard.spike_factor"),
+        (["controllers.watchdog.timeout_s=0"], "controllers.watchdog.timeout_s"),
+        (["controllers.watchdog.timeout_s=3600"], "controllers.watchdog.timeout_s"),
         (["eval_buckets=[3.0,1.0]"], "eval_buckets"),
         (["loss.impl=fast"], "loss.impl"),
         (["loss=ce", "loss.chunk_tokens=0"], "loss.chunk_tokens"),
@@ -87,9 +87,9 @@ def test_bad_values_are_rejected_naming_the_field(overrides, key):
 
 
 @pytest.mark.parametrize("group", ["model=qwen2_5_7b", "model=qwen2_5_7b_random", "loss=ce", "data=jsonl", "lora=default", "lora=dora",
-                                   "clip=none", "clip=autoclip", "clip=zclip", "~guard", "~watchdog",
-                                   "early_stopping=default", "lr_plateau=default", "adaptive_eval=default",
-                                   "curriculum=default"])
+                                   "clip=none", "clip=autoclip", "clip=zclip", "~controllers.guard", "~controllers.watchdog",
+                                   "+controllers=early_stopping", "+controllers=lr_plateau", "+controllers=adaptive_eval",
+                                   "+controllers=curriculum"])
 def test_presets_compose(group):
     cfg = composed(group, "data.train_file=README.md") if group == "data=jsonl" else composed(group)
     assert cfg is not None

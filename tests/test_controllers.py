@@ -1,4 +1,5 @@
-"""Each controller on synthetic metric sequences, and all of them together in one short real run."""
+"""Each controller on synthetic metric sequences, all of them together in one short real run, and one of
+your own (a class and a YAML file outside sft/) through the command line."""
 
 import json
 from types import SimpleNamespace
@@ -6,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import run_train
-from sft.callbacks import AdaptiveEvalInterval, Curriculum, CurriculumSampler, EarlyStopping, ReduceLROnPlateau
+from conftest import log_history, plugin, run_train
+from sft.controllers import AdaptiveEvalInterval, Curriculum, CurriculumSampler, EarlyStopping, ReduceLROnPlateau
 
 
 def test_early_stopping_after_patience_evaluations_without_improvement():
@@ -68,11 +69,12 @@ def test_adaptive_eval_interval_halves_when_fast_doubles_when_flat_within_bounds
     assert intervals == [40, 20, 10, 20, 40, 80, 80, 80]
 
 
+@pytest.mark.slow
 def test_all_controllers_in_one_real_run(tmp_path):
-    proc = run_train("clip=autoclip", "clip.warmup_steps=3", "curriculum=default", "curriculum.chunk_size=32",
-                     "early_stopping=default", "early_stopping.patience=50", "lr_plateau=default",
-                     "lr_plateau.patience=1", "adaptive_eval=default", "adaptive_eval.min_steps=4",
-                     "adaptive_eval.max_steps=16", "trainer.eval_steps=8", "trainer.max_steps=40",
+    proc = run_train("clip=autoclip", "clip.warmup_steps=3", "+controllers=[curriculum,early_stopping,lr_plateau,adaptive_eval]",
+                     "controllers.curriculum.chunk_size=32", "controllers.early_stopping.patience=50",
+                     "controllers.lr_plateau.patience=1", "controllers.adaptive_eval.min_steps=4",
+                     "controllers.adaptive_eval.max_steps=16", "trainer.eval_steps=8", "trainer.max_steps=40",
                      "trainer.save_steps=40", "trainer.logging_steps=4", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((tmp_path / "checkpoint-40" / "sft_state.json").read_text())
@@ -88,3 +90,46 @@ def test_all_controllers_in_one_real_run(tmp_path):
     thresholds = {e["clip/threshold"] for e in logs if "clip/threshold" in e}
     assert len(thresholds) > 2  # autoclip's threshold follows the measured norms
     assert "curriculum/temperature" in logs[-1] and "lr_plateau/scale" in logs[-1]
+
+
+STOP_AT = '''
+from sft.controllers import Controller
+
+
+class StopAtStep(Controller):
+    """Stops training once `step` optimizer steps are done."""
+
+    def __init__(self, step: int = 3):
+        self.step, self.stopped_at = step, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step and self.stopped_at is None:
+            self.stopped_at = state.global_step
+            control.should_training_stop = True
+
+    def log_values(self):
+        return {"stop_at/step": self.step}
+'''
+STOP_AT_YAML = "# @package controllers.stop_at\n_target_: my_plugins.StopAtStep\nstep: 3\n"
+QUICK = ["data.eval_file=null", "trainer.max_steps=10", "trainer.logging_steps=1", "trainer.save_steps=2",
+         "trainer.report_to=[]"]
+
+
+def test_a_controller_of_your_own_is_one_class_and_one_yaml_file(tmp_path):
+    search, env = plugin(tmp_path, STOP_AT, {"controllers/stop_at.yaml": STOP_AT_YAML})
+    run = tmp_path / "run"
+    proc = run_train(*search, "+controllers=stop_at", "controllers.stop_at.step=4", *QUICK, f"hydra.run.dir={run}",
+                     env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "results.json").read_text())["global_step"] == 4
+    state = json.loads((run / "checkpoint-4" / "sft_state.json").read_text())["controllers"]
+    assert state["stop_at"] == {"step": 4, "stopped_at": 4} and "guard" in state
+    assert log_history(run, 4)[-2]["stop_at/step"] == 4
+
+
+def test_a_misspelt_knob_of_your_own_controller_is_refused_naming_it(tmp_path):
+    search, env = plugin(tmp_path, STOP_AT, {"controllers/stop_at.yaml": STOP_AT_YAML})
+    proc = run_train(*search, "+controllers=stop_at", "+controllers.stop_at.stpe=4", *QUICK,
+                     f"hydra.run.dir={tmp_path / 'run'}", env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "controllers.stop_at.stpe: not a parameter of my_plugins.StopAtStep (it takes: step)" in proc.stderr

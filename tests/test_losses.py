@@ -92,8 +92,6 @@ def test_ce_equals_the_models_own_loss(tokenizer):
 @pytest.mark.parametrize("normalize", ["weight", "token", "sample"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_chunked_equals_naive_in_value_and_gradients(normalize, packed):
-    from sft.losses import WeightedTokenLoss
-
     torch.manual_seed(0)
     rows, length, hidden_size, vocab = (1, 40, 16, 97) if packed else (3, 13, 16, 97)
     hidden = torch.randn(rows, length, hidden_size, requires_grad=True)
@@ -105,7 +103,7 @@ def test_chunked_equals_naive_in_value_and_gradients(normalize, packed):
         position_ids = torch.cat([torch.arange(n) for n in (15, 12, 13)])[None]
         labels[position_ids < 3] = -100
     weights = torch.rand(rows, length) * (labels != -100)
-    loss = WeightedTokenLoss(normalize=normalize, chunk_tokens=5)
+    loss = HardSampleLoss(normalize=normalize, chunk_tokens=5)  # the weights are given: any loss's terms
     naive = loss.terms(labels, weights, logits=hidden @ weight.T, position_ids=position_ids, accuracy=True)
     chunked = loss.terms(labels, weights, hidden=hidden, lm_head=weight, position_ids=position_ids,
                          impl="chunked", accuracy=True)

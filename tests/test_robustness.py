@@ -56,6 +56,7 @@ def same_params(a, b):
     return all((pa[k] == pb[k]).all() for k in pa)
 
 
+@pytest.mark.slow
 def test_a_poisoned_row_skips_its_step_and_is_named(tmp_path):
     proc = patched(POISON, {"POISON_LINES": "5"}, *ORDERED, "trainer.max_steps=5", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -73,6 +74,7 @@ def test_a_poisoned_row_skips_its_step_and_is_named(tmp_path):
     assert logs[5]["guard/skipped_steps"] == 1
 
 
+@pytest.mark.slow
 def test_three_bad_steps_in_a_row_stop_with_a_checkpoint_that_resumes(tmp_path):
     proc = patched(POISON, {"POISON_LINES": "5,8,9"}, *ORDERED, "trainer.max_steps=8", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
@@ -86,6 +88,7 @@ def test_three_bad_steps_in_a_row_stop_with_a_checkpoint_that_resumes(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["global_step"] == 8
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):
     script = tmp_path / "poisoned_train.py"
     script.write_text("import os, sys\n" + POISON + "from sft.train import cli\ncli()\n")
@@ -101,9 +104,10 @@ def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):
     assert [r["source_line"] for r in report["rows"]] == [6]  # gathered from rank 1 to rank 0's report
 
 
+@pytest.mark.slow
 def test_a_loss_spike_is_reported_and_with_skip_spikes_skipped(tmp_path):
-    proc = patched(POISON, {"POISON_LINES": "11,12", "POISON_SCALE": "200"}, *ORDERED, "trainer.max_steps=7", "guard.spike_factor=3", "guard.spike_warmup=3",
-                   "guard.skip_spikes=true", f"hydra.run.dir={tmp_path}")
+    proc = patched(POISON, {"POISON_LINES": "11,12", "POISON_SCALE": "200"}, *ORDERED, "trainer.max_steps=7", "controllers.guard.spike_factor=3", "controllers.guard.spike_warmup=3",
+                   "controllers.guard.skip_spikes=true", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "spikes" / "step-6.json").read_text())
     assert report["verdict"] == "spike" and report["update_skipped"] and len(report["rows"]) == 2
@@ -123,12 +127,13 @@ WeightedLossTrainer.compute_loss = compute_loss
 """
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_makes_both_exit_with_its_stack_dumped(tmp_path):
     script = tmp_path / "stalled_train.py"
     script.write_text("import sys\n" + STALL_RANK_1 + "from sft.train import cli\ncli()\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(script), "trainer.max_steps=6", "trainer.eval_steps=100", "trainer.save_steps=100",
-           "watchdog.timeout_s=20", f"hydra.run.dir={tmp_path / 'run'}"]
+           "controllers.watchdog.timeout_s=20", f"hydra.run.dir={tmp_path / 'run'}"]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -147,6 +152,7 @@ WeightedLossTrainer.compute_loss = compute_loss
 """
 
 
+@pytest.mark.slow
 def test_out_of_memory_names_the_settings_and_the_knobs(tmp_path):
     proc = patched(OOM, {}, "trainer.max_steps=2", "trainer.eval_steps=100", f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
@@ -193,6 +199,7 @@ def test_each_malformed_file_is_rejected_with_line_and_reason(tmp_path, name):
     assert f"{f}:{line}: {message}" in str(e.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, message", [
     (b"", "file: no rows (the file is empty)"),
     (GOOD.encode() + b"\n" + b'{"messages": "\xff\xfe"}\n', ":2: row: not UTF-8"),
@@ -210,6 +217,7 @@ def test_a_missing_file_is_a_config_error():
     assert proc.returncode == 2 and "data.train_file='/no/such/train.jsonl': no such file" in proc.stderr
 
 
+@pytest.mark.slow
 def test_on_error_skip_trains_on_valid_rows_counts_and_writes_rejected(tmp_path):
     rows = sample_data.TRAIN_FILE.read_text().splitlines()[:60]
     rows[9] = '{"messages": [}'

@@ -13,8 +13,8 @@ from sft import sample_data
 # 12 steps of 2 micro-batches, a checkpoint every 4, autoclip and the curriculum moving every 2 steps.
 RUN = ["trainer.max_steps=12", "trainer.save_steps=4", "trainer.save_total_limit=5", "trainer.logging_steps=1",
        "trainer.eval_steps=2", "trainer.per_device_train_batch_size=4", "trainer.gradient_accumulation_steps=2",
-       "clip=autoclip", "clip.warmup_steps=3", "curriculum=default", "curriculum.chunk_size=12",
-       "curriculum.temperature=2.0"]
+       "clip=autoclip", "clip.warmup_steps=3", "+controllers=curriculum", "controllers.curriculum.chunk_size=12",
+       "controllers.curriculum.temperature=2.0"]
 
 KILL_AFTER_CHECKPOINT_8 = """
 import os, signal
@@ -77,6 +77,7 @@ def assert_exact_continuation(run, reference):
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("patch", [KILL_AFTER_CHECKPOINT_8, KILL_INSIDE_ACCUMULATION_OF_STEP_10],
                          ids=["after-checkpoint-8", "inside-accumulation"])
 def test_sigkill_then_resume_auto_equals_the_uninterrupted_run(tmp_path, uninterrupted, patch):
@@ -89,6 +90,7 @@ def test_sigkill_then_resume_auto_equals_the_uninterrupted_run(tmp_path, uninter
     assert_exact_continuation(tmp_path, uninterrupted)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_half_written_by_a_crash_is_never_resumed_from(tmp_path, uninterrupted):
     crashed = run_patched(CRASH_WHILE_WRITING_CHECKPOINT_8, *RUN, f"hydra.run.dir={tmp_path}")
     assert crashed.returncode == -9
@@ -103,6 +105,7 @@ def test_a_checkpoint_half_written_by_a_crash_is_never_resumed_from(tmp_path, un
     assert_exact_continuation(tmp_path, uninterrupted)
 
 
+@pytest.mark.slow
 def test_rotation_keeps_the_newest_complete_checkpoints_and_the_resumed_one(tmp_path):
     first = run_train("trainer.max_steps=4", "trainer.save_steps=2", "trainer.save_total_limit=1",
                       "trainer.eval_steps=100", f"hydra.run.dir={tmp_path}")
@@ -114,6 +117,7 @@ def test_rotation_keeps_the_newest_complete_checkpoints_and_the_resumed_one(tmp_
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
 
 
+@pytest.mark.slow
 def test_resume_with_changed_data_is_refused_unless_forced(tmp_path):
     train = tmp_path / "train.jsonl"
     shutil.copy(sample_data.TRAIN_FILE, train)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from sft.callbacks.base import Controller, log, metric_value
+from dataclasses import dataclass
+
+from sft.config import AdaptiveEvalConfig
+from sft.controllers.base import Controller, log, metric_value
 
 
-class AdaptiveEvalInterval(Controller):
+@dataclass(eq=False, kw_only=True)
+class AdaptiveEvalInterval(AdaptiveEvalConfig, Controller):
     """After each evaluation: relative change above `fast` halves the interval, below `slow` doubles it."""
 
     name = "adaptive_eval"
 
-    def __init__(self, metric: str = "eval_loss", min_steps: int = 25, max_steps: int = 800,
-                 fast: float = 0.05, slow: float = 0.005):
-        self.metric, self.min_steps, self.max_steps, self.fast, self.slow = metric, min_steps, max_steps, fast, slow
+    def __post_init__(self):
+        super().__post_init__()
         self.interval: int | None = None
         self.next_eval: int | None = None
         self.last_value: float | None = None

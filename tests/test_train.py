@@ -3,11 +3,14 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from conftest import run_train
 
 QUICK = ["trainer.per_device_train_batch_size=8", "trainer.eval_steps=3", "trainer.logging_steps=1"]
 
 
+@pytest.mark.slow
 def test_train_writes_results_checkpoint_and_events_then_resumes(tmp_path):
     run = tmp_path / "run"
     first = run_train(*QUICK, "trainer.max_steps=6", "trainer.save_steps=3", f"hydra.run.dir={run}")
@@ -33,6 +36,7 @@ def test_train_writes_results_checkpoint_and_events_then_resumes(tmp_path):
     assert steps_logged[-2:] == [7, 8] and 6 in steps_logged  # the history continued, not restarted
 
 
+@pytest.mark.slow
 def test_hard_sample_alpha_2_with_lora_saves_an_adapter(tmp_path):
     run = tmp_path / "run"
     proc = run_train(*QUICK, "loss=hard_sample", "loss.alpha=2", "lora=default", "trainer.max_steps=5",
@@ -43,6 +47,7 @@ def test_hard_sample_alpha_2_with_lora_saves_an_adapter(tmp_path):
     assert json.loads((run / "results.json").read_text())["global_step"] == 5
 
 
+@pytest.mark.slow
 def test_wandb_offline_logging(tmp_path):
     run = tmp_path / "run"
     proc = run_train(*QUICK, "trainer.max_steps=2", "trainer.report_to=[wandb]", f"hydra.run.dir={run}",

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from sft.callbacks.base import Controller, MetricWatch, log, metric_value
+from dataclasses import dataclass
+
+from sft.config import EarlyStoppingConfig
+from sft.controllers.base import Controller, MetricWatch, log, metric_value
 
 
-class EarlyStopping(Controller):
+@dataclass(eq=False, kw_only=True)
+class EarlyStopping(EarlyStoppingConfig, Controller):
     name = "early_stopping"
 
-    def __init__(self, metric: str = "eval_loss", patience: int = 3, min_delta: float = 0.0, mode: str = "min"):
-        self.metric, self.patience = metric, patience
-        self.watch = MetricWatch(mode, min_delta)
+    def __post_init__(self):
+        super().__post_init__()
+        self.watch = MetricWatch(self.mode, self.min_delta)
         self.stopped_at_step: int | None = None
 
     def should_stop(self, value: float) -> bool:
@@ -25,6 +29,9 @@ class EarlyStopping(Controller):
             control.should_training_stop = True
             log.info("early stopping at step %d: %s has not improved on %.6g for %d evaluations",
                      state.global_step, self.metric, self.watch.best, self.patience)
+
+    def results(self) -> dict:
+        return {"stopped_early": bool(self.stopped_at_step)}
 
     def state_dict(self) -> dict:
         return {"watch": self.watch.state_dict(), "stopped_at_step": self.stopped_at_step}

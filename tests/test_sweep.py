@@ -24,6 +24,7 @@ def summary(sweep_dir):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_a_2x2_sweep_writes_job_dirs_and_a_report(tmp_path):
     proc = sweep(tmp_path, "loss.alpha=0.5,2", "clip.max_norm=0.5,1.0")
     jobs = sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit())
@@ -50,6 +51,7 @@ def test_a_2x2_sweep_writes_job_dirs_and_a_report(tmp_path):
     assert "hparams" in events.PluginTagToContent("hparams") or events.PluginTagToContent("hparams")
 
 
+@pytest.mark.slow
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     sweep(tmp_path, "clip.max_norm=-1,0.5")
     rows = summary(tmp_path)
@@ -57,6 +59,7 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert "clip.max_norm=-1.0: must be >= 0" in rows[0]["error"] and rows[1]["eval_loss"]
 
 
+@pytest.mark.slow
 def test_a_job_of_a_sweep_equals_the_same_config_run_alone(tmp_path):
     sweep(tmp_path / "sweep", "loss.alpha=0.5,2")
     alone = run_train(*QUICK, "loss.alpha=2", f"hydra.run.dir={tmp_path / 'alone'}")
@@ -72,6 +75,7 @@ def test_a_job_of_a_sweep_equals_the_same_config_run_alone(tmp_path):
     assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_report_rebuilds_the_summary_from_disk_also_for_an_interrupted_sweep(tmp_path):
     sweep(tmp_path, "loss.alpha=0.5,2")
     before = (tmp_path / "sweep_summary.csv").read_text()
@@ -85,6 +89,7 @@ def test_report_rebuilds_the_summary_from_disk_also_for_an_interrupted_sweep(tmp
     assert [r["status"] for r in summary(tmp_path)] == ["ok", "interrupted"]
 
 
+@pytest.mark.slow
 def test_optuna_preset_minimises_the_returned_eval_ce(tmp_path):
     proc = run_train("-m", "hydra/sweeper=optuna_alpha_clip", "hydra.sweeper.n_trials=2", *QUICK,
                      f"hydra.sweep.dir={tmp_path}")
@@ -97,6 +102,7 @@ def test_optuna_preset_minimises_the_returned_eval_ce(tmp_path):
     assert set(best["best_params"]) == {"loss.alpha", "clip.max_norm"}
 
 
+@pytest.mark.slow
 def test_launch_sh_sweep_runs_each_job_through_accelerate_with_two_processes(tmp_path):
     proc = launch("--nproc", "2", "-m", "loss.alpha=0.5,1", *QUICK, f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,16 +6,19 @@ and the optimizer's current ones, by `factor`, never below `min_lr`.
 
 from __future__ import annotations
 
-from sft.callbacks.base import Controller, MetricWatch, log, metric_value
+from dataclasses import dataclass
+
+from sft.config import LRPlateauConfig
+from sft.controllers.base import Controller, MetricWatch, log, metric_value
 
 
-class ReduceLROnPlateau(Controller):
+@dataclass(eq=False, kw_only=True)
+class ReduceLROnPlateau(LRPlateauConfig, Controller):
     name = "lr_plateau"
 
-    def __init__(self, metric: str = "eval_loss", factor: float = 0.5, patience: int = 2, min_delta: float = 0.0,
-                 min_lr: float = 0.0, mode: str = "min"):
-        self.metric, self.factor, self.patience, self.min_lr = metric, factor, patience, min_lr
-        self.watch = MetricWatch(mode, min_delta)
+    def __post_init__(self):
+        super().__post_init__()
+        self.watch = MetricWatch(self.mode, self.min_delta)
         self.scale = 1.0
         self.reductions: list[dict] = []
 

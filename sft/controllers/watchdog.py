@@ -11,16 +11,24 @@ from __future__ import annotations
 import faulthandler
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import TrainerCallback
+from sft.config import WatchdogConfig
+from sft.controllers.base import Controller
 
 
-class HangWatchdog(TrainerCallback):
-    def __init__(self, timeout_s: float = 1200.0):
-        self.timeout_s = timeout_s
+@dataclass(eq=False, kw_only=True)
+class HangWatchdog(WatchdogConfig, Controller):
+    name = "watchdog"
+
+    def __post_init__(self):
+        super().__post_init__()
         self._file = None
         self._rank = int(os.environ.get("RANK", "0"))
+
+    def state_dict(self) -> dict:
+        return {}  # nothing to carry over: a resumed run arms its own timer
 
     def _arm(self, step: int) -> None:
         self._file.seek(0)

@@ -13,22 +13,23 @@ so a resumed run replays exactly the rows the interrupted one drew.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Sampler
 
-from sft.callbacks.base import Controller, MetricWatch, log, metric_value
+from sft.config import CurriculumConfig
+from sft.controllers.base import Controller, MetricWatch, log, metric_value
+from sft.data import column
 
 
-class Curriculum(Controller):
+@dataclass(eq=False, kw_only=True)
+class Curriculum(CurriculumConfig, Controller):
     name = "curriculum"
 
-    def __init__(self, temperature: float = 4.0, min_temperature: float = 0.25, max_temperature: float = 16.0,
-                 factor: float = 0.7, metric: str = "eval_loss_hardest_bucket", min_delta: float = 0.0,
-                 chunk_size: int = 256):
-        self.temperature, self.min_temperature, self.max_temperature = temperature, min_temperature, max_temperature
-        self.factor, self.metric, self.chunk_size = factor, metric, chunk_size
-        self.watch = MetricWatch("min", min_delta)
+    def __post_init__(self):
+        super().__post_init__()
+        self.watch = MetricWatch("min", self.min_delta)
         self.epoch = 0
         self.chunk_temperatures: dict[str, float] = {}
         self.schedule: list[dict] = []
@@ -60,6 +61,9 @@ class Curriculum(Controller):
 
     def log_values(self) -> dict:
         return {"curriculum/temperature": self.temperature}
+
+    def train_sampler(self, dataset, seed: int) -> CurriculumSampler:
+        return CurriculumSampler(column(dataset, "difficulty_score"), self, seed)
 
     def state_dict(self) -> dict:
         state = super().state_dict()

@@ -1,0 +1,36 @@
+"""What a batch of tokens holds, read the same way everywhere: the label without a loss, and the
+samples of a packed row.
+
+A packed row (`data.packing`) holds several samples one after another; its `position_ids` restart at
+0 where each sample starts (`DataCollatorWithFlattening`). `sample_starts` is that one rule;
+`packed_bounds` (for the attention kernels and reports: where each sample of a row begins and ends)
+and `sample_index` (for the loss: which sample every token belongs to, over the whole batch) read it.
+
+    positions [[0, 1, 2, 0, 1]]  ->  packed_bounds(positions[0]) = [0, 3, 5]
+                                     sample_index(positions)    = ([[0, 0, 0, 1, 1]], 2)
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100  # a label that takes no loss (prompt tokens, padding), as transformers' losses use it
+
+
+def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """True where a packed sample begins: its position restarts at 0."""
+    return position_ids == 0
+
+
+def packed_bounds(positions: torch.Tensor) -> torch.Tensor:
+    """The sample boundaries of one packed row (as `cu_seq_lens_q`): each sample's start, then the end."""
+    starts = sample_starts(positions).nonzero().flatten()
+    return torch.cat([starts, starts.new_tensor([positions.numel()])])
+
+
+def sample_index(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each token's sample, numbered over the whole batch row after row, and the number of samples."""
+    starts = sample_starts(position_ids).long()
+    per_row = starts.sum(dim=1)
+    index = starts.cumsum(dim=1) - 1 + (per_row.cumsum(0) - per_row)[:, None]
+    return index, int(per_row.sum())

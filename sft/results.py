@@ -1,0 +1,79 @@
+"""`results.json`, what a run reports when it ends: one schema for the trainer, the sweep runner,
+`sft.report` and the bench.
+
+    {"status": "ok", "eval_loss": 0.57, "eval_ce": 0.55, ..., "eval_history": [...]}     a finished run
+    {"status": "failed", "error": "ConfigError: ...", "wall_time_s": 3.1}               a failed job
+    no file                                                                              an interrupted one
+
+The per-bucket eval losses are one field here (`eval_loss_buckets`, keyed by bucket number) and
+`eval_loss_bucket_<k>` keys in the file, as in the training logs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+FILE = "results.json"
+BUCKET = "eval_loss_bucket_"
+
+
+@dataclass
+class RunResults:
+    status: str = "ok"  # ok | failed; sft.report shows a job dir without the file as interrupted
+    error: Optional[str] = None  # failed: the reason, one line
+    eval_loss_initial: Optional[float] = None
+    eval_loss: Optional[float] = None
+    eval_ce: Optional[float] = None
+    eval_token_accuracy: Optional[float] = None
+    eval_loss_buckets: dict = field(default_factory=dict)  # bucket number -> unweighted eval loss
+    train_loss: Optional[float] = None
+    global_step: Optional[int] = None
+    train_tokens_per_second: Optional[float] = None
+    loss_impl: Optional[str] = None
+    train_runtime: Optional[float] = None
+    data_hash: Optional[str] = None
+    resumed_from: Optional[str] = None
+    stopped_early: bool = False
+    eval_exact_match_hardest: Optional[float] = None
+    wall_time_s: Optional[float] = None
+    eval_history: list = field(default_factory=list)  # [{step, eval_loss, eval_ce}] of every evaluation
+
+    @classmethod
+    def failed(cls, error: BaseException | str, wall_time_s: float) -> RunResults:
+        """A failed run: the error's type and first line."""
+        if isinstance(error, BaseException):
+            text = str(error).strip()
+            error = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+        return cls(status="failed", error=error, wall_time_s=round(wall_time_s, 1))
+
+    def to_json(self) -> dict:
+        if self.status == "failed":
+            return {"status": self.status, "error": self.error, "wall_time_s": self.wall_time_s}
+        out = {}
+        for key, value in asdict(self).items():
+            if key == "eval_loss_buckets":
+                out.update({f"{BUCKET}{k}": v for k, v in sorted(value.items(), key=lambda kv: int(kv[0]))})
+            elif key != "error":
+                out[key] = value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunResults:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["eval_loss_buckets"] = {k[len(BUCKET):]: v for k, v in data.items() if k.startswith(BUCKET)}
+        return cls(**values)
+
+    def write(self, run_dir: str | Path) -> None:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> RunResults | None:
+        """The run's results, or None when it never wrote any (interrupted, or still running)."""
+        path = Path(run_dir) / FILE
+        return cls.from_json(json.loads(path.read_text())) if path.is_file() else None

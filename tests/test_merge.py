@@ -1,0 +1,54 @@
+"""`python -m sft.merge`: the merged model gives the adapter model's logits; bad inputs get clear errors."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run_train
+
+
+@pytest.mark.slow
+def test_merge_gives_the_logits_of_base_plus_adapter(tmp_path):
+    run = tmp_path / "run"
+    proc = run_train("lora=default", "trainer.max_steps=3", "trainer.learning_rate=5e-2", "trainer.eval_steps=100",
+                     "trainer.save_steps=100", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = subprocess.run([sys.executable, "-m", "sft.merge", f"checkpoint={run}", f"output={tmp_path / 'merged'}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sft.model import load_model
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    peft = PeftModel.from_pretrained(load_model("tiny"), run / "model").eval()
+    with torch.no_grad():
+        a, b = plain(ids).logits, peft(ids).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        base = load_model("tiny").eval()(ids).logits
+    assert (a - base).abs().max() > 1e-3, "the adapter changed nothing: the test would not see a failed merge"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, message", [
+    (["checkpoint={full}", "output={out}"], "holds a full model, not a LoRA adapter"),
+    (["checkpoint={lora}", "output={out}", "base=/no/such/model"], "does not exist"),
+    (["checkpoint={lora}"], "Missing mandatory value: output"),
+])
+def test_merge_errors_are_clear(tmp_path, args, message):
+    full, lora = tmp_path / "full", tmp_path / "lora"
+    (full / "model").mkdir(parents=True)
+    (full / "model" / "model.safetensors").write_bytes(b"")
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text("{}")
+    argv = [a.format(full=full, lora=lora, out=tmp_path / "out") for a in args]
+    proc = subprocess.run([sys.executable, "-m", "sft.merge", *argv], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,106 @@
+"""The step-control room: a controller's verdict skips a step exactly; the private fields of other
+libraries it touches still do what it relies on; every Trainer override still overrides something."""
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, ROWS, free_port, train_steps
+from sft.controllers import Controller, StepVerdict
+from sft.losses import CrossEntropyLoss
+from sft.step_control import mark_update_skipped
+from sft.trainer import WeightedLossTrainer
+
+
+class SkipStep(Controller):
+    """Vetoes one optimizer step; records every step's loss and gradient norm it was shown."""
+
+    def __init__(self, step: int):
+        self.step, self.seen = step, []
+
+    def judge_step(self, step, loss, grad_norm):
+        self.seen.append((step, loss, grad_norm))
+        return StepVerdict("test", skip=True, folder="skipped", summary="vetoed") if step == self.step else None
+
+
+def test_a_controller_verdict_skips_exactly_that_step_and_is_reported(tmp_path, tokenizer):
+    # A veto leaves parameters, optimizer state and schedule as they were: skipping step 2 of the batches
+    # [A, B, C] (SGD, constant rate) ends where training on [A, C] ends.
+    veto = SkipStep(step=2)
+    _, skipped, trainer = train_steps(tmp_path / "veto", tokenizer, CrossEntropyLoss(), 2, 1, rows=ROWS[:6], steps=3,
+                                      max_grad_norm=1e9, controllers={"veto": veto})
+    _, direct, _ = train_steps(tmp_path / "direct", tokenizer, CrossEntropyLoss(), 2, 1, rows=ROWS[:2] + ROWS[4:6],
+                               steps=2, max_grad_norm=1e9)
+    torch.testing.assert_close(skipped, direct, atol=1e-6, rtol=0)
+    assert [s for s, _, _ in veto.seen] == [1, 2, 3] and all(n > 0 for _, _, n in veto.seen)
+    report = (tmp_path / "veto" / "out-2x1" / "skipped" / "step-2.json").read_text()
+    assert '"update_skipped": true' in report and '"verdict": "test"' in report
+
+
+def test_accelerate_reads_the_skip_flag_and_holds_the_scheduler():
+    # mark_update_skipped writes accelerate's private AcceleratedOptimizer._is_overflow: a skipped step must
+    # read as skipped (Trainer then does not step the scheduler) and must not move the learning rate.
+    from accelerate import Accelerator
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    mark_update_skipped(optimizer, True)
+    assert accelerator.optimizer_step_was_skipped
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr() == [1.0]
+    mark_update_skipped(optimizer, False)
+    assert not accelerator.optimizer_step_was_skipped
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr() == [0.5]
+
+
+@pytest.mark.slow
+def test_deepspeed_engine_clips_to_the_threshold_set_on_it():
+    # set_deepspeed_clip writes DeepSpeed's private engine._config.gradient_clipping and ZeRO's clip_grad:
+    # the engine must read them back and clip a real step to that threshold.
+    script = """
+import os, torch, deepspeed
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(%d), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+deepspeed.init_distributed("gloo")
+from sft.step_control import set_deepspeed_clip
+model = torch.nn.Linear(4, 4, bias=False)
+config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+          "zero_allow_untested_optimizer": True}  # a torch optimizer, as Trainer hands DeepSpeed
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                       config=config)
+assert set_deepspeed_clip(engine, 0.25) == 0.25
+assert engine.gradient_clipping() == 0.25 and engine.optimizer.clip_grad == 0.25
+before = model.weight.detach().clone()
+loss = (engine(torch.full((1, 4), 100.0)) ** 2).sum()
+engine.backward(loss)
+engine.step()
+moved = (model.weight.detach() - before).norm().item()
+print("MOVED", moved)
+assert abs(moved - 0.25) < 1e-4, moved  # SGD with lr 1: the update is the clipped gradient
+assert set_deepspeed_clip(engine, float("inf")) == float("inf") and engine.gradient_clipping() == 0.0
+"""
+    proc = subprocess.run([sys.executable, "-c", script % free_port()], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parameters():
+    # Two of them are private hooks of transformers (_clip_grad_norm, _get_train_sampler): a rename or a new
+    # parameter there would silently bypass sft.step_control or the curriculum's sampler.
+    from transformers import Trainer
+
+    overrides = {name: f for name, f in vars(WeightedLossTrainer).items() if getattr(f, "__override__", False)}
+    assert set(overrides) == {"get_batch_samples", "compute_loss", "_clip_grad_norm", "_get_train_sampler",
+                              "evaluation_loop", "log"}
+    for name, ours in overrides.items():
+        theirs = getattr(Trainer, name, None)
+        assert theirs is not None, f"transformers.Trainer has no {name} any more"
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters), name
