@@ -169,9 +169,9 @@ class LoraConfig(Schema):
     r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
-    target_modules: List[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    # "all-linear" (PEFT: every linear layer of the model but its output layer, whatever the architecture
+    # names them: q_proj ... on Llama/Qwen, qkv_proj and gate_up_proj on Phi-3), or a list of module names
+    target_modules: Any = "all-linear"
     bias: str = "none"
     use_dora: bool = False
     task_type: str = "CAUSAL_LM"
@@ -180,6 +180,9 @@ class LoraConfig(Schema):
         self.require("r", self.r >= 1, "must be >= 1")
         self.require("lora_alpha", self.lora_alpha > 0, "must be > 0")
         self.require("lora_dropout", 0 <= self.lora_dropout < 1, "must be in [0, 1)")
+        self.require("target_modules", self.target_modules == "all-linear" or (
+            not isinstance(self.target_modules, str) and len(self.target_modules) > 0),
+            "must be all-linear or a non-empty list of module names")
 
 
 # --- gradient clipping policies (built as sft.clipping.*, which extend these) -------------------------

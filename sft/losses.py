@@ -40,6 +40,36 @@ LARGE_VOCAB = 32768  # from here on `auto` never materialises the logits
 log = logging.getLogger("sft")
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to its logits after the output projection, which a loss from the hidden states
+    must repeat: `z * scale`, then, with a `softcap` c, `c * tanh(z / c)`.
+
+        LogitTransform.of(Gemma2Config())    ->  LogitTransform(scale=1.0, softcap=30.0)  (final_logit_softcapping)
+        LogitTransform.of(CohereConfig())    ->  LogitTransform(scale=0.0625, softcap=None)  (logit_scale)
+        LogitTransform.of(GraniteConfig(logits_scaling=8.0))  ->  LogitTransform(scale=0.125, softcap=None)
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> LogitTransform:
+        """The transform a transformers config asks for (the attributes its modelling code applies)."""
+        scale = float(getattr(config, "logit_scale", None) or 1.0)
+        if getattr(config, "logits_scaling", None):
+            scale /= float(config.logits_scaling)
+        softcap = getattr(config, "final_logit_softcapping", None)
+        return cls(scale, float(softcap) if softcap else None)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 @dataclass
 class Targets:
     """The assistant tokens of a micro-batch, flattened (N of them), in the order of the batch."""
@@ -117,9 +147,11 @@ class WeightedTokenLoss:
 
     def terms(self, labels: torch.Tensor, loss_weights: torch.Tensor, *, logits: torch.Tensor | None = None,
               hidden: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
-              position_ids: torch.Tensor | None = None, impl: str = "naive", accuracy: bool = False) -> LossTerms:
+              position_ids: torch.Tensor | None = None, impl: str = "naive", accuracy: bool = False,
+              transform: LogitTransform | None = None) -> LossTerms:
         """Numerator and statistics of a micro-batch, from the logits (`naive`) or from the final hidden
-        states and the output projection's weight (`chunked`, `cce`)."""
+        states and the output projection's weight (`chunked`, `cce`), whose logits get `transform` (the
+        model's own post-projection step, `LogitTransform.of(model.config)`)."""
         t = select_targets(labels, loss_weights, position_ids)
         coef, den = self._coefficients(t)
         correct = None
@@ -131,11 +163,14 @@ class WeightedTokenLoss:
                 correct = selected.argmax(-1) == t.labels
         elif impl == "chunked":
             loss_sum, ce, correct = chunked_linear_cross_entropy(
-                hidden[t.rows, t.cols], lm_head, t.labels, coef, self.chunk_tokens, accuracy)
+                hidden[t.rows, t.cols], lm_head, t.labels, coef, self.chunk_tokens, accuracy, transform)
         elif impl == "cce":
             from cut_cross_entropy import linear_cross_entropy
 
-            ce = linear_cross_entropy(hidden[t.rows, t.cols], lm_head, t.labels, reduction="none").float()
+            transform = transform or LogitTransform()
+            h = hidden[t.rows, t.cols]
+            ce = linear_cross_entropy(h * transform.scale if transform.scale != 1.0 else h, lm_head, t.labels,
+                                      softcap=transform.softcap, reduction="none").float()
             loss_sum = (coef * ce).sum()
         else:
             raise ValueError(f"loss impl {impl!r}: terms() takes naive, chunked or cce (see choose_impl)")
@@ -187,7 +222,7 @@ class HardSampleLoss(HardSampleLossConfig, WeightedTokenLoss):
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_t coef_t * CE(hidden_t @ weight.T, label_t), a chunk of tokens at a time.
+    """sum_t coef_t * CE(transform(hidden_t @ weight.T), label_t), a chunk of tokens at a time.
 
     The gradients are computed chunk by chunk in the forward pass, while each chunk's logits exist (as
     Liger's fused linear cross entropy does): the backward only scales them, so nothing is recomputed and
@@ -197,8 +232,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, coef, chunk_tokens, accuracy):
+    def forward(ctx, hidden, weight, labels, coef, chunk_tokens, accuracy, transform):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        scale, softcap = transform.scale, transform.softcap
         n = hidden.size(0)
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
         correct = torch.empty(n, dtype=torch.bool, device=hidden.device) if accuracy else None
@@ -209,6 +245,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         rows = min(chunk_tokens, n)
         buffer = torch.empty(rows, weight.size(0), dtype=hidden.dtype, device=hidden.device)
         buffer32 = buffer if hidden.dtype == torch.float32 else torch.empty_like(buffer, dtype=torch.float32)
+        capped = torch.empty_like(buffer32) if softcap and (need_hidden or need_weight) else None
         autocast_off = torch.autocast(hidden.device.type, enabled=False)
         autocast_off.__enter__()
         for start in range(0, n, chunk_tokens):
@@ -217,6 +254,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = torch.mm(h, weight_in.T, out=buffer[: end - start])
             if logits.dtype != torch.float32:
                 logits = buffer32[: end - start].copy_(logits)
+            if scale != 1.0:
+                logits.mul_(scale)
+            if softcap:  # t = c * tanh(z / c), whose derivative 1 - tanh^2 the gradient needs below
+                logits.div_(softcap).tanh_()
+                if capped is not None:
+                    capped[: end - start].copy_(logits)
+                logits.mul_(softcap)
             if accuracy:
                 correct[start:end] = logits.argmax(-1) == y
             target = logits.gather(1, y[:, None]).squeeze(1)
@@ -227,6 +271,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if need_hidden or need_weight:
                 probs.mul_((coef[start:end] / total)[:, None])  # coef * softmax
                 probs[torch.arange(end - start, device=y.device), y] -= coef[start:end]  # minus coef * one-hot
+                if capped is not None:  # back through the softcap, then the scale
+                    probs.mul_(capped[: end - start].square_().neg_().add_(1.0))
+                if scale != 1.0:
+                    probs.mul_(scale)
                 grad_logits = probs if hidden.dtype == torch.float32 else buffer[: end - start].copy_(probs)
                 if need_hidden:
                     torch.mm(grad_logits, weight_in, out=grad_hidden[start:end])
@@ -248,14 +296,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 coef: torch.Tensor, chunk_tokens: int = 1024, accuracy: bool = False):
+                                 coef: torch.Tensor, chunk_tokens: int = 1024, accuracy: bool = False,
+                                 transform: LogitTransform | None = None):
     """`(sum_t coef_t * ce_t, ce [N], correct [N] or None)` for hidden states [N, H] and a projection
-    weight [V, H], without ever holding more than `chunk_tokens` rows of logits."""
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, coef.float(), chunk_tokens, accuracy)
+    weight [V, H], the logits `transform(hidden @ weight.T)`, without ever holding more than
+    `chunk_tokens` rows of logits."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, coef.float(), chunk_tokens, accuracy,
+                                            transform or LogitTransform())
 
 
 def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainable_head: bool = False) -> str:

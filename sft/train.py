@@ -158,15 +158,46 @@ def build_model(cfg: DictConfig, activation_checkpointing: bool):
         log.info("data.packing: attention sdpa_varlen (sdpa per sample of the packed row)")
     model = instantiate(cfg.model, attn_implementation=attn)
     if cfg.lora is not None:
-        from peft import get_peft_model, prepare_model_for_kbit_training
+        from peft import prepare_model_for_kbit_training
 
         if cfg.model.quantization:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=activation_checkpointing)
-        model = get_peft_model(model, instantiate(cfg.lora, _convert_="all"))
+        model = apply_lora(model, cfg.lora)
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3 shards
     total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
     log.info("model: %d parameters, %d trainable (%.2f%%)", total, trainable, 100 * trainable / total)
     return model
+
+
+def apply_lora(model, lora_node: DictConfig):
+    """PEFT's LoRA as the `lora` node says, with its targets checked against the model."""
+    from hydra.utils import instantiate
+    from peft import get_peft_model
+
+    lora = instantiate(lora_node, _convert_="all")
+    check_lora_targets(model, lora.target_modules)
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as e:
+        if "lora_dropout" not in str(e):
+            raise
+        raise ConfigError("lora.lora_dropout", lora.lora_dropout, "this model's fused expert weights (mixture of "
+                          "experts) take LoRA through PEFT's parameter wrappers, which have no dropout: set "
+                          "lora.lora_dropout=0") from e
+
+
+def check_lora_targets(model, targets) -> None:
+    """Each module name of `lora.target_modules` must name a linear layer of this model (PEFT would wrap
+    the others and train a subset without a word)."""
+    import torch
+
+    if isinstance(targets, str):  # "all-linear", or a regex PEFT matches itself
+        return
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    missing = [t for t in targets if t not in linear]
+    if missing:
+        raise ConfigError("lora.target_modules", list(targets), f"{', '.join(missing)} name no linear layer of "
+                          f"{type(model).__name__}; its linear layers: {', '.join(linear)} (or all-linear)")
 
 
 def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None) -> None:

@@ -41,7 +41,8 @@ from typing_extensions import override
 from sft.clipping import GradClipPolicy
 from sft.controllers import Controller
 from sft.data import row_scores
-from sft.losses import WeightedTokenLoss, choose_impl
+from sft.config import ConfigError
+from sft.losses import LogitTransform, WeightedTokenLoss, choose_impl
 from sft.step_control import StepControl
 from sft.throughput import ThroughputMeter
 
@@ -75,7 +76,42 @@ class WeightedLossTrainer(Trainer):
         self.loss_impl = choose_impl(loss.impl, vocab_size=self.model.config.vocab_size,
                                      on_gpu=self.args.device.type == "cuda",
                                      zero3_trainable_head=self._zero3_head and self._lm_head.weight.requires_grad)
-        log.info("loss: %s cross entropy (loss.impl=%s)", self.loss_impl, loss.impl)
+        self.logit_transform = LogitTransform.of(self.model.config)
+        if self.loss_impl != "naive":
+            self._check_lean_loss_reproduces_the_logits()
+        log.info("loss: %s cross entropy (loss.impl=%s)%s", self.loss_impl, loss.impl,
+                 "" if self.logit_transform == LogitTransform() else f", logits {self.logit_transform}")
+
+    def _check_lean_loss_reproduces_the_logits(self) -> None:
+        """A lean loss projects the decoder's output itself: on a short probe, its logits (with the model's
+        known transform) must be the model's own. Otherwise `auto` falls back to `naive`, and an explicit
+        `loss.impl` is refused: never a silently different loss."""
+        if self._zero3_head:  # sharded until DeepSpeed's engine runs: the transform table alone decides
+            return
+        model, hidden = self.model, {}
+        device = next(model.parameters()).device
+        ids = torch.arange(1, 9, device=device)[None]
+        was_training = model.training
+        model.eval()
+        hook = self._decoder.register_forward_hook(lambda module, args, output: hidden.update(states=output[0]))
+        try:
+            with torch.no_grad():
+                theirs = model(input_ids=ids, use_cache=False).logits.float()
+                ours = self.logit_transform(hidden["states"].float() @ self._lm_head.weight.float().T)
+        finally:
+            hook.remove()
+            model.train(was_training)
+        relative = 1e-4 if self._lm_head.weight.dtype == torch.float32 else 2e-2  # bf16/fp16 rounding
+        tolerance = relative * max(1.0, theirs.abs().max().item())
+        error = (ours - theirs).abs().max().item()
+        if error <= tolerance:
+            return
+        reason = (f"this {type(model).__name__}'s logits are not its decoder's output projected by its output "
+                  f"layer ({self.logit_transform}): they differ by up to {error:.3g}")
+        if self.loss.impl != "auto":
+            raise ConfigError("loss.impl", self.loss.impl, f"{reason}; use loss.impl=naive (or auto)")
+        log.warning("loss.impl=auto: %s; using naive", reason)
+        self.loss_impl = "naive"
 
     @property
     def is_zero3(self) -> bool:
@@ -177,7 +213,8 @@ class WeightedLossTrainer(Trainer):
         impl = self.loss_impl if model.training else "chunked"
         with self._gathered_lm_head():
             terms = self.loss.terms(labels, loss_weights, hidden=hidden["states"], lm_head=self._lm_head.weight,
-                                    position_ids=position_ids, impl=impl, accuracy=accuracy)
+                                    position_ids=position_ids, impl=impl, accuracy=accuracy,
+                                    transform=self.logit_transform)
         return outputs, terms
 
     def _gathered_lm_head(self):

@@ -142,3 +142,47 @@ def test_choose_impl_falls_back_with_a_logged_reason(caplog):
     assert choose_impl("naive", vocab_size=151936, on_gpu=False) == "naive"
     with pytest.raises(ValueError, match="loss.impl='fast'"):
         choose_impl("fast", vocab_size=320, on_gpu=False)
+
+
+# Families whose forward transforms the projected logits (Gemma-2/3 softcapping, Cohere's logit_scale,
+# Granite's logits_scaling) and one that does not; the lm_head is scaled up so that the logits reach the
+# softcap's range, as a trained model's do.
+TRANSFORMS = {"gemma2": {"final_logit_softcapping": 5.0}, "cohere": {"logit_scale": 0.5},
+              "granite": {"logits_scaling": 4.0}, "qwen2": {}}
+
+
+@pytest.mark.parametrize("model_type", sorted(TRANSFORMS))
+def test_the_lean_loss_applies_the_models_own_logit_transform(model_type):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sft.losses import LogitTransform
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=97, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                                  **TRANSFORMS[model_type])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(100.0)
+    ids = torch.randint(0, 97, (2, 12))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    own = model(input_ids=ids, labels=labels)
+    own_grads = torch.autograd.grad(own.loss, [model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight])
+
+    transform = LogitTransform.of(model.config)
+    assert transform != LogitTransform() or model_type == "qwen2"
+    hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+    projected = hidden @ model.lm_head.weight.T
+    assert projected.abs().max() > 10, "the logits never reach a softcap's range: the test would not see it"
+    terms = CrossEntropyLoss(chunk_tokens=5).terms(labels, (labels != -100).float(), hidden=hidden,
+                                                   lm_head=model.lm_head.weight, impl="chunked", transform=transform)
+    ours = terms.loss_sum / terms.denominator.sum()
+    assert ours.item() == pytest.approx(own.loss.item(), rel=1e-5)
+    for a, b in zip(own_grads, torch.autograd.grad(ours, [model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight])):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    if model_type != "qwen2":  # without the transform the lean loss would be another loss
+        plain = CrossEntropyLoss().terms(labels, (labels != -100).float(), hidden=hidden.detach(),
+                                         lm_head=model.lm_head.weight.detach(), impl="chunked")
+        assert abs((plain.loss_sum / plain.denominator.sum()).item() - own.loss.item()) > 1e-2

@@ -64,3 +64,25 @@ def test_packing_trains_exactly_as_padding(tmp_path, tokenizer, normalize):
     torch.testing.assert_close(params_pack, params_pad, atol=1e-5, rtol=0)
     log = next(e for e in trainer.state.log_history if "loss" in e)
     assert log["padding_fraction"] == 0
+
+
+@pytest.mark.parametrize("impl", ["auto", "chunked"])
+def test_a_model_whose_logits_the_lean_loss_cannot_reproduce_gets_naive_or_a_clear_error(tmp_path, impl, caplog):
+    from transformers import TrainingArguments
+
+    from sft.config import ConfigError
+    from sft.model import load_model
+    from sft.trainer import WeightedLossTrainer
+
+    model = load_model("tiny")
+    model.lm_head.register_forward_hook(lambda module, args, output: output * 2)  # a transform no table knows
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    build = lambda: WeightedLossTrainer(model=model, args=args, loss=CrossEntropyLoss(impl=impl))  # noqa: E731
+    if impl == "chunked":
+        with pytest.raises(ConfigError, match="loss.impl='chunked': this Qwen2ForCausalLM's logits are not"):
+            build()
+        return
+    with caplog.at_level("WARNING", logger="sft"):
+        assert build().loss_impl == "naive"
+    assert "loss.impl=auto: this Qwen2ForCausalLM's logits are not" in caplog.text
+    assert WeightedLossTrainer(model=load_model("tiny"), args=args, loss=CrossEntropyLoss()).loss_impl == "chunked"
