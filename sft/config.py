@@ -561,8 +561,8 @@ def _nodes(cfg: DictConfig, path: str = ""):
     """(path, node) of the config and every dict node below it, parents first."""
     yield path, cfg
     for key in cfg:
-        child = cfg._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+        child = None if OmegaConf.is_missing(cfg, key) else cfg[key]
+        if isinstance(child, DictConfig):
             yield from _nodes(child, f"{path}.{key}" if path else str(key))
 
 

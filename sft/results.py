@@ -60,12 +60,15 @@ class RunResults:
                 out[key] = value
         return out
 
+    @staticmethod
+    def buckets(metrics: dict) -> dict:
+        """The `eval_loss_bucket_<k>` entries of metrics (or of the file) as {k: loss}."""
+        return {k[len(BUCKET):]: v for k, v in metrics.items() if k.startswith(BUCKET)}
+
     @classmethod
     def from_json(cls, data: dict) -> RunResults:
         known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values["eval_loss_buckets"] = {k[len(BUCKET):]: v for k, v in data.items() if k.startswith(BUCKET)}
-        return cls(**values)
+        return cls(**{k: v for k, v in data.items() if k in known}, eval_loss_buckets=cls.buckets(data))
 
     def write(self, run_dir: str | Path) -> None:
         run_dir = Path(run_dir)

@@ -31,6 +31,7 @@ from accelerate.utils import gather_object
 from sft.batch import packed_bounds
 from sft.clipping import GradClipPolicy
 from sft.controllers import Controller, StepVerdict
+from sft.controllers.base import implements
 from sft.data import row_scores
 
 log = logging.getLogger("sft")
@@ -65,7 +66,7 @@ class StepControl:
     def __init__(self, trainer, clip_policy: GradClipPolicy, controllers: dict[str, Controller],
                  train_file: str | None = None):
         self.trainer, self.clip_policy, self.train_file = trainer, clip_policy, train_file
-        self.judges = [c for c in controllers.values() if type(c).judge_step is not Controller.judge_step]
+        self.judges = [c for c in controllers.values() if implements(c, "judge_step")]
         self._deepspeed_threshold = math.inf
         self._step_loss: torch.Tensor | None = None
         self._step_rows: list = []  # (source lines, per-row loss, (input_ids, attention_mask, position_ids))

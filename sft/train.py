@@ -265,8 +265,6 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
 def collect_results(recipe: Recipe, final_eval: dict, train_output, run_dir: str, checkpoint: str | None,
                     started: float) -> RunResults:
     """The run's `RunResults`: final metrics, training figures, and what each controller reports."""
-    from sft.results import BUCKET
-
     trainer = recipe.trainer
     decided = {}
     for controller in recipe.controllers.values():
@@ -276,7 +274,7 @@ def collect_results(recipe: Recipe, final_eval: dict, train_output, run_dir: str
         eval_loss=final_eval.get("eval_loss"),
         eval_ce=final_eval.get("eval_ce"),
         eval_token_accuracy=final_eval.get("eval_token_accuracy"),
-        eval_loss_buckets={k[len(BUCKET):]: v for k, v in final_eval.items() if k.startswith(BUCKET)},
+        eval_loss_buckets=RunResults.buckets(final_eval),
         train_loss=train_output.training_loss,
         global_step=trainer.state.global_step,
         train_tokens_per_second=trainer.throughput.tokens_per_second,

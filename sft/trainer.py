@@ -39,9 +39,9 @@ from transformers import Trainer
 from typing_extensions import override
 
 from sft.clipping import GradClipPolicy
+from sft.config import ConfigError
 from sft.controllers import Controller
 from sft.data import row_scores
-from sft.config import ConfigError
 from sft.losses import LogitTransform, WeightedTokenLoss, choose_impl
 from sft.step_control import StepControl
 from sft.throughput import ThroughputMeter
@@ -88,18 +88,16 @@ class WeightedLossTrainer(Trainer):
         `loss.impl` is refused: never a silently different loss."""
         if self._zero3_head:  # sharded until DeepSpeed's engine runs: the transform table alone decides
             return
-        model, hidden = self.model, {}
-        device = next(model.parameters()).device
-        ids = torch.arange(1, 9, device=device)[None]
+        model = self.model
+        ids = torch.arange(1, 9, device=next(model.parameters()).device)[None]
         was_training = model.training
         model.eval()
-        hook = self._decoder.register_forward_hook(lambda module, args, output: hidden.update(states=output[0]))
         try:
             with torch.no_grad():
-                theirs = model(input_ids=ids, use_cache=False).logits.float()
-                ours = self.logit_transform(hidden["states"].float() @ self._lm_head.weight.float().T)
+                outputs, hidden = self._forward_keeping_hidden(model, input_ids=ids)
+                theirs = outputs.logits.float()
+                ours = self.logit_transform(hidden.float() @ self._lm_head.weight.float().T)
         finally:
-            hook.remove()
             model.train(was_training)
         relative = 1e-4 if self._lm_head.weight.dtype == torch.float32 else 2e-2  # bf16/fp16 rounding
         tolerance = relative * max(1.0, theirs.abs().max().item())
@@ -198,6 +196,18 @@ class WeightedLossTrainer(Trainer):
             outputs = model(**inputs, use_cache=False)
             return outputs, self.loss.terms(labels, loss_weights, logits=outputs.logits, position_ids=position_ids,
                                             accuracy=accuracy)
+        no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
+        outputs, hidden = self._forward_keeping_hidden(model, **inputs, logits_to_keep=no_logits)
+        # cce computes no argmax: evaluation (no gradient) takes the chunked path, which gives the accuracy.
+        impl = self.loss_impl if model.training else "chunked"
+        with self._gathered_lm_head():
+            terms = self.loss.terms(labels, loss_weights, hidden=hidden, lm_head=self._lm_head.weight,
+                                    position_ids=position_ids, impl=impl, accuracy=accuracy,
+                                    transform=self.logit_transform)
+        return outputs, terms
+
+    def _forward_keeping_hidden(self, model, **inputs):
+        """The model's forward (no KV cache), and the decoder's output: the final hidden states."""
         hidden = {}
 
         def keep_hidden_states(module, args, output):  # returns None: the output itself goes on unchanged
@@ -205,17 +215,10 @@ class WeightedLossTrainer(Trainer):
 
         hook = self._decoder.register_forward_hook(keep_hidden_states)
         try:
-            no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
-            outputs = model(**inputs, use_cache=False, logits_to_keep=no_logits)
+            outputs = model(**inputs, use_cache=False)
         finally:
             hook.remove()
-        # cce computes no argmax: evaluation (no gradient) takes the chunked path, which gives the accuracy.
-        impl = self.loss_impl if model.training else "chunked"
-        with self._gathered_lm_head():
-            terms = self.loss.terms(labels, loss_weights, hidden=hidden["states"], lm_head=self._lm_head.weight,
-                                    position_ids=position_ids, impl=impl, accuracy=accuracy,
-                                    transform=self.logit_transform)
-        return outputs, terms
+        return outputs, hidden["states"]
 
     def _gathered_lm_head(self):
         """Under ZeRO-3 the projection's weight is sharded; gather it for the loss (read-only)."""

@@ -1,19 +1,15 @@
 """Composition rejects unknown keys and bad types; value checks name the field; presets compose."""
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from conftest import REPO, run_train
-from sft.config import ConfigError, check, register
-
-register()
+from conftest import run_train
+from sft.config import ConfigError, check, compose
 
 
 def composed(*overrides):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+    return compose("train", overrides)
 
 
 def test_default_config_composes_and_passes_checks():
@@ -115,8 +111,7 @@ def test_cli_bad_data_names_file_line_and_field(tmp_path):
 
 
 def test_gpu_7b_bench_preset_is_lora_on_qwen2_5_7b_shape_packed_bf16():
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="bench", overrides=["preset=gpu_7b"])
+    cfg = compose("bench", ["preset=gpu_7b"])
     check(cfg)
     shape = cfg.model.random_init
     assert (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size) == (3584, 28, 152064)

@@ -21,7 +21,6 @@ def test_flops_per_token_is_6n_for_full_fine_tuning_4n_frozen_plus_attention():
 
 
 def test_throughput_values_are_logged(tmp_path, tokenizer, monkeypatch):
-    from sft.throughput import ThroughputMeter
     meters = []
     real_init = WeightedLossTrainer.__init__
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import ROWS, chat, train_steps
+from conftest import ROWS, train_steps
 from sft.losses import CrossEntropyLoss, HardSampleLoss
 
 

@@ -70,6 +70,11 @@ class Controller(TrainerCallback):
         return None
 
 
+def implements(controller: Controller, method: str) -> bool:
+    """Whether a controller's class has its own `method` of the protocol (not the base's no-op)."""
+    return getattr(type(controller), method) is not getattr(Controller, method)
+
+
 def build_controllers(nodes) -> dict[str, Controller]:
     """Every non-null entry of the `controllers` node, built with `hydra.utils.instantiate`."""
     from hydra.utils import instantiate
@@ -85,7 +90,7 @@ def build_controllers(nodes) -> dict[str, Controller]:
             raise ConfigError(f"controllers.{name}._target_", node.get("_target_"),
                               "must build an sft.controllers.Controller (a TrainerCallback with state)")
         controllers[name] = controller
-    samplers = [name for name, c in controllers.items() if type(c).train_sampler is not Controller.train_sampler]
+    samplers = [name for name, c in controllers.items() if implements(c, "train_sampler")]
     if len(samplers) > 1:
         raise ConfigError("controllers", None, f"{' and '.join(samplers)} both choose the training rows; keep one")
     return controllers
