@@ -65,6 +65,8 @@ class ModelConfig(Schema):
     trust_remote_code: bool = False
     quantization: Optional[str] = None  # nf4: 4-bit base for QLoRA (bitsandbytes, CUDA only)
     random_init: Optional[Dict[str, Any]] = None  # a transformers config: this architecture, random weights
+    # Fields of the checkpoint's config to change, e.g. +model.config_overrides.output_router_logits=true
+    config_overrides: Dict[str, Any] = field(default_factory=dict)
 
     def check(self, cfg=None):
         self.require("dtype", self.dtype in ("float32", "bfloat16", "float16"), "must be float32, bfloat16 or float16")
@@ -95,11 +97,16 @@ class DataConfig(Schema):
     on_error: str = "raise"  # raise | skip (train on the valid rows, write rejected.jsonl in the run dir)
     overlong: str = "truncate"  # truncate (prompt cut from the left first) | drop | error
     packing: bool = False  # each micro-batch as one row without padding (position_ids restart per sample)
+    # A turn the chat template renders differently once later turns follow (Qwen3 drops earlier reasoning):
+    # split (trained from the chat up to it, a sequence of its own) | skip (left untrained) | refuse (row refused)
+    rewritten_turns: str = "split"
 
     def check(self, cfg=None):
         self.require("max_length", self.max_length >= 8, "must be >= 8")
         self.require("on_error", self.on_error in ("raise", "skip"), "must be raise or skip")
         self.require("overlong", self.overlong in ("truncate", "drop", "error"), "must be truncate, drop or error")
+        self.require("rewritten_turns", self.rewritten_turns in ("split", "skip", "refuse"),
+                     "must be split, skip or refuse")
         self.require("default_score", self.default_score is None or self.default_score >= 0, "must be >= 0")
         for key in ("train_file", "eval_file"):
             path = getattr(self, key)

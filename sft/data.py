@@ -16,11 +16,12 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
-PREPROCESS_VERSION = 1  # bump when tokenisation or labelling changes, to invalidate caches
+PREPROCESS_VERSION = 2  # bump when tokenisation or labelling changes, to invalidate caches
 MAX_ERRORS_SHOWN = 10
 PARALLEL_ROWS = 20000  # data.num_proc=null tokenises files of this many rows on every core
 
@@ -75,6 +76,9 @@ def _check_row(row, default_score: float | None) -> tuple[str, str] | None:
             return f"{where}.content", f"must be a string, got {type(m['content']).__name__}"
         if m["role"] == "assistant" and not m["content"].strip():
             return f"{where}.content", "empty assistant content"
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and (m["role"] != "assistant" or not isinstance(reasoning, str)):
+            return f"{where}.reasoning_content", "only an assistant turn has reasoning, as a string"
     if messages[0]["role"] == "assistant":
         return "messages[0].role", "a chat must start with a system or user turn"
     if not any(m["role"] == "assistant" for m in messages):
@@ -144,13 +148,21 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None) -> t
                 continue
             score = row.get("difficulty_score")
             rows.append({
-                "messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]],
+                "messages": [{"role": m["role"], "content": m["content"],
+                              "reasoning_content": m.get("reasoning_content")} for m in row["messages"]],
                 "difficulty_score": float(default_score if score is None else score),
                 "source_line": lineno,
             })
     if not rows and not rejected:
         raise DataError([f"{path}: file: no rows (the file is empty)"])
     return rows, rejected
+
+
+def _raw_lines(path: str, lines: set[int]) -> dict[int, str]:
+    """The text of the given (1-based) lines of a file, as `Rejected.raw` holds it."""
+    with open(path, "rb") as f:
+        return {n: raw.decode("utf-8", "replace").lstrip("\ufeff").rstrip() for n, raw in enumerate(f, start=1)
+                if n in lines}
 
 
 def read_jsonl(path: str | os.PathLike, default_score: float | None = None) -> list[dict]:
@@ -164,27 +176,81 @@ def read_jsonl(path: str | os.PathLike, default_score: float | None = None) -> l
 # --- tokenisation -------------------------------------------------------------------------------------
 
 
-def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Render a chat and return its text with the character spans of every assistant turn.
+class Refused(ValueError):
+    """A chat whose trained tokens cannot be located with this chat template: the field and why."""
 
-    A span covers the turn's content and its end-of-turn token (trailing whitespace excluded). It is
-    found by rendering the chat up to each turn, which needs a template whose renderings of a chat's
-    prefixes are prefixes of its full rendering (true of ChatML/Qwen2.5 and most chat templates).
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+def render(tokenizer, messages: list[dict], **kwargs) -> str:
+    """The chat template's text for `messages`; a template's own refusal (`raise_exception`) is `Refused`."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except TemplateError as e:
+        raise Refused("messages", f"the chat template refuses this chat: {e}") from e
+
+
+def _divergence(a: str, b: str) -> str:
+    """Where two renderings part: a few characters of each from the first difference."""
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{a[max(0, i - 20):i + 30]!r} vs {b[max(0, i - 20):i + 30]!r}"
+
+
+def _end_in_whole_chat(turn: str, full: str, eos: str | None) -> int | None:
+    """Where `turn` (the chat rendered through an assistant turn) ends in the whole chat's rendering, if
+    that shows it unchanged; else None. A final `eos` that a template adds at the end of a chat is not
+    part of a turn that later turns follow."""
+    if full.startswith(turn):
+        return len(turn)
+    if eos and turn.endswith(eos) and full.startswith(head := turn[: -len(eos)].rstrip()):
+        return len(head)
+    return None
+
+
+def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split") -> list[tuple[str, list[tuple[int, int]]]]:
+    """The texts a chat trains as, each with the character spans of its trained assistant turns.
+
+    An assistant turn is trained as the model generates it: after the rendering of the chat before it with
+    the generation prompt, through its end-of-turn token (the rendering of the chat ending with it,
+    trailing whitespace excluded). Usually every turn is found so in the whole chat's rendering: one text.
+
+        [user "1+1?", assistant "2", user "2+2?", assistant "4"], ChatML  ->
+            [("<|im_start|>system ... assistant\n2<|im_end|>\n<|im_start|>user ... assistant\n4<|im_end|>\n",
+              [(start of "2", end of its <|im_end|>), (start of "4", end of its <|im_end|>)])]
+
+    Some templates render a turn differently once later turns follow (Qwen3 drops the reasoning of earlier
+    answers). Such a turn, by `rewritten_turns`: `split` trains it in a text of its own, the chat up to
+    and including it (as the model saw it when answering); `skip` trains it not at all (it stays context);
+    `refuse` raises `Refused`. A chat's final `eos_token` that a template adds (Phi-3) does not count as a
+    rewrite. Roles without a `reasoning_content` reach the template without the key.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    full = render(tokenizer, messages)
+    whole_chat, own_texts = [], []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False).rstrip()
-        if not (text.startswith(before) and text.startswith(through)):
-            raise ValueError(
-                "the chat template does not render a chat's prefixes as prefixes of the whole chat, so "
-                "assistant turns cannot be located; set tokenizer.chat_template to one that does"
-            )
-        spans.append((len(before), len(through)))
-    return text, spans
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1])
+        end = len(through.rstrip())
+        if not through.startswith(prompt) or end <= len(prompt):
+            raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently "
+                          f"once the turn is added ({_divergence(prompt, through)}), so the turn cannot be "
+                          "located; set tokenizer.chat_template to a template that keeps earlier text unchanged")
+        end_in_full = _end_in_whole_chat(through[:end], full, tokenizer.eos_token)
+        if end_in_full is not None:
+            whole_chat.append((len(prompt), end_in_full))
+        elif rewritten_turns == "refuse":
+            raise Refused(f"messages[{i}]", "the chat template renders this turn differently once later turns "
+                          f"follow ({_divergence(through, full)}); data.rewritten_turns=split trains it from its "
+                          "own rendering, skip leaves it untrained")
+        elif rewritten_turns == "split":
+            own_texts.append((through, [(len(prompt), end)]))
+    return ([(full, whole_chat)] if whole_chat else []) + own_texts
 
 
 def fit_window(n_tokens: int, answer_start: int, max_length: int) -> tuple[int, int]:
@@ -202,20 +268,38 @@ def fit_window(n_tokens: int, answer_start: int, max_length: int) -> tuple[int, 
     return start, start + max_length
 
 
-def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate") -> dict:
-    """`datasets.map` function: input_ids and assistant-only labels, fitted to `max_length`.
+def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate",
+                   rewritten_turns: str = "split") -> dict:
+    """`datasets.map` function: input_ids and assistant-only labels of each text a chat trains as
+    (`chat_views`; `view` 0 is the whole chat, 1... turns a template rewrites later), fitted to `max_length`.
 
     `overlong`: `truncate` (see `fit_window`), `drop` (over-long rows are left out) or `error` (they are
     kept whole and flagged in `overlong`, for the caller to report). Rows left with no trainable token
-    are dropped.
+    are dropped. A chat the template cannot label (`Refused`) becomes one empty row whose `refused` says
+    why, for the caller to report with its line.
     """
-    rendered = [assistant_char_spans(tokenizer, messages) for messages in batch["messages"]]
-    enc = tokenizer(
-        [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True, truncation=False
-    )
-    out = {"input_ids": [], "labels": [], "difficulty_score": [], "source_line": [], "truncated": [],
-           "overlong": []}
-    for k, (ids, offsets, (_, spans)) in enumerate(zip(enc["input_ids"], enc["offset_mapping"], rendered)):
+    out = {"input_ids": [], "labels": [], "difficulty_score": [], "source_line": [], "view": [], "truncated": [],
+           "overlong": [], "refused": []}
+
+    def emit(k, ids, labels, view, truncated=False, too_long=False, refused=""):
+        for key, value in (("input_ids", ids), ("labels", labels), ("difficulty_score", batch["difficulty_score"][k]),
+                           ("source_line", batch["source_line"][k]), ("view", view), ("truncated", truncated),
+                           ("overlong", too_long), ("refused", refused)):
+            out[key].append(value)
+
+    texts, where = [], []  # every text of the batch, tokenised in one call; its row and spans
+    for k, messages in enumerate(batch["messages"]):
+        try:
+            views = chat_views(tokenizer, messages, rewritten_turns)
+        except Refused as e:
+            emit(k, [], [], 0, refused=f"{e.field}\t{e.reason}")
+            continue
+        for view, (text, spans) in enumerate(views):
+            texts.append(text)
+            where.append((k, view, spans))
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, truncation=False) if texts else None
+    for n, (k, view, spans) in enumerate(where):
+        ids, offsets = enc["input_ids"][n], enc["offset_mapping"][n]
         starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
         trained = np.zeros(len(ids), dtype=bool)
         for a, b in spans:
@@ -230,12 +314,7 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
         labels = np.where(trained, np.asarray(ids), IGNORE_INDEX)
         if not (labels[1:] != IGNORE_INDEX).any():  # position 0 is never a prediction target
             continue
-        out["input_ids"].append(list(ids))
-        out["labels"].append(labels.tolist())
-        out["difficulty_score"].append(batch["difficulty_score"][k])
-        out["source_line"].append(batch["source_line"][k])
-        out["truncated"].append(too_long and overlong == "truncate")
-        out["overlong"].append(too_long)
+        emit(k, list(ids), labels.tolist(), view, too_long and overlong == "truncate", too_long)
     return out
 
 
@@ -274,11 +353,26 @@ def data_hash(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
+@dataclass
+class SplitSummary:
+    """What preprocessing made of one file: counts of rows and of the sequences trained."""
+
+    rows: int = 0  # valid rows read
+    rejected: int = 0  # rows refused by validation or by the chat template (reported with their lines)
+    dropped: int = 0  # valid rows left out: over-long with data.overlong=drop, or no assistant token left
+    truncated: int = 0  # sequences cut to data.max_length
+    own_turn_texts: int = 0  # turns a template rewrites later, trained in a text of their own (split)
+    sequences: int = 0  # rows of the tokenised split
+    tokens: int = 0  # tokens of all sequences
+    trained_tokens: int = 0  # tokens with a label
+
+
 def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_proc, key: str,
-                     on_error: str, overlong: str):
+                     on_error: str, overlong: str, rewritten_turns: str):
     """Tokenise one file, or load it from the cache an earlier run wrote with the same key.
 
-    Returns the dataset and the rejected rows (kept in the cache too, so every run can report them).
+    Returns the dataset, the rejected rows and the `SplitSummary` (all three kept in the cache, so every
+    run can report them).
     """
     from datasets import Dataset, load_from_disk
 
@@ -286,7 +380,10 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
     if target.exists():
         log.info("data: %s from cache %s", path, target)
         rejected = [Rejected(**r) for r in json.loads((target / "rejected.json").read_text())]
-        return load_from_disk(str(target / "rows")), rejected
+        summary = SplitSummary(**json.loads((target / "summary.json").read_text()))
+        if rejected and on_error == "raise":  # cached by a run with data.on_error=skip
+            raise DataError([str(r) for r in rejected])
+        return load_from_disk(str(target / "rows")), rejected, summary
     rows, rejected = scan_jsonl(path, default_score)
     if rejected and on_error == "raise":
         raise DataError([str(r) for r in rejected])
@@ -300,26 +397,48 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
         batch_size=256,
         num_proc=num_proc if num_proc and num_proc > 1 else None,
         remove_columns=["messages"],
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong},
+        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong,
+                   "rewritten_turns": rewritten_turns},
         keep_in_memory=True,
         desc=f"tokenising {Path(path).name}",
     )
+    refused = [(i, line, why.split("\t", 1)) for i, (line, why)
+               in enumerate(zip(column(ds, "source_line"), column(ds, "refused"))) if why]
+    if refused:
+        raw = _raw_lines(path, {line for _, line, _ in refused})
+        by_template = [Rejected(path, line, field, reason, raw[line]) for _, line, (field, reason) in refused]
+        if on_error == "raise":
+            raise DataError([str(r) for r in by_template])
+        rejected += by_template
+        kept = sorted(set(range(len(ds))) - {i for i, _, _ in refused})
+        ds = ds.select(kept)
     flagged = column(ds, "overlong") if overlong == "error" else []
     if any(flagged):
         lines = [line for line, flag in zip(column(ds, "source_line"), flagged) if flag]
         raise DataError([f"{path}:{line}: row: longer than data.max_length={max_length} tokens "
                          "(data.overlong=truncate or drop to accept it)" for line in lines])
-    dropped, truncated = len(rows) - len(ds), sum(column(ds, "truncated"))
-    if dropped or truncated:
-        log.warning("data: %s: %d row(s) truncated to data.max_length=%d; %d dropped (over-long with "
-                    "data.overlong=drop, or no assistant token left)", path, truncated, max_length, dropped)
+    views = column(ds, "view")
+    summary = SplitSummary(rows=len(rows), rejected=len(rejected), truncated=sum(column(ds, "truncated")),
+                           dropped=len(rows) - len(refused) - len(set(column(ds, "source_line"))),
+                           own_turn_texts=sum(v > 0 for v in views), sequences=len(ds))
+    lengths = ds.with_format("arrow").select_columns(["input_ids", "labels"])[:]
+    summary.tokens = int(pc.sum(pc.list_value_length(lengths["input_ids"])).as_py() or 0)
+    summary.trained_tokens = int(pc.sum(pc.not_equal(pc.list_flatten(lengths["labels"]), IGNORE_INDEX)).as_py() or 0)
+    if summary.dropped or summary.truncated:
+        log.warning("data: %s: %d sequence(s) truncated to data.max_length=%d; %d row(s) dropped (over-long with "
+                    "data.overlong=drop, or no assistant token left)", path, summary.truncated, max_length,
+                    summary.dropped)
+    if summary.own_turn_texts:
+        log.info("data: %s: the chat template rewrites earlier turns: %d turn(s) trained from their own rendering "
+                 "(data.rewritten_turns=split)", path, summary.own_turn_texts)
     if len(ds) == 0:
         raise DataError([f"{path}: file: no row left with an assistant token at data.max_length={max_length}"])
-    ds = ds.remove_columns("overlong")
+    ds = ds.remove_columns(["overlong", "refused"])
     with building(target) as tmp:
         ds.save_to_disk(str(tmp / "rows"))
         (tmp / "rejected.json").write_text(json.dumps([vars(r) for r in rejected]))
-    return ds, rejected
+        (tmp / "summary.json").write_text(json.dumps(vars(summary)))
+    return ds, rejected, summary
 
 
 def column(ds: datasets.Dataset, name: str) -> list:
@@ -358,6 +477,7 @@ class SFTData:
     eval: datasets.Dataset | None
     identity: dict  # see data_identity
     packing: bool = False  # how the collator forms batches (data.packing)
+    summary: dict[str, SplitSummary] = field(default_factory=dict)  # by split: train, eval
 
     @property
     def data_hash(self) -> str:
@@ -376,23 +496,26 @@ def load_sft_datasets(
     overlong: str = "truncate",
     rejected_file: str | None = None,
     packing: bool = False,
+    rewritten_turns: str = "split",
 ) -> SFTData:
     """Validated, tokenised train and eval splits with a per-row `loss_weight` column.
 
     `on_error`: `raise` stops at the first bad rows with `DataError`; `skip` trains on the valid rows
-    and reports the others (`report_rejected`). `overlong`: see `tokenize_batch`. `packing` changes only
-    how batches are formed (`WeightedDataCollator`); it is kept with the data settings it describes.
+    and reports the others (`report_rejected`). `overlong` and `rewritten_turns`: see `tokenize_batch`
+    and `chat_views`. `packing` changes only how batches are formed (`WeightedDataCollator`); it is kept
+    with the data settings it describes.
     """
     identity = data_identity(train_file, eval_file, tokenizer, max_length, default_score)
-    identity["overlong"] = overlong
+    identity.update(overlong=overlong, rewritten_turns=rewritten_turns)
     key = data_hash(identity)
 
-    splits, rejected = [], []
-    for path in (train_file, eval_file):
+    splits, rejected, summaries = [], [], {}
+    for name, path in (("train", train_file), ("eval", eval_file)):
         if path is None:
             splits.append(None)
             continue
-        ds, bad = _tokenized_split(path, tokenizer, max_length, default_score, num_proc, key, on_error, overlong)
+        ds, bad, summaries[name] = _tokenized_split(path, tokenizer, max_length, default_score, num_proc, key,
+                                                    on_error, overlong, rewritten_turns)
         rejected += bad
         # Fingerprinted by the weights' bytes, which datasets would otherwise do by pickling the list.
         weights = np.array([sample_weight(score) for score in column(ds, "difficulty_score")], dtype=np.float64)
@@ -400,7 +523,7 @@ def load_sft_datasets(
         splits.append(ds.remove_columns("truncated").add_column("loss_weight", weights.tolist(),
                                                                 new_fingerprint=fingerprint))
     report_rejected(rejected, rejected_file)
-    return SFTData(train=splits[0], eval=splits[1], identity=identity, packing=packing)
+    return SFTData(train=splits[0], eval=splits[1], identity=identity, packing=packing, summary=summaries)
 
 
 # --- collation ----------------------------------------------------------------------------------------
@@ -416,8 +539,9 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
     (`cu_seq_lens_q/k`, `max_length_q/k`) go to the attention for flash attention's varlen kernels and
     `sdpa_varlen` (`sft.attention`); there is no `attention_mask`.
 
-    The batch holds what the model's forward takes plus `labels`, `loss_weights` and `source_lines`,
-    which the trainer pops before the forward.
+    The batch holds what the model's forward takes plus `labels`, `loss_weights`, `source_lines` and
+    `source_views` (which text of its row a sequence is, see `chat_views`), which the trainer pops before
+    the forward.
     """
 
     def __init__(self, tokenizer, pad_to_multiple_of: int | None = None, packing: bool = False):
@@ -428,6 +552,7 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
 
     def __call__(self, features, return_tensors=None):
         lines = torch.as_tensor([f["source_line"] for f in features], dtype=torch.long)
+        views = torch.as_tensor([f.get("view", 0) for f in features], dtype=torch.long)
         weights = torch.as_tensor([f["loss_weight"] for f in features], dtype=torch.float32)
         features = [{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features]
         if self.packing:
@@ -438,5 +563,5 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
             batch = super().__call__(features, return_tensors)
             row_weights = weights[:, None]
         batch["loss_weights"] = torch.where(batch["labels"] != IGNORE_INDEX, row_weights, 0.0)
-        batch["source_lines"] = lines
+        batch["source_lines"], batch["source_views"] = lines, views
         return batch

@@ -70,6 +70,25 @@ class LogitTransform:
         return logits
 
 
+def router_aux_loss_coef(config) -> float:
+    """The weight of a mixture of experts' router load-balancing loss in the model's own objective; 0 when
+    its config does not ask for the loss (`output_router_logits`).
+
+    The model computes the loss (`outputs.aux_loss`) on every forward with `output_router_logits`, but adds
+    it to its own loss only when given `labels`, which a weighted loss does not pass: the trainer adds it.
+
+        router_aux_loss_coef(Qwen3MoeConfig(output_router_logits=True))  ->  0.001
+        router_aux_loss_coef(Qwen3MoeConfig())                           ->  0.0
+    """
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    for name in ("router_aux_loss_coef", "aux_loss_coef"):  # JetMoE names it aux_loss_coef
+        if getattr(config, name, None) is not None:
+            return float(getattr(config, name))
+    raise ConfigError("model.config_overrides.output_router_logits", True,
+                      f"{type(config).__name__} has no router_aux_loss_coef: the router loss's weight is unknown")
+
+
 @dataclass
 class Targets:
     """The assistant tokens of a micro-batch, flattened (N of them), in the order of the batch."""

@@ -67,7 +67,7 @@ def merge(checkpoint: str, output: str, base: str | None = None, dtype: str | No
     if base.startswith(("/", ".")) and not Path(base).is_dir():
         raise MergeError(f"the base model {base!r} does not exist (pass base=<hub id or dir>)")
     try:
-        model = load_model(base, dtype=dtype)
+        model = load_model(base, dtype=dtype, attn_implementation=None)  # merging runs no attention
     except (OSError, ValueError) as e:
         raise MergeError(f"cannot load the base model {base!r}: {str(e).splitlines()[0]}") from e
     merged = PeftModel.from_pretrained(model, str(adapter), torch_dtype=getattr(torch, dtype)).merge_and_unload()

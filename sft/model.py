@@ -154,6 +154,7 @@ def load_model(
     trust_remote_code: bool = False,
     quantization: str | None = None,
     random_init: dict | None = None,
+    config_overrides: dict | None = None,
 ):
     """Load a causal LM with the Auto classes (the tiny preset included); `quantization=nf4` for QLoRA.
 
@@ -161,9 +162,11 @@ def load_model(
     `sdpa_varlen` (`sft.attention`: sdpa per sample of a packed row). `random_init` (a transformers
     config as a dict, e.g. Qwen2.5-7B's shape) builds that architecture with random weights instead of
     loading `name_or_path`'s, on the GPU when there is one: benchmarks at full size with no download.
+    `config_overrides` changes fields of the model's config (e.g. a mixture of experts' router aux loss:
+    `output_router_logits`, `router_aux_loss_coef`); a name the config does not have is refused.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if attn_implementation == "sdpa_varlen":
         from sft import attention
@@ -179,16 +182,38 @@ def load_model(
             bnb_4bit_compute_dtype=getattr(torch, dtype),
         )
     if random_init is not None:
-        from transformers import AutoConfig
-
         config = AutoConfig.for_model(**random_init)
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
-                                                    attn_implementation=attn_implementation)
-    return AutoModelForCausalLM.from_pretrained(
-        resolve(name_or_path),
-        dtype=getattr(torch, dtype),
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-        **extra,
-    )
+    else:
+        config = AutoConfig.from_pretrained(resolve(name_or_path), trust_remote_code=trust_remote_code)
+    _override_config(config, config_overrides or {})
+    try:
+        if random_init is not None:
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
+                                                        attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(
+            resolve(name_or_path),
+            config=config,
+            dtype=getattr(torch, dtype),
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            **extra,
+        )
+    except ValueError as e:
+        if "does not support an attention implementation" not in str(e):
+            raise
+        from sft.config import ConfigError
+
+        raise ConfigError("model.attn_implementation", attn_implementation,
+                          str(e).split(". Please")[0] + ": use eager (or flash_attention_2 on a GPU)") from e
+
+
+def _override_config(config, overrides: dict) -> None:
+    """Set fields of a transformers config; an unknown name is a config error (it would be ignored)."""
+    from sft.config import ConfigError
+
+    for name, value in overrides.items():
+        if not hasattr(config, name):
+            raise ConfigError(f"model.config_overrides.{name}", value,
+                              f"{type(config).__name__} has no field {name!r}")
+        setattr(config, name, value)

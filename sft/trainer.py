@@ -5,9 +5,11 @@ still has each one, with the same parameters):
 - `get_batch_samples` (public) sums the loss's denominator over the optimizer step's micro-batches and
   all ranks (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to
   `compute_loss`; it also opens the step in `sft.step_control` (DeepSpeed's clip threshold is set there);
-- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines` (the model's forward never sees
+- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines`/`source_views` (the model's forward never sees
   them) and divides the micro-batch's numerator by that global denominator, times the world size because
-  DDP and DeepSpeed average gradients over ranks. With a lean loss implementation (`loss.impl`, see
+  DDP and DeepSpeed average gradients over ranks. A mixture of experts' router aux loss (when its config
+  enables it, `sft.losses.router_aux_loss_coef`) is added with the model's coefficient, each micro-batch's
+  weighted by its share of the step's tokens (so accumulation neither sums nor drops it). With a lean loss implementation (`loss.impl`, see
   `sft.losses`) the model runs without its output projection (`logits_to_keep` selects no position) and
   the loss takes the final hidden states, captured from the decoder, and the projection's weight
   (gathered under ZeRO-3);
@@ -19,7 +21,8 @@ still has each one, with the same parameters):
 - `evaluation_loop` (public) replaces the mean of per-batch losses by the exact ratio over the eval set
   (each row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
   `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
-- `log` (public) adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`, the
+- `log` (public) adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`,
+  `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, the
   throughput values (`sft.throughput`), the clip policy's and the controllers' `log_values`.
 
 Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
@@ -42,7 +45,7 @@ from sft.clipping import GradClipPolicy
 from sft.config import ConfigError
 from sft.controllers import Controller
 from sft.data import row_scores
-from sft.losses import LogitTransform, WeightedTokenLoss, choose_impl
+from sft.losses import LogitTransform, WeightedTokenLoss, choose_impl, router_aux_loss_coef
 from sft.step_control import StepControl
 from sft.throughput import ThroughputMeter
 
@@ -67,9 +70,9 @@ class WeightedLossTrainer(Trainer):
         self._eval_scores = {}
         if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
             self._eval_scores = row_scores(self.eval_dataset)
-        # Since the last log: ce sum, weight sum, assistant tokens, samples, input tokens, positions.
         self._train_stats = torch.zeros(len(self.TRAIN_STATS), dtype=torch.float64, device=self.args.device)
-        self._eval_rows: dict[int, list[float]] | None = None  # source line -> num, den, ce, tokens, correct
+        # (source line, view) -> numerator, denominator, ce, tokens, correct: each eval sequence counted once
+        self._eval_rows: dict[tuple[int, int], list[float]] | None = None
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
         self._zero3_head = self.is_zero3 and hasattr(self._lm_head.weight, "ds_id")
@@ -77,6 +80,8 @@ class WeightedLossTrainer(Trainer):
                                      on_gpu=self.args.device.type == "cuda",
                                      zero3_trainable_head=self._zero3_head and self._lm_head.weight.requires_grad)
         self.logit_transform = LogitTransform.of(self.model.config)
+        self.router_aux_coef = router_aux_loss_coef(self.model.config)
+        self._step_tokens = None  # input tokens of the optimizer step over all ranks (weights the aux loss)
         if self.loss_impl != "naive":
             self._check_lean_loss_reproduces_the_logits()
         log.info("loss: %s cross entropy (loss.impl=%s)%s", self.loss_impl, loss.impl,
@@ -116,7 +121,9 @@ class WeightedLossTrainer(Trainer):
         """DeepSpeed ZeRO stage 3: parameters are sharded and gathered only around their use."""
         return self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
 
-    TRAIN_STATS = ("ce", "weight", "tokens", "samples", "input_tokens", "positions")
+    # Summed since the last log: ce, weights and count of assistant tokens, samples, input tokens (not
+    # padding), positions, and the router aux loss times the input tokens it was computed on.
+    TRAIN_STATS = ("ce", "weight", "tokens", "samples", "input_tokens", "positions", "aux")
 
     def state_dict(self) -> dict:
         """What a resume needs to log exactly as an uninterrupted run: statistics since the last log."""
@@ -138,12 +145,13 @@ class WeightedLossTrainer(Trainer):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        denominator = torch.zeros((), dtype=torch.float64, device=device)
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # the loss's denominator, input tokens
         for batch in batches:
-            denominator += self.loss.normaliser(batch["labels"], batch["loss_weights"],
-                                                batch.get("position_ids")).to(device)
+            sums[0] += self.loss.normaliser(batch["labels"], batch["loss_weights"], batch.get("position_ids")).to(device)
+            sums[1] += input_tokens(batch).to(device)
         self.step_control.begin(device)
-        return batches, self._sum_over_ranks(denominator)
+        denominator, self._step_tokens = self._sum_over_ranks(sums)
+        return batches, denominator
 
     @override
     def _clip_grad_norm(self, model):
@@ -170,14 +178,20 @@ class WeightedLossTrainer(Trainer):
         labels = inputs.pop("labels")
         loss_weights = inputs.pop("loss_weights")
         source_lines = inputs.pop("source_lines", None)
+        source_views = inputs.pop("source_views", None)
         evaluating = not model.training and self._eval_rows is not None and source_lines is not None
         outputs, terms = self._forward_terms(model, inputs, labels, loss_weights, accuracy=evaluating)
         if model.training and num_items_in_batch is not None:
             denominator = num_items_in_batch.clamp_min(1e-12).to(terms.loss_sum.dtype)
-            loss = terms.loss_sum / denominator * self.accelerator.num_processes
-            mask = inputs.get("attention_mask")
-            stats = (terms.ce_sum.sum(), terms.weight_sum.sum(), terms.tokens.sum(), len(terms.tokens),
-                     mask.sum() if mask is not None else labels.numel(), labels.numel())
+            loss = terms.loss_sum / denominator
+            tokens = input_tokens(inputs)
+            aux = outputs.aux_loss.float() if self.router_aux_coef else torch.zeros((), device=loss.device)
+            if self.router_aux_coef:  # the step's aux loss: its micro-batches' mean, weighted by their tokens
+                step_tokens = self._step_tokens if self._step_tokens is not None else tokens
+                loss = loss + self.router_aux_coef * aux * (tokens / step_tokens.clamp_min(1)).to(loss.dtype)
+            loss = loss * self.accelerator.num_processes
+            stats = (terms.ce_sum.sum(), terms.weight_sum.sum(), terms.tokens.sum(), len(terms.tokens), tokens,
+                     labels.numel(), aux.detach() * tokens)
             self._train_stats += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self._train_stats.device)
                                               for v in stats])
             batch = [inputs.get(k) for k in ("input_ids", "attention_mask", "position_ids")]
@@ -186,7 +200,8 @@ class WeightedLossTrainer(Trainer):
             loss = terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
             if evaluating:
                 per_row = torch.stack([terms.numerator, terms.denominator, terms.ce_sum, terms.tokens, terms.correct], 1)
-                self._eval_rows.update(zip(source_lines.tolist(), per_row.double().tolist()))
+                views = source_views.tolist() if source_views is not None else [0] * len(source_lines)
+                self._eval_rows.update(zip(zip(source_lines.tolist(), views), per_row.double().tolist()))
         return (loss, outputs) if return_outputs else loss
 
     def _forward_terms(self, model, inputs, labels, loss_weights, accuracy: bool):
@@ -253,7 +268,7 @@ class WeightedLossTrainer(Trainer):
         }
         if self._eval_scores:
             buckets: dict[int, list[float]] = {}
-            for line, (_, _, ce, n, _) in rows.items():
+            for (line, _), (_, _, ce, n, _) in rows.items():
                 k = bisect.bisect_right(self.eval_buckets, self._eval_scores[line])
                 acc = buckets.setdefault(k, [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + ce, acc[1] + n
@@ -265,15 +280,23 @@ class WeightedLossTrainer(Trainer):
     @override
     def log(self, logs, start_time=None):
         if "loss" in logs:  # a training log: every rank gets here together
-            ce_sum, weight_sum, tokens, samples, input_tokens, positions = (
+            ce_sum, weight_sum, tokens, samples, inputs, positions, aux = (
                 self._sum_over_ranks(self._train_stats).tolist())
             self._train_stats.zero_()
             if tokens:
                 logs["ce"] = ce_sum / tokens
                 logs["weight_mean"] = weight_sum / tokens
-            logs.update(self.throughput.log_values(samples, input_tokens, positions, tokens))
+            if self.router_aux_coef and inputs:
+                logs["aux_loss"] = aux / inputs
+            logs.update(self.throughput.log_values(samples, inputs, positions, tokens))
             logs.update(self.clip_policy.log_values())
             for controller in self.controllers.values():
                 logs.update(controller.log_values())
         super().log(logs, start_time)
 
+
+
+def input_tokens(batch: dict) -> torch.Tensor:
+    """The tokens of a micro-batch that are not padding (all of a packed row's)."""
+    mask = batch.get("attention_mask")
+    return mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)

@@ -90,8 +90,9 @@ ROWS = [
 
 
 def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, steps=2, packing=False,
-                max_grad_norm=0.0, **trainer_kwargs):
-    """Train the tiny model for `steps` SGD steps over `rows` in order; return step losses and parameters."""
+                max_grad_norm=0.0, model=None, **trainer_kwargs):
+    """Train `model` (the tiny one by default) for `steps` SGD steps over `rows` in order; return step
+    losses, parameters and the trainer."""
     from transformers import TrainingArguments
 
     from sft.data import WeightedDataCollator, load_sft_datasets
@@ -120,7 +121,7 @@ def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, 
         seed=0,
     )
     trainer = WeightedLossTrainer(
-        model=load_model("tiny"), args=args, train_dataset=data.train,
+        model=model if model is not None else load_model("tiny"), args=args, train_dataset=data.train,
         data_collator=WeightedDataCollator(tokenizer, packing=packing), processing_class=tokenizer, loss=loss,
         **trainer_kwargs,
     )

@@ -116,7 +116,7 @@ def test_collator_pads_to_a_multiple_of_8_with_zero_weights(tokenizer):
              {"input_ids": [5] * 10, "labels": [5] * 10, "loss_weight": 1.0,
               "difficulty_score": 1.0, "source_line": 2}]
     batch = WeightedDataCollator(tokenizer, pad_to_multiple_of=8)(feats)
-    assert set(batch) == {"input_ids", "attention_mask", "labels", "loss_weights", "source_lines"}
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "loss_weights", "source_lines", "source_views"}
     assert batch["source_lines"].tolist() == [1, 2]
     assert batch["input_ids"].shape == (2, 16)
     assert batch["loss_weights"][0].tolist() == [0.0, 2.0, 2.0] + [0.0] * 13
@@ -128,8 +128,8 @@ def test_packing_collator_flattens_the_batch_with_restarting_positions(tokenizer
     feats = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "loss_weight": 2.0, "source_line": 1},
              {"input_ids": [8, 9], "labels": [8, 9], "loss_weight": 1.0, "source_line": 2}]
     batch = WeightedDataCollator(tokenizer, packing=True)(feats)
-    assert set(batch) == {"input_ids", "labels", "position_ids", "loss_weights", "source_lines", "cu_seq_lens_q",
-                          "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    assert set(batch) == {"input_ids", "labels", "position_ids", "loss_weights", "source_lines", "source_views",
+                          "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5]
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
