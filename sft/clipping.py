@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sft.config import AutoClipConfig, NoClipConfig, StaticClipConfig, ZClipConfig
+from sft.config import (AutoClipConfig, NoClipConfig, StaticClipConfig, ZClipConfig, learned_state,
+                        restore_learned_state)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -61,10 +62,11 @@ class GradClipPolicy(NoClipConfig):
         }
 
     def state_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        """What a resume needs: the statistics, not the knobs (those come from the run's config)."""
+        return learned_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        vars(self).update(state)
+        restore_learned_state(self, state)
 
 
 @dataclass(eq=False, kw_only=True)

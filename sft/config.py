@@ -41,6 +41,20 @@ class ConfigError(ValueError):
         return ConfigError(f"{path}.{self.key}" if self.key else path, self.value, self.reason)
 
 
+def learned_state(obj) -> dict:
+    """What a stateful part (clip policy, controller) carries into a checkpoint: its public attributes
+    that are not the knobs of its schema (the dataclass fields). On resume the knobs come from the run's
+    config, so that a changed setting is applied, never overwritten by the checkpoint's."""
+    knobs = {f.name for f in fields(obj)} if is_dataclass(obj) else set()
+    return {k: v for k, v in vars(obj).items() if not k.startswith("_") and k not in knobs}
+
+
+def restore_learned_state(obj, state: dict) -> None:
+    """Set what `learned_state` saved; knob values in `state` (checkpoints of older versions) are ignored."""
+    knobs = {f.name for f in fields(obj)} if is_dataclass(obj) else set()
+    vars(obj).update({k: v for k, v in state.items() if k not in knobs})
+
+
 class Schema:
     """Base of every schema: `check` validates the node's values; `require` names the failing field."""
 
@@ -381,6 +395,10 @@ class ThroughputConfig(Schema):
 @dataclass
 class SweepConfig(Schema):
     continue_on_error: bool = True  # in a multirun, a failing job is recorded and the sweep goes on
+    # The same -m command again with hydra.sweep.dir=<that sweep> and sweep.resume=true: finished jobs are
+    # skipped, interrupted ones resume from their newest complete checkpoint, the report is rebuilt.
+    resume: bool = False
+    baseline: Optional[str] = None  # the report's reference setting, e.g. "loss.alpha=0"; null: the first
 
 
 @dataclass

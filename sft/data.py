@@ -2,7 +2,8 @@
 
 A row is `{"messages": [{"role": ..., "content": ...}, ...], "difficulty_score": 2.5}`. The whole chat is
 rendered with the tokenizer's chat template; labels are -100 except on assistant turns (their content
-and end-of-turn token, in every turn). Tokenised splits are cached under the sft cache keyed by the data
+and end-of-turn token, in every turn), each located as the model writes it (`chat_views`: a turn the
+template rewrites once later turns follow is trained from its own rendering). Tokenised splits are cached under the sft cache keyed by the data
 hash (file bytes, preprocessing settings, tokenizer), so a second run with the same inputs skips the
 work. `loss_weight` (the sample's loss weight, one number per row) is added after the cache, since it
 depends on the loss config rather than on the data; the collator spreads it over the assistant tokens.
@@ -211,7 +212,8 @@ def _end_in_whole_chat(turn: str, full: str, eos: str | None) -> int | None:
     return None
 
 
-def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split") -> list[tuple[str, list[tuple[int, int]]]]:
+def chat_views(tokenizer, messages: list[dict],
+               rewritten_turns: str = "split") -> list[tuple[str, list[tuple[int, int]]]]:
     """The texts a chat trains as, each with the character spans of its trained assistant turns.
 
     An assistant turn is trained as the model generates it: after the rendering of the chat before it with
@@ -226,7 +228,7 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split") 
     answers). Such a turn, by `rewritten_turns`: `split` trains it in a text of its own, the chat up to
     and including it (as the model saw it when answering); `skip` trains it not at all (it stays context);
     `refuse` raises `Refused`. A chat's final `eos_token` that a template adds (Phi-3) does not count as a
-    rewrite. Roles without a `reasoning_content` reach the template without the key.
+    rewrite. A message without `reasoning_content` reaches the template without the key.
     """
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     full = render(tokenizer, messages)

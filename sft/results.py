@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 FILE = "results.json"
+EVAL_ROWS = "eval_rows.jsonl"  # the final evaluation, one line per eval sequence (see write_eval_rows)
 BUCKET = "eval_loss_bucket_"
 
 
@@ -80,3 +81,26 @@ class RunResults:
         """The run's results, or None when it never wrote any (interrupted, or still running)."""
         path = Path(run_dir) / FILE
         return cls.from_json(json.loads(path.read_text())) if path.is_file() else None
+
+
+def write_eval_rows(run_dir: str | Path, rows: dict, scores: dict) -> None:
+    """The final evaluation row by row, so that a report can pair two runs on the same rows.
+
+    `rows`: (source line, view) -> [numerator, denominator, ce sum, tokens, correct] (the trainer's);
+    `scores`: source line -> difficulty score. One JSON object per line:
+    `{"line": 12, "view": 0, "ce_sum": 3.1, "tokens": 9, "loss_num": 6.2, "loss_den": 18.0, "correct": 7,
+    "difficulty_score": 2.0}`.
+    """
+    with open(Path(run_dir) / EVAL_ROWS, "w") as f:
+        for (line, view), (num, den, ce, tokens, correct) in sorted(rows.items()):
+            f.write(json.dumps({"line": line, "view": view, "ce_sum": ce, "tokens": int(tokens), "loss_num": num,
+                                "loss_den": den, "correct": int(correct),
+                                "difficulty_score": scores.get(line)}) + "\n")
+
+
+def read_eval_rows(run_dir: str | Path) -> list[dict] | None:
+    """A run's `eval_rows.jsonl` (see `write_eval_rows`), or None when it has none."""
+    path = Path(run_dir) / EVAL_ROWS
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -5,10 +5,15 @@ Hydra's `-m` runs every job inside the current process, which cannot work under 
 (`a=1,2 b=x,y` gives 4 jobs; `hydra.sweeper.params` of the config count too), then each job runs in
 turn through `accelerate launch ... -m sft.train` with its own run dir `<sweep dir>/<job number>`,
 and the sweep report is written at the end, as after a single-process multirun.
+
+Both kinds of sweep record each job's overrides in its dir (`sweep_job.json`, `start_job`), so that the
+same command run again with `hydra.sweep.dir=<that sweep> sweep.resume=true` skips the jobs that finished,
+resumes the interrupted ones from their newest complete checkpoint, and refuses a dir of another sweep.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -31,8 +36,39 @@ def expand(overrides: list[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
 
 
+JOB_RECORD = "sweep_job.json"  # in each job dir: the overrides that made the job
+
+
+def _identity(overrides: list[str]) -> list[str]:
+    """The overrides that decide what a job computes (not where it writes, not how the sweep goes)."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "sweep.", "resume="))]
+
+
+def start_job(run_dir: str | Path, number: int, overrides: list[str], resume: bool):
+    """Record the job's overrides in its dir; with `sweep.resume`, return its results if it already
+    finished (`results.json` ok: nothing to run). A job dir holding another job is a `ConfigError`."""
+    from sft.config import ConfigError
+    from sft.results import RunResults
+
+    run_dir = Path(run_dir)
+    record, mine = run_dir / JOB_RECORD, _identity(overrides)
+    if resume and record.is_file():
+        theirs = json.loads(record.read_text())["overrides"]
+        if theirs != mine:
+            raise ConfigError("sweep.resume", True, f"job {number} in {run_dir.parent} ran {' '.join(theirs) or '(no overrides)'}, "
+                              f"this command's job {number} is {' '.join(mine) or '(no overrides)'}: another sweep "
+                              "(give it its own hydra.sweep.dir)")
+        results = RunResults.read(run_dir)
+        if results is not None and results.status == "ok":
+            return results
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"overrides": mine}) + "\n")
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
-    from sft.report import write_report
+    from sft.config import ConfigError, compose
+    from sft.report import ReportError, write_report
     from sft.results import RunResults
 
     argv = sys.argv[1:] if argv is None else argv
@@ -41,9 +77,19 @@ def main(argv: list[str] | None = None) -> None:
                      time.strftime("multirun/%Y-%m-%d/%H-%M-%S"))
     jobs = expand(overrides)
     launcher = ["accelerate", "launch", *shlex.split(os.environ.get("SFT_LAUNCH_ARGS", "")), "-m", "sft.train"]
+    cfg = compose("train", [o for o in overrides if "," not in o and not o.startswith("hydra.")])
     print(f"[sweep] {len(jobs)} job(s) in {sweep_dir}", flush=True)
     for number, job in enumerate(jobs):
         run_dir = Path(sweep_dir) / str(number)
+        try:
+            if start_job(run_dir, number, job, cfg.sweep.resume) is not None:
+                print(f"[sweep] #{number}: finished before (sweep.resume): skipped", flush=True)
+                continue
+        except ConfigError as e:
+            print(f"error: config: {e}", file=sys.stderr)
+            sys.exit(2)
+        if cfg.sweep.resume:
+            job = [*job, "resume=auto"]
         print(f"[sweep] #{number}: {' '.join(job)}", flush=True)
         started = time.time()
         proc = subprocess.run([*launcher, *job, f"hydra.run.dir={run_dir}"], stderr=subprocess.PIPE, text=True)
@@ -51,7 +97,11 @@ def main(argv: list[str] | None = None) -> None:
         if proc.returncode != 0 and RunResults.read(run_dir) is None:
             last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [""]
             RunResults.failed(f"exit code {proc.returncode}: {last[0].strip()}", time.time() - started).write(run_dir)
-    write_report(sweep_dir)
+    try:
+        write_report(sweep_dir, cfg.sweep.baseline)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print((Path(sweep_dir) / "sweep_summary.md").read_text())
 
 

@@ -24,7 +24,7 @@ from sft.config import CONF_DIR, ConfigError, check, register
 from sft.distributed import (end_process_group, process_fields, rank_overrides, refuse_multirun_in_launch,
                              share_run_dir, slurm_distributed_env)
 from sft.results import RunResults
-from sft.tracking import finish_trackers, in_sweep, log_hparams, name_the_run
+from sft.tracking import finish_trackers, in_sweep, job_overrides, log_hparams, name_the_run
 
 if TYPE_CHECKING:
     from sft.data import SFTData
@@ -249,11 +249,15 @@ def raise_if_failed(controllers: dict) -> None:
 
 
 def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
-    """The final evaluation (and exact match, if configured); the model saved into `<run dir>/model`."""
+    """The final evaluation (and exact match, if configured), row by row in `eval_rows.jsonl`; the model
+    saved into `<run dir>/model`."""
     from sft.generation import hardest_bucket_exact_match
+    from sft.results import write_eval_rows
 
     trainer = recipe.trainer
     final_eval = trainer.evaluate() if recipe.data.eval is not None else {}
+    if final_eval and trainer.is_world_process_zero():
+        write_eval_rows(run_dir, trainer.last_eval_rows, trainer.eval_scores)
     trainer.save_model(os.path.join(run_dir, "model"))
     if cfg.exact_match is not None and recipe.data.eval is not None:
         final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
@@ -321,6 +325,9 @@ def main(cfg: DictConfig) -> float | None:
     from sft.data import DataError
 
     started = time.time()
+    finished = start_sweep_job(cfg) if in_sweep() else None
+    if finished is not None:
+        return finished.eval_ce
     try:
         check(cfg)
         results = train(cfg)
@@ -340,6 +347,23 @@ def main(cfg: DictConfig) -> float | None:
     if os.environ.get("RANK", "0") == "0":
         print(f"run dir: {HydraConfig.get().runtime.output_dir}")
     return results.eval_ce  # the objective of sweeps: comparable across loss weights, unlike eval_loss
+
+
+def start_sweep_job(cfg: DictConfig) -> RunResults | None:
+    """A job of a multirun records its overrides in its dir; with `sweep.resume`, a job that finished before
+    returns its results (it is not run again) and the others resume from their newest complete checkpoint."""
+    from sft.sweep import start_job
+
+    hydra_cfg = HydraConfig.get()
+    try:
+        finished = start_job(hydra_cfg.runtime.output_dir, hydra_cfg.job.num, job_overrides(), cfg.sweep.resume)
+    except ConfigError as e:  # the sweep dir is another sweep's: no job of this one may write into it
+        fail(f"config: {e}")
+    if finished is not None:
+        log.info("sweep.resume: this job finished before (results.json ok): skipped")
+    elif cfg.sweep.resume:
+        cfg.resume = "auto"
+    return finished
 
 
 def record_failure(error: BaseException, wall_time_s: float) -> None:

@@ -67,12 +67,13 @@ class WeightedLossTrainer(Trainer):
         self.clip_policy = clip_policy or GradClipPolicy()
         self.step_control = StepControl(self, self.clip_policy, self.controllers, train_file)
         self.eval_buckets = list(eval_buckets)
-        self._eval_scores = {}
+        self.eval_scores = {}
         if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
-            self._eval_scores = row_scores(self.eval_dataset)
+            self.eval_scores = row_scores(self.eval_dataset)
         self._train_stats = torch.zeros(len(self.TRAIN_STATS), dtype=torch.float64, device=self.args.device)
         # (source line, view) -> numerator, denominator, ce, tokens, correct: each eval sequence counted once
         self._eval_rows: dict[tuple[int, int], list[float]] | None = None
+        self.last_eval_rows: dict[tuple[int, int], list[float]] = {}
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
         self._zero3_head = self.is_zero3 and hasattr(self._lm_head.weight, "ds_id")
@@ -255,6 +256,7 @@ class WeightedLossTrainer(Trainer):
                 rows = dict(item for part in gather_object([rows]) for item in part.items())
         finally:
             self._eval_rows = None
+        self.last_eval_rows = rows  # the latest evaluation row by row (sft.results.write_eval_rows)
         output.metrics.update(self._eval_metrics(rows, metric_key_prefix))
         return output
 
@@ -266,10 +268,10 @@ class WeightedLossTrainer(Trainer):
             f"{prefix}_ce": ce_sum / max(tokens, 1),
             f"{prefix}_token_accuracy": correct / max(tokens, 1),
         }
-        if self._eval_scores:
+        if self.eval_scores:
             buckets: dict[int, list[float]] = {}
             for (line, _), (_, _, ce, n, _) in rows.items():
-                k = bisect.bisect_right(self.eval_buckets, self._eval_scores[line])
+                k = bisect.bisect_right(self.eval_buckets, self.eval_scores[line])
                 acc = buckets.setdefault(k, [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + ce, acc[1] + n
             for k, (ce, n) in sorted(buckets.items()):

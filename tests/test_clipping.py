@@ -79,16 +79,17 @@ def compute_loss(self, model, inputs, *args, **kwargs):
 WeightedLossTrainer.compute_loss = compute_loss
 """
 SGD = ["trainer.optim=sgd", "trainer.learning_rate=0.1", "trainer.lr_scheduler_type=constant",
-       "trainer.warmup_steps=0", "trainer.max_steps=6", "trainer.save_steps=1", "trainer.save_total_limit=10",
+       "trainer.warmup_steps=0", "trainer.max_steps=6", "trainer.save_steps=5", "trainer.save_total_limit=10",
        "trainer.logging_steps=1", "trainer.eval_steps=100", "trainer.per_device_train_batch_size=4"]
 
 
+# Under DeepSpeed the policy's threshold is handed to the engine before each step (sft.step_control);
+# test_step_control.py checks on a real ZeRO-2 engine that the engine clips to it.
 @pytest.mark.slow
 @pytest.mark.parametrize("clip", [
     ["clip=autoclip", "clip.warmup_steps=2", "clip.percentile=50"],
     ["clip=zclip", "clip.warmup_steps=3"],
-    ["clip=zclip", "clip.warmup_steps=3", "deepspeed=zero3"],
-], ids=["autoclip", "zclip", "zclip-deepspeed"])
+], ids=["autoclip", "zclip"])
 def test_a_100x_gradient_spike_is_clipped_to_the_threshold(tmp_path, clip):
     proc = run_patched(SPIKE, *SGD, *clip, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -123,8 +124,8 @@ class HalvingClip(GradClipPolicy):
 def test_a_clip_policy_of_your_own_is_one_class_and_one_yaml_file(tmp_path):
     search, env = plugin(tmp_path, HALVING, {"clip/halving.yaml": "_target_: my_plugins.HalvingClip\nmax_norm: 0.4\nevery: 3\n"})
     run = tmp_path / "run"
-    proc = run_train(*search, "clip=halving", "clip.every=2", *SGD[:-2], "trainer.max_steps=4", "data.eval_file=null",
-                     "trainer.report_to=[]", f"hydra.run.dir={run}", env=env)
+    proc = run_train(*search, "clip=halving", "clip.every=2", *SGD[:-2], "trainer.max_steps=4", "trainer.save_steps=1",
+                     "data.eval_file=null", "trainer.report_to=[]", f"hydra.run.dir={run}", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = [e for e in log_history(run, 4) if "loss" in e]
     assert [e["clip/threshold"] for e in logs] == [0.4, 0.4, 0.2, 0.2]

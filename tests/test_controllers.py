@@ -50,7 +50,7 @@ def test_curriculum_sampler_favours_hard_rows_at_low_temperature_and_replays_exa
     c = Curriculum(temperature=100.0, chunk_size=20)
     sampler = CurriculumSampler(scores, c, seed=0)
     uniform = list(sampler)
-    c.temperature = 0.3
+    c.current_temperature = 0.3
     c.epoch = 1
     hard = list(sampler)
     assert 35 <= sum(i >= 50 for i in uniform) <= 65
@@ -58,7 +58,7 @@ def test_curriculum_sampler_favours_hard_rows_at_low_temperature_and_replays_exa
     # A resumed run restores the recorded temperatures and draws the same rows, whatever T is now.
     replay = Curriculum(chunk_size=20)
     replay.load_state_dict(json.loads(json.dumps(c.state_dict())))
-    replay.temperature, replay.epoch = 7.0, 1
+    replay.current_temperature, replay.epoch = 7.0, 1
     assert list(CurriculumSampler(scores, replay, seed=0)) == hard
 
 
@@ -133,3 +133,25 @@ def test_a_misspelt_knob_of_your_own_controller_is_refused_naming_it(tmp_path):
                      f"hydra.run.dir={tmp_path / 'run'}", env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "controllers.stop_at.stpe: not a parameter of my_plugins.StopAtStep (it takes: step)" in proc.stderr
+
+
+def test_on_resume_the_knobs_come_from_the_config_and_only_the_learned_state_from_the_checkpoint():
+    """`resume=auto clip.z_threshold=1` applies the new threshold: a checkpoint carries statistics, not
+    settings (and a knob an older checkpoint did carry is ignored)."""
+    from sft.clipping import ZClip
+    from sft.controllers import TrainingGuard
+
+    old = ZClip(warmup_steps=2, z_threshold=2.5)
+    for norm in (1.0, 2.0, 3.0):
+        old.observe(norm, old.threshold(norm))
+    saved = json.loads(json.dumps(old.state_dict()))
+    assert not {"z_threshold", "alpha", "warmup_steps", "max_norm"} & set(saved) and saved["steps"] == 3
+    new = ZClip(warmup_steps=2, z_threshold=1.0)
+    new.load_state_dict({**saved, "z_threshold": 2.5})
+    assert new.z_threshold == 1.0 and new.state_dict() == saved
+
+    guard = TrainingGuard(max_consecutive=3)
+    guard.judge(1, float("nan"), 1.0)
+    resumed = TrainingGuard(max_consecutive=5)
+    resumed.load_state_dict({**json.loads(json.dumps(guard.state_dict())), "max_consecutive": 3})
+    assert resumed.max_consecutive == 5 and resumed.consecutive == 1 and resumed.skipped_steps == guard.skipped_steps

@@ -1,5 +1,6 @@
 """`python -m sft.merge`: the merged model gives the adapter model's logits; bad inputs get clear errors."""
 
+import json
 import subprocess
 import sys
 
@@ -10,11 +11,14 @@ from conftest import REPO, run_train
 
 
 @pytest.mark.slow
-def test_merge_gives_the_logits_of_base_plus_adapter(tmp_path):
+def test_a_lora_run_saves_an_adapter_that_merges_to_the_logits_of_base_plus_adapter(tmp_path):
     run = tmp_path / "run"
-    proc = run_train("lora=default", "trainer.max_steps=3", "trainer.learning_rate=5e-2", "trainer.eval_steps=100",
-                     "trainer.save_steps=100", f"hydra.run.dir={run}")
+    proc = run_train("lora=default", "loss=hard_sample", "loss.alpha=2", "trainer.max_steps=3",
+                     "trainer.learning_rate=5e-2", "trainer.eval_steps=100", "trainer.save_steps=100",
+                     f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "model" / "adapter_model.safetensors").exists() and not (run / "model" / "model.safetensors").exists()
+    assert json.loads((run / "results.json").read_text())["global_step"] == 3
     merged = subprocess.run([sys.executable, "-m", "sft.merge", f"checkpoint={run}", f"output={tmp_path / 'merged'}"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert merged.returncode == 0, merged.stderr[-3000:]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, launch, run_train
+from conftest import REPO, free_port, launch, run_train, step_losses
 
 QUICK = ["trainer.max_steps=3", "trainer.eval_steps=2", "trainer.save_steps=3", "trainer.logging_steps=1",
          "trainer.per_device_train_batch_size=8"]
@@ -20,12 +20,13 @@ def sweep(tmp_path, *overrides):
 
 
 def summary(sweep_dir):
-    with open(sweep_dir / "sweep_summary.csv") as f:
+    """The report's job rows."""
+    with open(sweep_dir / "sweep_jobs.csv") as f:
         return list(csv.DictReader(f))
 
 
 @pytest.mark.slow
-def test_a_2x2_sweep_writes_job_dirs_and_a_report(tmp_path):
+def test_a_2x2_sweep_writes_job_dirs_and_a_report_that_rebuilds_from_disk(tmp_path):
     proc = sweep(tmp_path, "loss.alpha=0.5,2", "clip.max_norm=0.5,1.0")
     jobs = sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit())
     assert jobs == ["0", "1", "2", "3"] and all((tmp_path / j / "results.json").exists() for j in jobs)
@@ -50,6 +51,16 @@ def test_a_2x2_sweep_writes_job_dirs_and_a_report(tmp_path):
     events.Reload()
     assert "hparams" in events.PluginTagToContent("hparams") or events.PluginTagToContent("hparams")
 
+    before = (tmp_path / "sweep_summary.csv").read_text()
+    for name in ("sweep_summary.csv", "sweep_jobs.csv", "sweep_summary.md", "sweep_summary.png"):
+        (tmp_path / name).unlink()
+    proc = subprocess.run([sys.executable, "-m", "sft.report", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0 and (tmp_path / "sweep_summary.csv").read_text() == before
+    (tmp_path / "1" / "results.json").unlink()  # as if the sweep had been killed during job 1
+    subprocess.run([sys.executable, "-m", "sft.report", str(tmp_path)], cwd=REPO, check=True, capture_output=True)
+    assert [r["status"] for r in summary(tmp_path)] == ["ok", "interrupted", "ok", "ok"]
+
 
 @pytest.mark.slow
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
@@ -59,34 +70,70 @@ def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert "clip.max_norm=-1.0: must be >= 0" in rows[0]["error"] and rows[1]["eval_loss"]
 
 
+def model_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+KILL_JOB_1_AT_STEP_3 = """
+import os
+from transformers import TrainerCallback
+import sft.trainer
+
+class Kill(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        from hydra.core.hydra_config import HydraConfig
+        if HydraConfig.get().job.num == 1 and state.global_step == 3:
+            os._exit(137)  # as a preempted node: no cleanup, no results.json
+
+init = sft.trainer.WeightedLossTrainer.__init__
+def with_kill(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self.add_callback(Kill())
+sft.trainer.WeightedLossTrainer.__init__ = with_kill
+"""
+
+
 @pytest.mark.slow
-def test_a_job_of_a_sweep_equals_the_same_config_run_alone(tmp_path):
-    sweep(tmp_path / "sweep", "loss.alpha=0.5,2")
-    alone = run_train(*QUICK, "loss.alpha=2", f"hydra.run.dir={tmp_path / 'alone'}")
+def test_an_interrupted_sweep_resumes_to_the_results_of_an_uninterrupted_one(tmp_path):
+    """Also reproducibility on CPU: a job of a sweep gives the same step losses, eval metrics and final
+    parameters, bit for bit, as the same config run alone (one process keeps nothing from job to job)."""
+    from conftest import run_patched
+
+    jobs = ["loss.alpha=0.5,1,2", "trainer.max_steps=4", "trainer.save_steps=2"]
+    quick = [o for o in QUICK if not o.startswith(("trainer.max_steps", "trainer.save_steps"))]
+
+    def sweep(sweep_dir, *overrides):
+        proc = run_train("-m", *quick, *overrides, f"hydra.sweep.dir={sweep_dir}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    sweep(tmp_path / "whole", *jobs)
+    alone = run_train(*quick, *jobs[1:], "loss.alpha=1", f"hydra.run.dir={tmp_path / 'alone'}")
     assert alone.returncode == 0, alone.stderr[-3000:]
+    job_1, alone = tmp_path / "whole" / "1", tmp_path / "alone"
+    assert step_losses(job_1, 4) == step_losses(alone, 4)
+    a, b = (json.loads((run / "results.json").read_text()) for run in (job_1, alone))
+    assert (a["eval_loss"], a["eval_ce"]) == (b["eval_loss"], b["eval_ce"])
+    theirs, ours = model_weights(job_1), model_weights(alone)
+    assert theirs.keys() == ours.keys() and all((theirs[k] == ours[k]).all() for k in ours)
 
-    def losses(run):
-        state = json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())
-        return [e["loss"] for e in state["log_history"] if "loss" in e]
+    cut = tmp_path / "cut"
+    killed = run_patched(KILL_JOB_1_AT_STEP_3, "-m", *quick, *jobs, f"hydra.sweep.dir={cut}")
+    assert killed.returncode == 137 and not (cut / "1" / "results.json").exists() and not (cut / "2").exists()
+    finished = (cut / "0" / "results.json").read_text()
+    sweep(cut, *jobs, "sweep.resume=true")
+    assert (cut / "0" / "results.json").read_text() == finished  # skipped, not run again
+    assert json.loads((cut / "1" / "results.json").read_text())["resumed_from"].endswith("checkpoint-2")
+    for number in "012":
+        a = json.loads((tmp_path / "whole" / number / "results.json").read_text())
+        b = json.loads((cut / number / "results.json").read_text())
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], abs=1e-6) and b["global_step"] == 4
+    assert [r["status"] for r in summary(cut)] == ["ok", "ok", "ok"]
 
-    assert losses(tmp_path / "sweep" / "1") == pytest.approx(losses(tmp_path / "alone"), abs=1e-6)
-    a = json.loads((tmp_path / "sweep" / "1" / "results.json").read_text())
-    b = json.loads((tmp_path / "alone" / "results.json").read_text())
-    assert a["eval_loss"] == pytest.approx(b["eval_loss"], abs=1e-6)
-
-
-@pytest.mark.slow
-def test_report_rebuilds_the_summary_from_disk_also_for_an_interrupted_sweep(tmp_path):
-    sweep(tmp_path, "loss.alpha=0.5,2")
-    before = (tmp_path / "sweep_summary.csv").read_text()
-    for name in ("sweep_summary.csv", "sweep_summary.md", "sweep_summary.png"):
-        (tmp_path / name).unlink()
-    proc = subprocess.run([sys.executable, "-m", "sft.report", str(tmp_path)], cwd=REPO, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0 and (tmp_path / "sweep_summary.csv").read_text() == before
-    (tmp_path / "1" / "results.json").unlink()  # as if the sweep had been killed during job 1
-    subprocess.run([sys.executable, "-m", "sft.report", str(tmp_path)], cwd=REPO, check=True, capture_output=True)
-    assert [r["status"] for r in summary(tmp_path)] == ["ok", "interrupted"]
+    other = run_train("-m", *quick, "loss.alpha=3,4", "sweep.resume=true", f"hydra.sweep.dir={cut}")
+    assert other.returncode == 2
+    assert "sweep.resume=True: job 0 in" in other.stderr and "another sweep" in other.stderr
 
 
 @pytest.mark.slow
@@ -124,3 +171,16 @@ def test_slurm_launcher_preset_composes():
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "submitit" in proc.stdout and "tasks_per_node: 8" in proc.stdout
+
+
+def test_the_loss_zoo_sweeps_each_loss_of_its_group_over_three_seeds():
+    from hydra.utils import get_class
+
+    from sft.config import compose
+    from sft.sweep import expand
+
+    jobs = [sorted(o for o in job if not o.startswith("+experiment=")) for job in expand(["+experiment=loss_zoo"])]
+    assert jobs == [[f"+loss_zoo={loss}", f"trainer.seed={seed}"] for loss in ("ce", "hard_sample") for seed in (1, 2, 3)]
+    for name, target in (("ce", "CrossEntropyLoss"), ("hard_sample", "HardSampleLoss")):
+        cfg = compose("train", ["+experiment=loss_zoo", f"+loss_zoo={name}"])
+        assert get_class(cfg.loss._target_).__name__ == target and cfg.sweep.baseline == "+loss_zoo=ce"

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from transformers import TrainerCallback
 
+from sft.config import learned_state, restore_learned_state
+
 log = logging.getLogger("sft")
 
 
@@ -45,10 +47,11 @@ class Controller(TrainerCallback):
         """Set up the state that is not a knob (the knobs are the schema's fields)."""
 
     def state_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        """What a resume needs: the learned state, not the knobs (those come from the run's config)."""
+        return learned_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        vars(self).update(state)
+        restore_learned_state(self, state)
 
     def log_values(self) -> dict:
         return {}
@@ -117,11 +120,11 @@ class MetricWatch:
             self.bad_evals += 1
         return better
 
-    def state_dict(self) -> dict:
-        return dict(vars(self))
+    def state_dict(self) -> dict:  # mode and min_delta are knobs: the resumed run's config sets them
+        return {"best": self.best, "bad_evals": self.bad_evals}
 
     def load_state_dict(self, state: dict) -> None:
-        vars(self).update(state)
+        self.best, self.bad_evals = state["best"], state["bad_evals"]
 
 
 def metric_value(metrics: dict | None, key: str, owner: str) -> float | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
-from sft.config import CurriculumConfig
+from sft.config import CurriculumConfig, restore_learned_state
 from sft.controllers.base import Controller, MetricWatch, log, metric_value
 from sft.data import column
 
@@ -30,21 +30,22 @@ class Curriculum(CurriculumConfig, Controller):
     def __post_init__(self):
         super().__post_init__()
         self.watch = MetricWatch("min", self.min_delta)
+        self.current_temperature = self.temperature  # `temperature` is the knob: where the schedule starts
         self.epoch = 0
         self.chunk_temperatures: dict[str, float] = {}
         self.schedule: list[dict] = []
 
     def temperature_for(self, epoch: int, chunk: int) -> float:
         """The temperature of a chunk: the recorded one, or the current one, recorded from now on."""
-        return self.chunk_temperatures.setdefault(f"{epoch}:{chunk}", self.temperature)
+        return self.chunk_temperatures.setdefault(f"{epoch}:{chunk}", self.current_temperature)
 
     def move(self, value: float) -> float:
         """Record an evaluation of the watched metric and return the new temperature."""
         if self.watch.update(value):
-            self.temperature = max(self.temperature * self.factor, self.min_temperature)
+            self.current_temperature = max(self.current_temperature * self.factor, self.min_temperature)
         else:
-            self.temperature = min(self.temperature / self.factor, self.max_temperature)
-        return self.temperature
+            self.current_temperature = min(self.current_temperature / self.factor, self.max_temperature)
+        return self.current_temperature
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         self.epoch = math.floor(state.epoch or 0)
@@ -53,14 +54,14 @@ class Curriculum(CurriculumConfig, Controller):
         value = metric_value(metrics, self.metric, self.name)
         if value is None:
             return
-        before = self.temperature
-        self.move(value)
-        self.schedule.append({"step": state.global_step, "temperature": self.temperature})
-        if self.temperature != before:
-            log.info("curriculum: %s=%.6g, temperature %.3g -> %.3g", self.metric, value, before, self.temperature)
+        before = self.current_temperature
+        after = self.move(value)
+        self.schedule.append({"step": state.global_step, "temperature": after})
+        if after != before:
+            log.info("curriculum: %s=%.6g, temperature %.3g -> %.3g", self.metric, value, before, after)
 
     def log_values(self) -> dict:
-        return {"curriculum/temperature": self.temperature}
+        return {"curriculum/temperature": self.current_temperature}
 
     def train_sampler(self, dataset, seed: int) -> CurriculumSampler:
         return CurriculumSampler(column(dataset, "difficulty_score"), self, seed)
@@ -73,7 +74,9 @@ class Curriculum(CurriculumConfig, Controller):
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         self.watch.load_state_dict(state.pop("watch"))
-        vars(self).update(state)
+        if "current_temperature" not in state and "temperature" in state:  # saved when the two were one field
+            state["current_temperature"] = state["temperature"]
+        restore_learned_state(self, state)
 
 
 class CurriculumSampler(Sampler[int]):
