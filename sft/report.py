@@ -22,6 +22,7 @@ import csv
 import sys
 from pathlib import Path
 
+import numpy as np
 import yaml
 from hydra.experimental.callback import Callback
 
@@ -149,6 +150,8 @@ def settings(sweep_dir: str | Path, jobs: list[dict], baseline: str | None = Non
             if len(values) == 1 and rows_of.get(ok[0]["job"]) is not None:
                 interval = bootstrap_interval(rows_of[ok[0]["job"]], metric) or interval
             row[metric] = interval
+            if len(values) > 1:
+                row[f"{metric}_std"] = float(np.std(values, ddof=1))  # over the seeds
             if key != base_key:
                 diff = _paired_difference(ok, [r for r in groups[base_key] if r["status"] == "ok"], metric,
                                           rows_of)
@@ -221,7 +224,7 @@ def settings_markdown(rows: list[dict]) -> list[str]:
         return []
     params = list(rows[0])[:list(rows[0]).index("seeds")]
     shown = [m for m in dict.fromkeys(k for r in rows for k in r)
-             if (m in FIXED or m.startswith(BUCKET)) and not m.startswith("diff_")]
+             if (m in FIXED or m.startswith(BUCKET)) and not m.startswith("diff_") and not m.endswith("_std")]
     columns = params + ["seeds"]
     for metric in shown:
         columns.append(metric)

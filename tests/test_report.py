@@ -45,6 +45,7 @@ def test_seeds_are_grouped_with_t_intervals_and_paired_differences_to_the_baseli
     values = [CE["0.5", s] for s in "123"]
     low, high = stats.t.interval(0.95, 2, loc=np.mean(values), scale=stats.sem(values))
     assert float(other["eval_ce"]) == pytest.approx(np.mean(values))
+    assert float(other["eval_ce_std"]) == pytest.approx(np.std(values, ddof=1))
     assert (float(other["eval_ce_low"]), float(other["eval_ce_high"])) == (pytest.approx(low), pytest.approx(high))
     diffs = [CE["0.5", s] - CE["0", s] for s in "123"]  # paired by seed
     low, high = stats.t.interval(0.95, 2, loc=np.mean(diffs), scale=stats.sem(diffs))
