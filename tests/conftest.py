@@ -41,6 +41,19 @@ PRELOADED = ["torch", "transformers", "peft", "accelerate", "datasets", "sft.tra
 _fork_server = None
 
 
+def labelled_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
+    """The runs of consecutive labelled tokens of a tokenised row (each label equal to its token)."""
+    runs, run = [], []
+    for token, label in zip(ids, labels):
+        if label != -100:
+            assert label == token
+            run.append(token)
+        elif run:
+            runs.append(run)
+            run = []
+    return runs + ([run] if run else [])
+
+
 def run_train(*overrides: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m sft.train overrides...` as a user would run it: a process of its own, its exit code,
     stdout and stderr.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chat_templates import FAMILIES, family_tokenizer
-from conftest import write_jsonl
+from conftest import labelled_runs, write_jsonl
 from sft.data import DataError, load_sft_datasets, tokenize_batch
 
 SYSTEM = {"role": "system", "content": "Be brief."}
@@ -27,19 +27,8 @@ def trained_runs(tokenizer, messages, **kwargs) -> list[list[str]]:
     out = tokenize_batch({"messages": [messages], "difficulty_score": [1.0], "source_line": [7]}, tokenizer, 4096,
                          **kwargs)
     assert not any(out["refused"]), out["refused"]
-    sequences = []
-    for ids, labels in zip(out["input_ids"], out["labels"]):
-        runs, run = [], []
-        for token, label in zip(ids, labels):
-            if label != -100:
-                assert label == token
-                run.append(token)
-            elif run:
-                runs.append(run)
-                run = []
-        runs += [run] if run else []
-        sequences.append([tokenizer.decode(r, skip_special_tokens=False) for r in runs])
-    return sequences
+    return [[tokenizer.decode(run, skip_special_tokens=False) for run in labelled_runs(ids, labels)]
+            for ids, labels in zip(out["input_ids"], out["labels"])]
 
 
 def expected(family: str, answers: list[tuple[str, str]]) -> list[str]:

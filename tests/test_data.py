@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import chat, write_jsonl
+from conftest import chat, labelled_runs, write_jsonl
 from sft import data as sft_data
 from sft.data import DataError, WeightedDataCollator, load_sft_datasets, read_jsonl, tokenize_batch
 
@@ -29,16 +29,7 @@ def test_exactly_the_assistant_tokens_are_labelled(tokenizer):
     ids, labels = out["input_ids"][0], out["labels"][0]
     assert ids == tokenizer.apply_chat_template(MULTI_TURN, tokenize=True, return_dict=True)["input_ids"]
     # Labelled positions form two runs, each exactly one assistant turn's content plus <|im_end|>.
-    runs, current = [], []
-    for tok, lab in zip(ids, labels):
-        if lab != -100:
-            assert lab == tok
-            current.append(tok)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
+    runs = labelled_runs(ids, labels)
     assert [tokenizer.decode(r) for r in runs] == ["12 + 30 = 42<|im_end|>", "42 + 8 = 50<|im_end|>"]
     # Nothing of the system or user turns, nor the role headers, is labelled.
     n_trained = sum(lab != -100 for lab in labels)
