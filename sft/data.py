@@ -3,9 +3,9 @@
 A row is `{"messages": [{"role": ..., "content": ...}, ...], "difficulty_score": 2.5}`. The whole chat is
 rendered with the tokenizer's chat template; labels are -100 except on assistant turns (their content
 and end-of-turn token, in every turn), each located as the model writes it (`chat_views`: a turn the
-template rewrites once later turns follow is trained from its own rendering). Tokenised splits are cached under the sft cache keyed by the data
-hash (file bytes, preprocessing settings, tokenizer), so a second run with the same inputs skips the
-work. `loss_weight` (the sample's loss weight, one number per row) is added after the cache, since it
+template rewrites once later turns follow is trained from its own rendering). Tokenised splits are
+cached under the sft cache keyed by the data hash (file bytes, preprocessing settings, tokenizer), so a
+second run with the same inputs skips the work. `loss_weight` (the sample's loss weight, one number per row) is added after the cache, since it
 depends on the loss config rather than on the data; the collator spreads it over the assistant tokens.
 """
 

@@ -55,9 +55,9 @@ def start_job(run_dir: str | Path, number: int, overrides: list[str], resume: bo
     if resume and record.is_file():
         theirs = json.loads(record.read_text())["overrides"]
         if theirs != mine:
-            raise ConfigError("sweep.resume", True, f"job {number} in {run_dir.parent} ran {' '.join(theirs) or '(no overrides)'}, "
-                              f"this command's job {number} is {' '.join(mine) or '(no overrides)'}: another sweep "
-                              "(give it its own hydra.sweep.dir)")
+            ran, asked = (" ".join(o) or "(no overrides)" for o in (theirs, mine))
+            raise ConfigError("sweep.resume", True, f"job {number} in {run_dir.parent} ran {ran}, this command's "
+                              f"job {number} is {asked}: another sweep (give it its own hydra.sweep.dir)")
         results = RunResults.read(run_dir)
         if results is not None and results.status == "ok":
             return results

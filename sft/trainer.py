@@ -5,14 +5,14 @@ still has each one, with the same parameters):
 - `get_batch_samples` (public) sums the loss's denominator over the optimizer step's micro-batches and
   all ranks (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to
   `compute_loss`; it also opens the step in `sft.step_control` (DeepSpeed's clip threshold is set there);
-- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines`/`source_views` (the model's forward never sees
-  them) and divides the micro-batch's numerator by that global denominator, times the world size because
-  DDP and DeepSpeed average gradients over ranks. A mixture of experts' router aux loss (when its config
-  enables it, `sft.losses.router_aux_loss_coef`) is added with the model's coefficient, each micro-batch's
-  weighted by its share of the step's tokens (so accumulation neither sums nor drops it). With a lean loss implementation (`loss.impl`, see
-  `sft.losses`) the model runs without its output projection (`logits_to_keep` selects no position) and
-  the loss takes the final hidden states, captured from the decoder, and the projection's weight
-  (gathered under ZeRO-3);
+- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines`/`source_views` (the model's forward
+  never sees them) and divides the micro-batch's numerator by that global denominator, times the world
+  size because DDP and DeepSpeed average gradients over ranks. A mixture of experts' router aux loss (when
+  its config enables it, `sft.losses.router_aux_loss_coef`) is added with the model's coefficient, each
+  micro-batch's weighted by its share of the step's tokens (so accumulation neither sums nor drops it).
+  With a lean loss implementation (`loss.impl`, see `sft.losses`) the model runs without its output
+  projection (`logits_to_keep` selects no position) and the loss takes the final hidden states, captured
+  from the decoder, and the projection's weight (gathered under ZeRO-3);
 - `_clip_grad_norm` (private: Trainer's only hook between the backward passes and `optimizer.step()`
   that receives the model) hands the step to `sft.step_control.StepControl.finish`: controllers' verdicts,
   skip, clip policy;
@@ -148,7 +148,8 @@ class WeightedLossTrainer(Trainer):
                 break
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # the loss's denominator, input tokens
         for batch in batches:
-            sums[0] += self.loss.normaliser(batch["labels"], batch["loss_weights"], batch.get("position_ids")).to(device)
+            sums[0] += self.loss.normaliser(batch["labels"], batch["loss_weights"],
+                                            batch.get("position_ids")).to(device)
             sums[1] += input_tokens(batch).to(device)
         self.step_control.begin(device)
         denominator, self._step_tokens = self._sum_over_ranks(sums)
@@ -301,4 +302,6 @@ class WeightedLossTrainer(Trainer):
 def input_tokens(batch: dict) -> torch.Tensor:
     """The tokens of a micro-batch that are not padding (all of a packed row's)."""
     mask = batch.get("attention_mask")
-    return mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+    if mask is not None:
+        return mask.sum()
+    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
