@@ -45,14 +45,19 @@ def learned_state(obj) -> dict:
     """What a stateful part (clip policy, controller) carries into a checkpoint: its public attributes
     that are not the knobs of its schema (the dataclass fields). On resume the knobs come from the run's
     config, so that a changed setting is applied, never overwritten by the checkpoint's."""
-    knobs = {f.name for f in fields(obj)} if is_dataclass(obj) else set()
+    knobs = _knobs(obj)
     return {k: v for k, v in vars(obj).items() if not k.startswith("_") and k not in knobs}
 
 
 def restore_learned_state(obj, state: dict) -> None:
     """Set what `learned_state` saved; knob values in `state` (checkpoints of older versions) are ignored."""
-    knobs = {f.name for f in fields(obj)} if is_dataclass(obj) else set()
+    knobs = _knobs(obj)
     vars(obj).update({k: v for k, v in state.items() if k not in knobs})
+
+
+def _knobs(obj) -> set[str]:
+    """The knobs of a stateful part: its schema's fields (none for a class without a schema)."""
+    return {f.name for f in fields(obj)} if is_dataclass(obj) else set()
 
 
 class Schema:
