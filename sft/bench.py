@@ -107,14 +107,16 @@ def run_training_case(case: str, cfg) -> dict:
     if case == "hf":
         from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments, set_seed
 
+        from sft.losses import build_loss
+
         fields = OmegaConf.to_container(cfg.trainer, resolve=True)
         fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 1.0))
         fields["dataloader_pin_memory"] &= _on_gpu()
         args = TrainingArguments(**fields)
         set_seed(args.seed)
         tokenizer = instantiate(cfg.tokenizer)
-        loss = instantiate(cfg.loss)
-        data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight)
+        loss = build_loss(cfg.loss)
+        data = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer, loss=loss)
         model = build_model(cfg, args.activation_checkpointing)
         collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100))
         trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=collator,
@@ -182,7 +184,7 @@ def run_preprocess_case(case: str, cfg) -> dict:
 
     tokenizer = instantiate(cfg.tokenizer)
     started = time.perf_counter()
-    data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=lambda score: 1.0)
+    data = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer, loss=None)
     return {"seconds": time.perf_counter() - started, "rows": len(data.train)}
 
 

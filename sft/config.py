@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional
@@ -151,15 +152,29 @@ LOSS_IMPLS = ("auto", "naive", "chunked", "liger", "cce")  # see sft.losses.choo
 
 @dataclass(kw_only=True)
 class LossConfig(Schema):
-    """What every weighted token loss has: how its cross entropy is computed (`sft.losses`)."""
+    """What every weighted token loss has (`sft.losses.WeightedTokenLoss`): the difficulty weight of each
+    sample, how the step's sum is normalised, how the cross entropy is computed, auxiliary terms."""
 
     _target_: str = MISSING
+    # Difficulty weight w = clamp(difficulty_score ** alpha, min_weight, max_weight); alpha=0: every sample 1
+    alpha: float = 0.0
+    min_weight: float = 0.0
+    max_weight: float = 100.0
+    normalize: str = "weight"  # weight: sum(w*ce)/sum(w) | token: sum(w*ce)/#tokens | sample: mean of per-sample means
     impl: str = "auto"  # auto | naive | chunked | liger | cce (see sft/losses.py)
     chunk_tokens: int = 1024  # chunked: assistant tokens per chunk of logits
+    # name -> an auxiliary term (`_target_` + its knobs, e.g. coef), `sft.losses.AuxTerm`; logged as aux/<name>
+    aux: Dict[str, Any] = field(default_factory=dict)
 
     def check(self, cfg=None):
         self.require("impl", self.impl in LOSS_IMPLS, f"must be one of {', '.join(LOSS_IMPLS)}")
         self.require("chunk_tokens", self.chunk_tokens >= 1, "must be >= 1")
+        self.require("normalize", self.normalize in NORMALIZE_MODES, f"must be one of {', '.join(NORMALIZE_MODES)}")
+        self.require("alpha", math.isfinite(self.alpha), "must be a finite number")
+        self.require("min_weight", self.min_weight >= 0, "must be >= 0")
+        self.require("max_weight", 0 < self.max_weight < math.inf, "must be finite and > 0")
+        self.require("min_weight", self.min_weight <= self.max_weight,
+                     f"must be <= loss.max_weight ({self.max_weight})")
 
 
 @dataclass(kw_only=True)
@@ -171,17 +186,60 @@ class CrossEntropyLossConfig(LossConfig):
 class HardSampleLossConfig(LossConfig):
     _target_: str = "sft.losses.HardSampleLoss"
     alpha: float = 1.0
-    min_weight: float = 0.0
-    max_weight: float = 100.0
-    normalize: str = "weight"  # weight: sum(w*ce)/sum(w) | token: sum(w*ce)/#tokens | sample: mean of per-sample means
+
+
+@dataclass(kw_only=True)
+class KeywordLossConfig(LossConfig):
+    _target_: str = "sft.losses.KeywordLoss"
+    phrases: List[str] = field(default_factory=list)  # assistant tokens overlapping one get weight x factor
+    phrases_file: Optional[str] = None  # more phrases, one a line (blank lines and lines starting with # skipped)
+    factor: float = 3.0
+    case_fold: bool = True  # match phrases whatever their case
+    whole_words: bool = True  # a phrase matches only where it is not part of a longer word
+    regex: bool = False  # phrases are Python regular expressions
 
     def check(self, cfg=None):
         super().check(cfg)
-        self.require("normalize", self.normalize in NORMALIZE_MODES, f"must be one of {', '.join(NORMALIZE_MODES)}")
-        self.require("alpha", math.isfinite(self.alpha), "must be a finite number")
-        self.require("min_weight", self.min_weight >= 0, "must be >= 0")
-        self.require("max_weight", 0 < self.max_weight < math.inf, "must be finite and > 0")
-        self.require("min_weight", self.min_weight <= self.max_weight, f"must be <= loss.max_weight ({self.max_weight})")
+        if self.regex:
+            for phrase in self.phrases:
+                try:
+                    re.compile(phrase)
+                except re.error as e:
+                    raise ConfigError("phrases", phrase, f"not a regular expression ({e})") from None
+        self.require("factor", math.isfinite(self.factor) and self.factor >= 0, "must be a finite number >= 0")
+        self.require("phrases_file", self.phrases_file is None or os.path.isfile(self.phrases_file), "no such file")
+        self.require("phrases", bool(self.phrases) or self.phrases_file is not None,
+                     "no phrase: give loss.phrases=[...] or loss.phrases_file")
+        self.require("phrases", all(isinstance(p, str) and p.strip() for p in self.phrases),
+                     "every phrase must be a non-empty string")
+
+
+@dataclass(kw_only=True)
+class FocalLossConfig(LossConfig):
+    _target_: str = "sft.losses.FocalLoss"
+    gamma: float = 2.0
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("gamma", math.isfinite(self.gamma) and self.gamma >= 0, "must be a finite number >= 0")
+
+
+@dataclass(kw_only=True)
+class DFTLossConfig(LossConfig):
+    _target_: str = "sft.losses.DFTLoss"
+
+
+@dataclass(kw_only=True)
+class LengthLossConfig(LossConfig):
+    _target_: str = "sft.losses.LengthLoss"
+    length_ref: float = 256.0  # assistant tokens at which the length factor is 1
+    length_beta: float = 0.5  # 0: off; 1: every sample's tokens weigh as much in total as a length_ref-long one's
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("length_ref", math.isfinite(self.length_ref) and self.length_ref > 0, "must be > 0")
+        self.require("length_beta", math.isfinite(self.length_beta) and self.length_beta >= 0,
+                     "must be a finite number >= 0 (0 turns the length factor off)")
 
 
 # --- LoRA ---------------------------------------------------------------------------------------------
@@ -410,6 +468,20 @@ class SweepConfig(Schema):
 class TrainerConfig(Schema):
     """Fields named exactly as in `transformers.TrainingArguments`; passed to it as they are."""
 
+    # TrainingArguments fields that the recipe sets itself, and the sft knob for each
+    owned_fields: ClassVar[Dict[str, str]] = {
+        "max_grad_norm": "set by the clip policy: clip=static clip.max_norm=0.5 (or clip=autoclip, zclip, none)",
+        "remove_unused_columns": "always false: the loss needs its loss_weights column, and the collator passes the "
+                                 "model only what its forward takes",
+        "label_names": "always [labels]",
+        "eval_on_start": "set by the recipe: an evaluation at step 0 whenever data.eval_file is set and the run "
+                         "does not resume",
+        "include_num_input_tokens_seen": "always non_padding (the throughput figures count real tokens)",
+        "deepspeed": "the deepspeed group: deepspeed=zero2, zero3 or zero3_offload (and deepspeed.<key>=...)",
+        "gradient_checkpointing": "use trainer.activation_checkpointing=true (its kwargs set by the recipe)",
+        "activation_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",
+    }
+
     output_dir: Optional[str] = None  # None: the Hydra run dir
     per_device_train_batch_size: int = 16
     per_device_eval_batch_size: int = 32
@@ -520,6 +592,10 @@ SCHEMAS = {  # (group, name) -> schema; a YAML option of the group names its sch
     ("data", "data_schema"): DataConfig,
     ("loss", "ce_schema"): CrossEntropyLossConfig,
     ("loss", "hard_sample_schema"): HardSampleLossConfig,
+    ("loss", "keywords_schema"): KeywordLossConfig,
+    ("loss", "focal_schema"): FocalLossConfig,
+    ("loss", "dft_schema"): DFTLossConfig,
+    ("loss", "length_schema"): LengthLossConfig,
     ("lora", "lora_schema"): LoraConfig,
     ("trainer", "trainer_schema"): TrainerConfig,
     ("clip", "none_schema"): NoClipConfig,
@@ -597,29 +673,63 @@ def _nodes(cfg: DictConfig, path: str = ""):
 
 
 def check_node(node: DictConfig, cfg: DictConfig | None = None) -> None:
-    """Check one node: by its schema, or, for an untyped `_target_`, by the target's signature."""
+    """Check one node against the class it builds where that class has a schema (a built-in, or yours that
+    extends one), else against the node's own schema, else (an untyped `_target_`) the target's signature.
+    A key that the schema does not have is refused, naming it."""
     schema = OmegaConf.get_type(node)
-    if is_dataclass(schema) and issubclass(schema, Schema):
-        values = {}
-        for f in fields(schema):  # the node's own values; nested nodes stay DictConfigs (checked on their own)
-            if OmegaConf.is_missing(node, f.name):
-                raise ConfigError(f.name, None, "missing: set it on the command line or in a config")
-            values[f.name] = node[f.name]
-        schema(**values).check(cfg)
-    elif "_target_" in node:
-        check_signature(node)
+    typed = is_dataclass(schema) and issubclass(schema, Schema)
+    target = node.get("_target_") if "_target_" in node and not OmegaConf.is_missing(node, "_target_") else None
+    if target is not None and (not typed or target != getattr(schema, "_target_", None)):
+        built = _import_target(target)
+        # A schema of its own: decorated as a dataclass itself (a subclass with its own __init__ is not).
+        if not (isinstance(built, type) and issubclass(built, Schema) and "__dataclass_fields__" in vars(built)):
+            return check_signature(node, built)
+        schema = built
+    elif not typed:
+        return
+    knobs = {f.name: f for f in fields(schema) if f.init}
+    values = {}
+    for key in node:
+        key = str(key)
+        if key.startswith("_") and key not in knobs:  # Hydra's own: _convert_, _recursive_, _partial_
+            continue
+        if key not in knobs:
+            owned = getattr(schema, "owned_fields", {}).get(key)
+            raise ConfigError(key, None, owned or f"not a knob of {target or schema.__name__} (it takes: "
+                              f"{', '.join(k for k in knobs if not k.startswith('_'))})")
+        if OmegaConf.is_missing(node, key):
+            raise ConfigError(key, None, "missing: set it on the command line or in a config")
+        values[key] = node[key]
+    schema(**values).check(cfg)
 
 
-def check_signature(node: DictConfig) -> None:
-    """The keys of a node without a schema must be parameters of its `_target_` (a class or function)."""
-    from hydra.utils import get_object
+def _import_target(target: str):
+    """The object a `_target_` names (`package.module.Class`), or a one-line `ConfigError` saying why not."""
+    import importlib
 
-    target = node._target_
+    parts = target.split(".")
     try:
-        built = get_object(target)
-    except Exception as e:  # ImportError, AttributeError ...: not importable as written
+        for i in range(len(parts) - 1, 0, -1):  # the longest importable module path, then attributes
+            module = ".".join(parts[:i])
+            try:
+                obj = importlib.import_module(module)
+                break
+            except ModuleNotFoundError as e:
+                if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+                    raise  # a module that the target's own module imports is missing
+        else:
+            raise ModuleNotFoundError(f"No module named {parts[0]!r}")
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    except Exception as e:  # ImportError, AttributeError, or whatever the module raised when imported
         raise ConfigError("_target_", target, f"cannot be imported ({type(e).__name__}: {e})") from None
-    params = inspect.signature(built).parameters
+
+
+def check_signature(node: DictConfig, built=None) -> None:
+    """The keys of a node without a schema must be parameters of its `_target_` (a class or function)."""
+    target = node._target_
+    params = inspect.signature(built if built is not None else _import_target(target)).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     for key in node:

@@ -5,8 +5,10 @@ rendered with the tokenizer's chat template; labels are -100 except on assistant
 and end-of-turn token, in every turn), each located as the model writes it (`chat_views`: a turn the
 template rewrites once later turns follow is trained from its own rendering). Tokenised splits are
 cached under the sft cache keyed by the data hash (file bytes, preprocessing settings, tokenizer), so a
-second run with the same inputs skips the work. `loss_weight` (the sample's loss weight, one number per row) is added after the cache, since it
-depends on the loss config rather than on the data; the collator spreads it over the assistant tokens.
+second run with the same inputs skips the work. The loss's static weights (`sft.losses.WeightedTokenLoss`)
+are added as columns: per-token `token_weights`, which need the rendered text, while tokenising (their
+knobs are part of the cache key), and the per-row `loss_weight` after the cache; the collator puts
+their product on the assistant tokens.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
-PREPROCESS_VERSION = 2  # bump when tokenisation or labelling changes, to invalidate caches
+PREPROCESS_VERSION = 3  # bump when tokenisation or labelling changes, to invalidate caches
 MAX_ERRORS_SHOWN = 10
 PARALLEL_ROWS = 20000  # data.num_proc=null tokenises files of this many rows on every core
 
@@ -113,7 +115,8 @@ class Rejected:
 
 
 def scan_jsonl(path: str | os.PathLike, default_score: float | None = None) -> tuple[list[dict], list[Rejected]]:
-    """Read a chat JSONL file: the valid rows (each with `source_line`) and the rejected ones.
+    """Read a chat JSONL file: the valid rows (each with `source_line`, and its other fields as a JSON
+    object in `extra`, for the loss's hooks) and the rejected ones.
 
     A UTF-8 BOM, CRLF line ends and blank lines are accepted.
     """
@@ -148,11 +151,13 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None) -> t
                 reject(*problem)
                 continue
             score = row.get("difficulty_score")
+            extra = {k: v for k, v in row.items() if k not in ("messages", "difficulty_score")}
             rows.append({
                 "messages": [{"role": m["role"], "content": m["content"],
                               "reasoning_content": m.get("reasoning_content")} for m in row["messages"]],
                 "difficulty_score": float(default_score if score is None else score),
                 "source_line": lineno,
+                "extra": json.dumps(extra, ensure_ascii=False) if extra else "",
             })
     if not rows and not rejected:
         raise DataError([f"{path}: file: no rows (the file is empty)"])
@@ -270,24 +275,36 @@ def fit_window(n_tokens: int, answer_start: int, max_length: int) -> tuple[int, 
     return start, start + max_length
 
 
+def row_fields(score: float, extra: str) -> dict:
+    """A row's columns as the loss's hooks see them: `difficulty_score` and its other fields (`extra`)."""
+    return {**(json.loads(extra) if extra else {}), "difficulty_score": score}
+
+
 def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate",
-                   rewritten_turns: str = "split") -> dict:
+                   rewritten_turns: str = "split", token_weights: Callable | None = None) -> dict:
     """`datasets.map` function: input_ids and assistant-only labels of each text a chat trains as
     (`chat_views`; `view` 0 is the whole chat, 1... turns a template rewrites later), fitted to `max_length`.
 
     `overlong`: `truncate` (see `fit_window`), `drop` (over-long rows are left out) or `error` (they are
     kept whole and flagged in `overlong`, for the caller to report). Rows left with no trainable token
     are dropped. A chat the template cannot label (`Refused`) becomes one empty row whose `refused` says
-    why, for the caller to report with its line.
+    why, for the caller to report with its line. `token_weights` (a loss's static per-token weights,
+    `WeightedTokenLoss.token_weights`) adds a `token_weights` column; weights that are not finite numbers
+    >= 0, one per token, refuse the row.
     """
-    out = {"input_ids": [], "labels": [], "difficulty_score": [], "source_line": [], "view": [], "truncated": [],
-           "overlong": [], "refused": []}
+    out = {"input_ids": [], "labels": [], "difficulty_score": [], "source_line": [], "extra": [], "view": [],
+           "truncated": [], "overlong": [], "refused": []}
+    if token_weights is not None:
+        out["token_weights"] = []
+    extras = batch.get("extra") or [""] * len(batch["messages"])
 
-    def emit(k, ids, labels, view, truncated=False, too_long=False, refused=""):
+    def emit(k, ids, labels, view, truncated=False, too_long=False, refused="", weights=None):
         for key, value in (("input_ids", ids), ("labels", labels), ("difficulty_score", batch["difficulty_score"][k]),
-                           ("source_line", batch["source_line"][k]), ("view", view), ("truncated", truncated),
-                           ("overlong", too_long), ("refused", refused)):
+                           ("source_line", batch["source_line"][k]), ("extra", extras[k]), ("view", view),
+                           ("truncated", truncated), ("overlong", too_long), ("refused", refused)):
             out[key].append(value)
+        if token_weights is not None:
+            out["token_weights"].append(np.ones(len(ids), dtype=np.float32) if weights is None else weights)
 
     texts, where = [], []  # every text of the batch, tokenised in one call; its row and spans
     for k, messages in enumerate(batch["messages"]):
@@ -300,12 +317,25 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
             texts.append(text)
             where.append((k, view, spans))
     enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, truncation=False) if texts else None
+    refused_rows = set()
     for n, (k, view, spans) in enumerate(where):
-        ids, offsets = enc["input_ids"][n], enc["offset_mapping"][n]
-        starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+        if k in refused_rows:
+            continue
+        ids, offsets = enc["input_ids"][n], np.asarray(enc["offset_mapping"][n], dtype=np.int64).reshape(-1, 2)
+        starts = offsets[:, 0]
         trained = np.zeros(len(ids), dtype=bool)
         for a, b in spans:
             trained |= (starts >= a) & (starts < b)
+        weights = None
+        if token_weights is not None:
+            weights = token_weights(texts[n], offsets, row_fields(batch["difficulty_score"][k], extras[k]))
+            weights = np.ones(len(ids), dtype=np.float32) if weights is None else weights
+            problem = _bad_token_weights(weights, len(ids))
+            if problem:
+                refused_rows.add(k)
+                emit(k, [], [], 0, refused=f"loss.token_weights\t{problem}")
+                continue
+            weights = np.asarray(weights, dtype=np.float32)
         too_long = len(ids) > max_length
         if too_long and overlong == "drop":
             continue
@@ -313,11 +343,23 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
             answer_start = int(np.searchsorted(starts, spans[-1][0]))
             lo, hi = fit_window(len(ids), answer_start, max_length)
             ids, trained = ids[lo:hi], trained[lo:hi]
+            weights = None if weights is None else weights[lo:hi]
         labels = np.where(trained, np.asarray(ids), IGNORE_INDEX)
         if not (labels[1:] != IGNORE_INDEX).any():  # position 0 is never a prediction target
             continue
-        emit(k, list(ids), labels.tolist(), view, too_long and overlong == "truncate", too_long)
+        emit(k, list(ids), labels.tolist(), view, too_long and overlong == "truncate", too_long, weights=weights)
     return out
+
+
+def _bad_token_weights(weights, n_tokens: int) -> str | None:
+    """Why a loss's token weights for a sequence of `n_tokens` cannot be used, or None."""
+    weights = np.asarray(weights)
+    if weights.shape != (n_tokens,):
+        return f"the loss returned {weights.shape} weights for {n_tokens} tokens"
+    if np.issubdtype(weights.dtype, np.number) and np.isfinite(weights).all() and (weights >= 0).all():
+        return None
+    bad = next(i for i, w in enumerate(weights.tolist()) if not _finite_number(w, nonnegative=True))
+    return f"the loss returned {weights.tolist()[bad]!r} for token {bad}: weights must be finite numbers >= 0"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -367,10 +409,11 @@ class SplitSummary:
     sequences: int = 0  # rows of the tokenised split
     tokens: int = 0  # tokens of all sequences
     trained_tokens: int = 0  # tokens with a label
+    reweighted_tokens: int = 0  # trained tokens whose static token weight (the loss's token_weights) is not 1
 
 
 def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_proc, key: str,
-                     on_error: str, overlong: str, rewritten_turns: str):
+                     on_error: str, overlong: str, rewritten_turns: str, token_weights: Callable | None = None):
     """Tokenise one file, or load it from the cache an earlier run wrote with the same key.
 
     Returns the dataset, the rejected rows and the `SplitSummary` (all three kept in the cache, so every
@@ -400,7 +443,7 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
         num_proc=num_proc if num_proc and num_proc > 1 else None,
         remove_columns=["messages"],
         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong,
-                   "rewritten_turns": rewritten_turns},
+                   "rewritten_turns": rewritten_turns, "token_weights": token_weights},
         keep_in_memory=True,
         desc=f"tokenising {Path(path).name}",
     )
@@ -412,8 +455,8 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
         if on_error == "raise":
             raise DataError([str(r) for r in by_template])
         rejected += by_template
-        kept = sorted(set(range(len(ds))) - {i for i, _, _ in refused})
-        ds = ds.select(kept)
+        refused_lines = {line for _, line, _ in refused}  # with every other text of the row
+        ds = ds.select([i for i, line in enumerate(column(ds, "source_line")) if line not in refused_lines])
     flagged = column(ds, "overlong") if overlong == "error" else []
     if any(flagged):
         lines = [line for line, flag in zip(column(ds, "source_line"), flagged) if flag]
@@ -425,7 +468,11 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
                            own_turn_texts=sum(v > 0 for v in views), sequences=len(ds))
     lengths = ds.with_format("arrow").select_columns(["input_ids", "labels"])[:]
     summary.tokens = int(pc.sum(pc.list_value_length(lengths["input_ids"])).as_py() or 0)
-    summary.trained_tokens = int(pc.sum(pc.not_equal(pc.list_flatten(lengths["labels"]), IGNORE_INDEX)).as_py() or 0)
+    trained = pc.not_equal(pc.list_flatten(lengths["labels"]), IGNORE_INDEX)
+    summary.trained_tokens = int(pc.sum(trained).as_py() or 0)
+    if token_weights is not None:
+        weights = pc.list_flatten(ds.with_format("arrow").select_columns(["token_weights"])[:]["token_weights"])
+        summary.reweighted_tokens = int(pc.sum(pc.and_(trained, pc.not_equal(weights, 1.0))).as_py() or 0)
     if summary.dropped or summary.truncated:
         log.warning("data: %s: %d sequence(s) truncated to data.max_length=%d; %d row(s) dropped (over-long with "
                     "data.overlong=drop, or no assistant token left)", path, summary.truncated, max_length,
@@ -488,7 +535,7 @@ class SFTData:
 
 def load_sft_datasets(
     tokenizer,
-    sample_weight: Callable,
+    loss,
     train_file: str,
     eval_file: str | None = None,
     max_length: int = 2048,
@@ -500,15 +547,20 @@ def load_sft_datasets(
     packing: bool = False,
     rewritten_turns: str = "split",
 ) -> SFTData:
-    """Validated, tokenised train and eval splits with a per-row `loss_weight` column.
+    """Validated, tokenised train and eval splits with the loss's static weights: a per-row `loss_weight`
+    (`loss.sample_weight`), per-token `token_weights` when the loss has them, and an `aux_<name>` value
+    per row for each auxiliary term (`loss.aux`). `loss=None` weighs every row 1.
 
     `on_error`: `raise` stops at the first bad rows with `DataError`; `skip` trains on the valid rows
     and reports the others (`report_rejected`). `overlong` and `rewritten_turns`: see `tokenize_batch`
     and `chat_views`. `packing` changes only how batches are formed (`WeightedDataCollator`); it is kept
     with the data settings it describes.
     """
+    token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
     identity = data_identity(train_file, eval_file, tokenizer, max_length, default_score)
     identity.update(overlong=overlong, rewritten_turns=rewritten_turns)
+    if token_weights is not None:
+        identity["token_weights"] = loss.token_weight_identity()
     key = data_hash(identity)
 
     splits, rejected, summaries = [], [], {}
@@ -517,15 +569,54 @@ def load_sft_datasets(
             splits.append(None)
             continue
         ds, bad, summaries[name] = _tokenized_split(path, tokenizer, max_length, default_score, num_proc, key,
-                                                    on_error, overlong, rewritten_turns)
+                                                    on_error, overlong, rewritten_turns, token_weights)
         rejected += bad
-        # Fingerprinted by the weights' bytes, which datasets would otherwise do by pickling the list.
-        weights = np.array([sample_weight(score) for score in column(ds, "difficulty_score")], dtype=np.float64)
-        fingerprint = hashlib.sha256(ds._fingerprint.encode() + weights.tobytes()).hexdigest()[:16]
-        splits.append(ds.remove_columns("truncated").add_column("loss_weight", weights.tolist(),
-                                                                new_fingerprint=fingerprint))
+        if token_weights is not None and name == "train" and not summaries[name].reweighted_tokens:
+            log.warning("loss: its token weights leave every one of the %d trained tokens of %s at 1 (for "
+                        "loss.phrases: no phrase occurs in an assistant turn)", summaries[name].trained_tokens, path)
+        splits.append(_with_static_weights(ds, loss, path))
     report_rejected(rejected, rejected_file)
     return SFTData(train=splits[0], eval=splits[1], identity=identity, packing=packing, summary=summaries)
+
+
+def _with_static_weights(ds: datasets.Dataset, loss, path: str) -> datasets.Dataset:
+    """The split with `loss_weight` (the loss's sample weight of each row) and the auxiliary terms' row
+    values as columns. A weight that is not a finite number >= 0 is a `DataError` naming the row."""
+    rows = [row_fields(score, extra) | {"assistant_tokens": n} for score, extra, n
+            in zip(column(ds, "difficulty_score"), column(ds, "extra"), assistant_tokens(ds))]
+    columns = {"loss_weight": [1.0] * len(rows) if loss is None else [loss.sample_weight(r) for r in rows]}
+    for name, term in (getattr(loss, "aux", None) or {}).items():
+        columns[f"aux_{name}"] = [term.row_value(r) for r in rows]
+    lines = column(ds, "source_line")
+    for name, values in columns.items():
+        is_weight = name == "loss_weight"
+        bad = [i for i, v in enumerate(values) if not _finite_number(v, nonnegative=is_weight)]
+        if bad:
+            what, need = (("loss weight: the loss's sample_weight", "a finite number >= 0") if is_weight
+                          else (f"loss.aux.{name[4:]}: row_value", "a finite number"))
+            raise DataError([f"{path}:{lines[i]}: {what} returned {values[i]!r} (must be {need})" for i in bad])
+        # Fingerprinted by the values' bytes, which datasets would otherwise do by pickling the list.
+        array = np.asarray(values, dtype=np.float64)
+        fingerprint = hashlib.sha256(ds._fingerprint.encode() + name.encode() + array.tobytes()).hexdigest()[:16]
+        ds = ds.add_column(name, array.tolist(), new_fingerprint=fingerprint)
+    return ds.remove_columns(["truncated", "extra"])
+
+
+def assistant_tokens(ds: datasets.Dataset) -> np.ndarray:
+    """The number of trained tokens (labels other than -100 after the first position) of each row."""
+    labels = ds.with_format("arrow").select_columns(["labels"])[:]["labels"].combine_chunks()
+    offsets = np.asarray(labels.offsets)
+    trained = np.asarray(pc.not_equal(labels.values, IGNORE_INDEX), dtype=bool)
+    trained[offsets[:-1][offsets[:-1] < offsets[1:]]] = False  # position 0 is never a target
+    total = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
+    return total[offsets[1:]] - total[offsets[:-1]]
+
+
+def _finite_number(value, nonnegative: bool = False) -> bool:
+    """Whether `value` is a finite real number (not a bool, not a string), >= 0 if `nonnegative`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    return math.isfinite(value) and (value >= 0 or not nonnegative)
 
 
 # --- collation ----------------------------------------------------------------------------------------
@@ -534,16 +625,21 @@ def load_sft_datasets(
 class WeightedDataCollator(DataCollatorForSeq2Seq):
     """`DataCollatorForSeq2Seq` that also builds per-token `loss_weights` and keeps each row's `source_line`.
 
-    A row's `loss_weight` goes on its assistant tokens (labels other than -100), 0 elsewhere. With
+    A row's `loss_weight` (times its `token_weights`, where the loss has static token weights) goes on its
+    assistant tokens (labels other than -100), 0 elsewhere:
+
+        {labels: [-100, -100, 7, 8], loss_weight: 2.0, token_weights: [1, 1, 3, 1]}  ->  loss_weights [[0, 0, 6, 2]]
+
+    With
     `packing`, the micro-batch becomes one row without padding (`DataCollatorWithFlattening`):
     `position_ids` restart at 0 for every sample, which is how the model's attention (a block-diagonal
     mask for sdpa and eager) and the loss tell the samples apart, and the samples' boundaries
     (`cu_seq_lens_q/k`, `max_length_q/k`) go to the attention for flash attention's varlen kernels and
     `sdpa_varlen` (`sft.attention`); there is no `attention_mask`.
 
-    The batch holds what the model's forward takes plus `labels`, `loss_weights`, `source_lines` and
-    `source_views` (which text of its row a sequence is, see `chat_views`), which the trainer pops before
-    the forward.
+    The batch holds what the model's forward takes plus `labels`, `loss_weights`, `source_lines`,
+    `source_views` (which text of its row a sequence is, see `chat_views`) and each auxiliary term's row
+    values `aux_<name>` ([rows]), which the trainer pops before the forward.
     """
 
     def __init__(self, tokenizer, pad_to_multiple_of: int | None = None, packing: bool = False):
@@ -556,14 +652,30 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
         lines = torch.as_tensor([f["source_line"] for f in features], dtype=torch.long)
         views = torch.as_tensor([f.get("view", 0) for f in features], dtype=torch.long)
         weights = torch.as_tensor([f["loss_weight"] for f in features], dtype=torch.float32)
+        aux = {k: torch.as_tensor([f[k] for f in features], dtype=torch.float64)
+               for k in features[0] if k.startswith("aux_")}
+        token_weights = [torch.as_tensor(f["token_weights"], dtype=torch.float32) * w
+                         for f, w in zip(features, weights)] if "token_weights" in features[0] else None
         features = [{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features]
         if self.packing:
             batch = self.flatten(features)
-            lengths = torch.as_tensor([len(f["input_ids"]) for f in features])
-            row_weights = weights.repeat_interleave(lengths)[None, :]
+            if token_weights is None:
+                lengths = torch.as_tensor([len(f["input_ids"]) for f in features])
+                row_weights = weights.repeat_interleave(lengths)[None, :]
+            else:
+                row_weights = torch.cat(token_weights)[None, :]
         else:
             batch = super().__call__(features, return_tensors)
             row_weights = weights[:, None]
+            if token_weights is not None:
+                row_weights = torch.zeros(batch["labels"].shape)
+                left = self.tokenizer.padding_side == "left"
+                for i, w in enumerate(token_weights):
+                    if left:
+                        row_weights[i, row_weights.size(1) - len(w):] = w
+                    else:
+                        row_weights[i, :len(w)] = w
         batch["loss_weights"] = torch.where(batch["labels"] != IGNORE_INDEX, row_weights, 0.0)
         batch["source_lines"], batch["source_views"] = lines, views
+        batch.update(aux)
         return batch

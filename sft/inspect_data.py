@@ -4,7 +4,8 @@ The config and overrides are `sft.train`'s (`model=...`, `data.train_file=...`, 
 the tokenizer and the data are built as training builds them (validation, chat template, labels,
 truncation, the preprocessing cache) and the model never is. For the first N sequences of the split it
 prints the text as the model reads it, the trained tokens highlighted (green on a terminal, in ⟦brackets⟧
-otherwise) with the loss weight of each trained stretch, and then the split's totals:
+otherwise) with the loss weight of each trained stretch (a loss's token weights, e.g. `loss=keywords`,
+split a turn into stretches), and then the split's totals:
 
     -- train.jsonl:1 · 52 tokens, 13 trained · loss weight 1
     <|im_start|>system
@@ -65,10 +66,12 @@ def show(tokenizer, row: dict, file: str, color: bool) -> str:
 def totals(split: str, summary) -> str:
     """A split's counts (`sft.data.SplitSummary`) in one paragraph."""
     share = 100 * summary.trained_tokens / max(summary.tokens, 1)
+    reweighted = (f", {summary.reweighted_tokens:,} of them reweighted by the loss's token weights"
+                  if summary.reweighted_tokens else "")
     return (f"{split}: {summary.rows:,} rows read, {summary.rejected:,} rejected, {summary.dropped:,} dropped; "
             f"{summary.sequences:,} sequences ({summary.truncated:,} truncated, {summary.own_turn_texts:,} turns "
             f"trained from their own rendering); {summary.tokens:,} tokens, {summary.trained_tokens:,} trained "
-            f"({share:.1f}%)")
+            f"({share:.1f}%){reweighted}")
 
 
 def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bool = False) -> str:
@@ -76,6 +79,7 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     from hydra.utils import instantiate
 
     from sft.config import ConfigError, check, compose
+    from sft.losses import build_loss
 
     cfg = compose("train", overrides)
     check(cfg)
@@ -83,8 +87,8 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     if file is None:
         raise ConfigError("data.eval_file", None, "no eval file to inspect (--split eval)")
     tokenizer = instantiate(cfg.tokenizer)
-    loss = instantiate(cfg.loss)
-    data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight)
+    loss = build_loss(cfg.loss)
+    data = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer, loss=loss)
     dataset = data.train if split == "train" else data.eval
     shown = [show(tokenizer, dataset[i], file, color) for i in range(min(rows, len(dataset)))]
     return "\n\n".join(shown + [totals(split, data.summary[split])]) + "\n"

@@ -11,6 +11,16 @@ gradients. With `w_t` the token's loss weight and `n_i` the number of assistant 
 - `sample`: c = w / n_i, d = w / n_i (each sample's mean CE, averaged with the sample weights as
   weights, so long answers do not dominate).
 
+A loss (`WeightedTokenLoss`, built-in or yours) shapes this through three kinds of hooks:
+- static weights, computed once at preprocessing: `sample_weight(row)` (any column of the row) times
+  `token_weights(text, offsets, row)` (per token, from the rendered text) is `w_t`, in numerator and
+  denominator alike, so the normalisation stays exact under accumulation and data parallelism;
+- a forward-dependent factor `token_factor(ce)` `f_t` from the model's (detached) probability of the
+  target: the numerator's `c_t` becomes `c_t * f_t`; the denominator, summed before any forward, keeps
+  `d_t`, so the factor scales the loss and its gradient, it is not renormalised away;
+- auxiliary terms (`aux`, `AuxTerm`) from the final hidden states and the batch, each `coef * sum of its
+  numerators / sum of its denominators` over the step, added to the loss.
+
 How the cross entropy is computed (`impl`) changes memory and speed, not values:
 - `naive`: from the model's logits, as its own loss does: the whole micro-batch's logits exist at once
   (at Qwen's 152k vocabulary they, not the weights, dominate activation memory);
@@ -25,15 +35,22 @@ How the cross entropy is computed (`impl`) changes memory and speed, not values:
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from sft.batch import IGNORE_INDEX, sample_index
-from sft.config import LOSS_IMPLS, ConfigError, CrossEntropyLossConfig, HardSampleLossConfig
+from sft.config import (LOSS_IMPLS, ConfigError, CrossEntropyLossConfig, DFTLossConfig, FocalLossConfig,
+                        HardSampleLossConfig, KeywordLossConfig, LengthLossConfig, LossConfig)
 
 LARGE_VOCAB = 32768  # from here on `auto` never materialises the logits
 
@@ -131,23 +148,66 @@ class LossTerms:
     correct: torch.Tensor | None  # [samples] assistant tokens whose argmax is the label (when asked for)
 
 
-class WeightedTokenLoss:
-    """Base class: per-token cross entropy with per-token weights and a step-global normaliser.
+@dataclass(eq=False, kw_only=True)
+class WeightedTokenLoss(LossConfig):
+    """Base of every loss: per-token cross entropy with per-token weights and a step-global normaliser.
 
-    A loss's knobs, defaults and checks are its schema's (`sft.config.*LossConfig`), which each loss
-    class extends; `normalize` is one of `weight`, `token`, `sample` (see the module docstring).
+    Its knobs and their checks are its schema's (`sft.config.LossConfig` and the subclass a loss extends):
+    the difficulty weight (`alpha`, `min_weight`, `max_weight`), `normalize` (`weight`, `token`, `sample`;
+    see the module docstring), `impl`, `aux`. A loss of your own extends it and overrides the hooks it needs:
+
+        @dataclass(eq=False, kw_only=True)
+        class DomainLoss(WeightedTokenLoss):
+            safety: float = 4.0
+            def sample_weight(self, row):  # row: the row's columns, its difficulty weight included
+                return super().sample_weight(row) * (self.safety if row.get("domain") == "safety" else 1.0)
     """
-
-    normalize = "weight"
-    impl = "auto"
-    chunk_tokens = 1024
 
     def __post_init__(self):
         self.check()
 
-    def sample_weight(self, difficulty_score: float) -> float:
-        """The loss weight of a sample's assistant tokens."""
-        return 1.0
+    # --- static weights: once per row at preprocessing, in numerator and denominator ------------------
+
+    def sample_weight(self, row: Mapping) -> float:
+        """The weight of a sequence's assistant tokens, from its row: `difficulty_score`, `assistant_tokens`
+        (its trained tokens) and every other column of the data row. Default: the difficulty weight."""
+        return self.difficulty_weight(row["difficulty_score"])
+
+    def difficulty_weight(self, score: float) -> float:
+        """`clamp(score ** alpha, min_weight, max_weight)`; 1 for every score when `alpha` is 0.
+
+            HardSampleLoss(alpha=2, max_weight=10).difficulty_weight(3.0)  ->  9.0   (and 10.0 for a score of 4)
+        """
+        try:
+            w = float(score) ** self.alpha
+        except ZeroDivisionError:  # 0 ** negative alpha: infinitely easy, clamped below
+            w = float("inf")
+        return min(max(w, self.min_weight), self.max_weight)
+
+    def token_weights(self, text: str, offsets: np.ndarray, row: Mapping) -> np.ndarray | None:
+        """Per-token factors of the static weight, for a sequence's rendered `text` and its tokens'
+        character `offsets` ([tokens, 2], start and end); None: all 1. Only trained tokens' factors count."""
+        return None
+
+    def token_weight_identity(self) -> dict:
+        """What `token_weights` depends on besides the text: part of the data hash and the preprocessing
+        cache key, so that changing it re-tokenises and a resume refuses it. Default: every knob the loss
+        adds to `LossConfig`."""
+        base = {f.name for f in fields(LossConfig)}
+        return {"loss": type(self).__qualname__, **{f.name: getattr(self, f.name) for f in fields(self)
+                                                    if f.name not in base}}
+
+    @property
+    def has_token_weights(self) -> bool:
+        return type(self).token_weights is not WeightedTokenLoss.token_weights
+
+    # --- forward-dependent: scales the numerator only ----------------------------------------------------
+
+    def token_factor(self, ce: torch.Tensor) -> torch.Tensor | None:
+        """A factor per assistant token from its (detached) cross entropy `ce` = -log p(target); None: 1."""
+        return None
+
+    # --- the step's numerator and denominator ------------------------------------------------------------
 
     def _coefficients(self, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token numerator and denominator coefficients (c, d)."""
@@ -173,16 +233,18 @@ class WeightedTokenLoss:
         model's own post-projection step, `LogitTransform.of(model.config)`)."""
         t = select_targets(labels, loss_weights, position_ids)
         coef, den = self._coefficients(t)
+        factor = None if type(self).token_factor is WeightedTokenLoss.token_factor else self.token_factor
         correct = None
         if impl == "naive":
             selected = logits[t.rows, t.cols]
             ce = F.cross_entropy(selected.float(), t.labels, reduction="none")
+            coef = coef if factor is None else coef * factor(ce.detach())
             loss_sum = (coef * ce).sum()
             if accuracy:
                 correct = selected.argmax(-1) == t.labels
         elif impl == "chunked":
-            loss_sum, ce, correct = chunked_linear_cross_entropy(
-                hidden[t.rows, t.cols], lm_head, t.labels, coef, self.chunk_tokens, accuracy, transform)
+            loss_sum, ce, correct, coef = chunked_linear_cross_entropy(
+                hidden[t.rows, t.cols], lm_head, t.labels, coef, self.chunk_tokens, accuracy, transform, factor)
         elif impl == "cce":
             from cut_cross_entropy import linear_cross_entropy
 
@@ -190,6 +252,7 @@ class WeightedTokenLoss:
             h = hidden[t.rows, t.cols]
             ce = linear_cross_entropy(h * transform.scale if transform.scale != 1.0 else h, lm_head, t.labels,
                                       softcap=transform.softcap, reduction="none").float()
+            coef = coef if factor is None else coef * factor(ce.detach())
             loss_sum = (coef * ce).sum()
         else:
             raise ValueError(f"loss impl {impl!r}: terms() takes naive, chunked or cce (see choose_impl)")
@@ -197,7 +260,7 @@ class WeightedTokenLoss:
         def per_sample(values):
             return torch.zeros(t.num_samples, dtype=values.dtype, device=values.device).index_add_(0, t.sample, values)
 
-        ce = ce.detach()
+        ce, coef = ce.detach(), coef.detach()
         return LossTerms(
             loss_sum=loss_sum,
             numerator=per_sample(coef * ce),
@@ -224,24 +287,135 @@ class CrossEntropyLoss(CrossEntropyLossConfig, WeightedTokenLoss):
 
 @dataclass(eq=False, kw_only=True)
 class HardSampleLoss(HardSampleLossConfig, WeightedTokenLoss):
-    """Weights each sample's assistant tokens by `clamp(difficulty_score ** alpha, min_weight, max_weight)`.
+    """Weights each sample's assistant tokens by its difficulty weight, `clamp(difficulty_score ** alpha,
+    min_weight, max_weight)` (alpha 1 by default).
 
-        HardSampleLoss(alpha=2, max_weight=10).sample_weight(3.0)  ->  9.0   (and 10.0 for a score of 4)
+        rows scored 1 and 3, alpha=1  ->  the second row's tokens weigh 3 times the first's
     """
 
-    def sample_weight(self, difficulty_score: float) -> float:
-        try:
-            w = float(difficulty_score) ** self.alpha
-        except ZeroDivisionError:  # 0 ** negative alpha: infinitely easy, clamped below
-            w = float("inf")
-        return min(max(w, self.min_weight), self.max_weight)
+
+@dataclass(eq=False, kw_only=True)
+class KeywordLoss(KeywordLossConfig, WeightedTokenLoss):
+    """Assistant tokens that overlap an occurrence of a phrase get weight x `factor`.
+
+        phrases=["never"], factor=3:  "You should ⟦never⟧ do that"  ->  the token(s) of "never" weigh 3, the rest 1
+    """
+
+    def __post_init__(self):
+        super().__post_init__()
+        phrases = list(self.phrases)
+        if self.phrases_file is not None:
+            lines = Path(self.phrases_file).read_text(encoding="utf-8").splitlines()
+            phrases += [p.strip() for p in lines if p.strip() and not p.lstrip().startswith("#")]
+        patterns = sorted((p if self.regex else re.escape(p) for p in phrases), key=len, reverse=True)
+        edge = (r"(?<!\w)", r"(?!\w)") if self.whole_words else ("", "")
+        self._pattern = re.compile("|".join(f"{edge[0]}(?:{p}){edge[1]}" for p in patterns),
+                                   re.IGNORECASE if self.case_fold else 0)
+        self._phrase_count = len(phrases)
+
+    def token_weights(self, text, offsets, row):
+        weights = np.ones(len(offsets), dtype=np.float32)
+        starts, ends = offsets[:, 0], offsets[:, 1]
+        for match in self._pattern.finditer(text):
+            if match.end() > match.start():
+                weights[(starts < match.end()) & (ends > match.start())] = self.factor
+        return weights
+
+    def token_weight_identity(self) -> dict:
+        """The phrases as matched (the file's content, not its path), the factor and the matching rules."""
+        identity = super().token_weight_identity()
+        identity.pop("phrases_file")
+        identity["pattern"] = hashlib.sha256(self._pattern.pattern.encode()).hexdigest()[:16]
+        return identity
+
+
+@dataclass(eq=False, kw_only=True)
+class FocalLoss(FocalLossConfig, WeightedTokenLoss):
+    """Each token's cross entropy times `(1 - p) ** gamma`, p = exp(-ce) the model's (detached) probability
+    of the target.
+
+        ce = [0.01, 2.3] (p = 0.99, 0.10), gamma=2  ->  factors [0.0001, 0.81]
+    """
+
+    def token_factor(self, ce):
+        return (-torch.expm1(-ce)) ** self.gamma  # 1 - p, exact also where p is close to 1
+
+
+@dataclass(eq=False, kw_only=True)
+class DFTLoss(DFTLossConfig, WeightedTokenLoss):
+    """Dynamic Fine-Tuning: each token's cross entropy times p = exp(-ce), the model's (detached)
+    probability of the target.
+
+        ce = [0.01, 2.3]  ->  factors [0.99, 0.10]
+    """
+
+    def token_factor(self, ce):
+        return torch.exp(-ce)
+
+
+@dataclass(eq=False, kw_only=True)
+class LengthLoss(LengthLossConfig, WeightedTokenLoss):
+    """A sample's weight times `(assistant_tokens / length_ref) ** -length_beta`: long answers do not
+    dominate the step (with length_beta=1, each sample's tokens weigh as much together as a
+    length_ref-token answer's).
+
+        length_ref=100, length_beta=0.5: an answer of 400 tokens  ->  each of its tokens weighs 0.5
+    """
+
+    def sample_weight(self, row):
+        return super().sample_weight(row) * (row["assistant_tokens"] / self.length_ref) ** -self.length_beta
+
+
+def build_loss(node) -> WeightedTokenLoss:
+    """The loss of a config's `loss` node, its lists and dicts plain Python ones (and its aux terms built)."""
+    from hydra.utils import instantiate
+
+    return instantiate(node, _convert_="all")
+
+
+@dataclass
+class AuxBatch:
+    """What an auxiliary term sees of a micro-batch besides the hidden states: the labels and loss weights,
+    `position_ids` of a packed batch, and each sequence's `values` (its `AuxTerm.row_value`, [sequences])."""
+
+    labels: torch.Tensor
+    loss_weights: torch.Tensor
+    position_ids: torch.Tensor | None
+    values: torch.Tensor
+
+    def targets(self) -> Targets:
+        """The assistant tokens and the positions predicting them, with each one's sequence (`Targets`)."""
+        return select_targets(self.labels, self.loss_weights, self.position_ids)
+
+
+class AuxTerm:
+    """An auxiliary term of a loss (`loss.aux.<name>`), added as `coef * sum of numerators / sum of
+    denominators` over the optimizer step (all micro-batches, all ranks), as the main loss is; logged as
+    `aux/<name>` without the coef. A term of your own overrides the three methods (see `examples/`).
+    """
+
+    coef: float = 1.0
+
+    def row_value(self, row: Mapping) -> float:
+        """A number per sequence computed at preprocessing from its row (e.g. a group id): `AuxBatch.values`."""
+        return 0.0
+
+    def denominator(self, batch: AuxBatch) -> torch.Tensor:
+        """This micro-batch's share of the step's denominator (before any forward pass)."""
+        raise NotImplementedError
+
+    def numerator(self, hidden: torch.Tensor, batch: AuxBatch) -> torch.Tensor:
+        """This micro-batch's share of the step's numerator, differentiable, from the final hidden states
+        [rows, positions, hidden]."""
+        raise NotImplementedError
 
 
 # --- the memory-lean cross entropy -------------------------------------------------------------------
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_t coef_t * CE(transform(hidden_t @ weight.T), label_t), a chunk of tokens at a time.
+    """sum_t coef_t * f_t * CE(transform(hidden_t @ weight.T), label_t), a chunk of tokens at a time, with
+    f_t = factor(ce_t) a detached per-token factor (1 without one).
 
     The gradients are computed chunk by chunk in the forward pass, while each chunk's logits exist (as
     Liger's fused linear cross entropy does): the backward only scales them, so nothing is recomputed and
@@ -251,11 +425,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, coef, chunk_tokens, accuracy, transform):
+    def forward(ctx, hidden, weight, labels, coef, chunk_tokens, accuracy, transform, factor):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         scale, softcap = transform.scale, transform.softcap
         n = hidden.size(0)
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        coef = coef.clone() if factor is not None else coef  # becomes coef * factor, chunk by chunk
         correct = torch.empty(n, dtype=torch.bool, device=hidden.device) if accuracy else None
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
@@ -287,6 +462,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             probs = logits.sub_(top[:, None]).exp_()  # in place: the logits become unnormalised probabilities
             total = probs.sum(-1)
             ce[start:end] = top + total.log() - target
+            if factor is not None:
+                coef[start:end] *= factor(ce[start:end])
             if need_hidden or need_weight:
                 probs.mul_((coef[start:end] / total)[:, None])  # coef * softmax
                 probs[torch.arange(end - start, device=y.device), y] -= coef[start:end]  # minus coef * one-hot
@@ -303,29 +480,29 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         if accuracy:
-            ctx.mark_non_differentiable(ce, correct)
+            ctx.mark_non_differentiable(ce, correct, coef)
         else:
-            ctx.mark_non_differentiable(ce)
-        return (coef * ce).sum(), ce, correct
+            ctx.mark_non_differentiable(ce, coef)
+        return (coef * ce).sum(), ce, correct, coef
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_ce, _grad_correct):
+    def backward(ctx, grad_loss, _grad_ce, _grad_correct, _grad_coef):
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                  coef: torch.Tensor, chunk_tokens: int = 1024, accuracy: bool = False,
-                                 transform: LogitTransform | None = None):
-    """`(sum_t coef_t * ce_t, ce [N], correct [N] or None)` for hidden states [N, H] and a projection
+                                 transform: LogitTransform | None = None, factor: Callable | None = None):
+    """`(sum_t c_t * ce_t, ce [N], correct [N] or None, c [N])` for hidden states [N, H] and a projection
     weight [V, H], the logits `transform(hidden @ weight.T)`, without ever holding more than
-    `chunk_tokens` rows of logits."""
+    `chunk_tokens` rows of logits; `c = coef * factor(ce)` (detached), or `coef` without a factor."""
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, coef.float(), chunk_tokens, accuracy,
-                                            transform or LogitTransform())
+                                            transform or LogitTransform(), factor)
 
 
 def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainable_head: bool = False) -> str:

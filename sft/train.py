@@ -82,6 +82,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     from transformers import set_seed
 
     from sft.controllers import build_controllers
+    from sft.losses import build_loss
     from sft.trainer import WeightedLossTrainer
 
     clip_policy = instantiate(cfg.clip)
@@ -91,10 +92,12 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     set_seed(args.seed)
 
     tokenizer = instantiate(cfg.tokenizer)
-    loss = instantiate(cfg.loss)
+    loss = build_loss(cfg.loss)
     with args.main_process_first(desc="preprocessing"):
-        data = instantiate(cfg.data, tokenizer=tokenizer, sample_weight=loss.sample_weight,
-                           rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0 else None)
+        # A partial, then the objects: passed to instantiate, the loss (a dataclass) would become a config node.
+        data = instantiate(cfg.data, _partial_=True)(
+            tokenizer=tokenizer, loss=loss,
+            rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0 else None)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
 
     model = build_model(cfg, args.activation_checkpointing)

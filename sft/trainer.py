@@ -5,11 +5,13 @@ still has each one, with the same parameters):
 - `get_batch_samples` (public) sums the loss's denominator over the optimizer step's micro-batches and
   all ranks (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to
   `compute_loss`; it also opens the step in `sft.step_control` (DeepSpeed's clip threshold is set there);
-- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines`/`source_views` (the model's forward
+- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines`/`source_views`/`aux_*` (the model's forward
   never sees them) and divides the micro-batch's numerator by that global denominator, times the world
   size because DDP and DeepSpeed average gradients over ranks. A mixture of experts' router aux loss (when
   its config enables it, `sft.losses.router_aux_loss_coef`) is added with the model's coefficient, each
   micro-batch's weighted by its share of the step's tokens (so accumulation neither sums nor drops it).
+  The loss's auxiliary terms (`loss.aux`, `sft.losses.AuxTerm`) are added as `coef * numerator / the
+  step's denominator`, their denominators summed with the loss's in `get_batch_samples`.
   With a lean loss implementation (`loss.impl`, see `sft.losses`) the model runs without its output
   projection (`logits_to_keep` selects no position) and the loss takes the final hidden states, captured
   from the decoder, and the projection's weight (gathered under ZeRO-3);
@@ -22,7 +24,8 @@ still has each one, with the same parameters):
   (each row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
   `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
 - `log` (public) adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`,
-  `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, the
+  `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
+  each auxiliary term (its numerators over its denominators since the last log, without the coef), the
   throughput values (`sft.throughput`), the clip policy's and the controllers' `log_values`.
 
 Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
@@ -45,7 +48,7 @@ from sft.clipping import GradClipPolicy
 from sft.config import ConfigError
 from sft.controllers import Controller
 from sft.data import row_scores
-from sft.losses import LogitTransform, WeightedTokenLoss, choose_impl, router_aux_loss_coef
+from sft.losses import AuxBatch, LogitTransform, WeightedTokenLoss, choose_impl, router_aux_loss_coef
 from sft.step_control import StepControl
 from sft.throughput import ThroughputMeter
 
@@ -83,6 +86,9 @@ class WeightedLossTrainer(Trainer):
         self.logit_transform = LogitTransform.of(self.model.config)
         self.router_aux_coef = router_aux_loss_coef(self.model.config)
         self._step_tokens = None  # input tokens of the optimizer step over all ranks (weights the aux loss)
+        self.aux_terms = dict(getattr(loss, "aux", None) or {})  # the loss's auxiliary terms, by name
+        self._aux_denominators = None  # each term's denominator summed over the step and all ranks
+        self._aux_stats = torch.zeros(2 * len(self.aux_terms), dtype=torch.float64, device=self.args.device)
         if self.loss_impl != "naive":
             self._check_lean_loss_reproduces_the_logits()
         log.info("loss: %s cross entropy (loss.impl=%s)%s", self.loss_impl, loss.impl,
@@ -128,11 +134,12 @@ class WeightedLossTrainer(Trainer):
 
     def state_dict(self) -> dict:
         """What a resume needs to log exactly as an uninterrupted run: statistics since the last log."""
-        return {"train_stats": self._train_stats.tolist()}
+        return {"train_stats": self._train_stats.tolist(), "aux_stats": self._aux_stats.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = torch.tensor(state["train_stats"], dtype=torch.float64, device=self.args.device)
-        self._train_stats[: len(saved)] = saved
+        for name in ("train_stats", "aux_stats"):
+            saved = torch.tensor(state.get(name, []), dtype=torch.float64, device=self.args.device)
+            getattr(self, f"_{name}")[: len(saved)] = saved
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(t, reduction="sum") if self.accelerator.num_processes > 1 else t
@@ -146,14 +153,18 @@ class WeightedLossTrainer(Trainer):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        sums = torch.zeros(2, dtype=torch.float64, device=device)  # the loss's denominator, input tokens
+        # the loss's denominator, input tokens, each auxiliary term's denominator
+        sums = torch.zeros(2 + len(self.aux_terms), dtype=torch.float64, device=device)
         for batch in batches:
             sums[0] += self.loss.normaliser(batch["labels"], batch["loss_weights"],
                                             batch.get("position_ids")).to(device)
             sums[1] += input_tokens(batch).to(device)
+            for i, (name, term) in enumerate(self.aux_terms.items()):
+                sums[2 + i] += term.denominator(aux_batch(batch, name)).to(device)
         self.step_control.begin(device)
-        denominator, self._step_tokens = self._sum_over_ranks(sums)
-        return batches, denominator
+        sums = self._sum_over_ranks(sums)
+        self._step_tokens, self._aux_denominators = sums[1], sums[2:]
+        return batches, sums[0]
 
     @override
     def _clip_grad_norm(self, model):
@@ -181,11 +192,17 @@ class WeightedLossTrainer(Trainer):
         loss_weights = inputs.pop("loss_weights")
         source_lines = inputs.pop("source_lines", None)
         source_views = inputs.pop("source_views", None)
+        aux_values = {k: inputs.pop(k) for k in [k for k in inputs if k.startswith("aux_")]}
         evaluating = not model.training and self._eval_rows is not None and source_lines is not None
-        outputs, terms = self._forward_terms(model, inputs, labels, loss_weights, accuracy=evaluating)
-        if model.training and num_items_in_batch is not None:
+        training = model.training and num_items_in_batch is not None
+        outputs, terms, hidden = self._forward_terms(model, inputs, labels, loss_weights, accuracy=evaluating,
+                                                     keep_hidden=training and bool(self.aux_terms))
+        if training:
             denominator = num_items_in_batch.clamp_min(1e-12).to(terms.loss_sum.dtype)
             loss = terms.loss_sum / denominator
+            if self.aux_terms:
+                loss = loss + self._aux_loss(hidden, {**inputs, **aux_values, "labels": labels,
+                                                      "loss_weights": loss_weights}).to(loss.dtype)
             tokens = input_tokens(inputs)
             aux = outputs.aux_loss.float() if self.router_aux_coef else torch.zeros((), device=loss.device)
             if self.router_aux_coef:  # the step's aux loss: its micro-batches' mean, weighted by their tokens
@@ -206,13 +223,28 @@ class WeightedLossTrainer(Trainer):
                 self._eval_rows.update(zip(zip(source_lines.tolist(), views), per_row.double().tolist()))
         return (loss, outputs) if return_outputs else loss
 
-    def _forward_terms(self, model, inputs, labels, loss_weights, accuracy: bool):
-        """The model's forward and the loss terms, the logits either materialised (`naive`) or not."""
+    def _aux_loss(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The auxiliary terms' share of this micro-batch: `coef * numerator / the step's denominator` each."""
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        for i, (name, term) in enumerate(self.aux_terms.items()):
+            part = aux_batch(batch, name)
+            numerator = term.numerator(hidden, part)
+            total = total + term.coef * numerator.double() / self._aux_denominators[i].clamp_min(1e-12)
+            self._aux_stats[2 * i] += numerator.detach().double()
+            self._aux_stats[2 * i + 1] += term.denominator(part).double().to(self._aux_stats.device)
+        return total
+
+    def _forward_terms(self, model, inputs, labels, loss_weights, accuracy: bool, keep_hidden: bool = False):
+        """The model's forward, the loss terms, and the final hidden states (None unless a lean loss or
+        `keep_hidden` needs them); the logits either materialised (`naive`) or not."""
         position_ids = inputs.get("position_ids")
         if self.loss_impl == "naive":
-            outputs = model(**inputs, use_cache=False)
+            if keep_hidden:
+                outputs, hidden = self._forward_keeping_hidden(model, **inputs)
+            else:
+                outputs, hidden = model(**inputs, use_cache=False), None
             return outputs, self.loss.terms(labels, loss_weights, logits=outputs.logits, position_ids=position_ids,
-                                            accuracy=accuracy)
+                                            accuracy=accuracy), hidden
         no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
         outputs, hidden = self._forward_keeping_hidden(model, **inputs, logits_to_keep=no_logits)
         # cce computes no argmax: evaluation (no gradient) takes the chunked path, which gives the accuracy.
@@ -221,7 +253,7 @@ class WeightedLossTrainer(Trainer):
             terms = self.loss.terms(labels, loss_weights, hidden=hidden, lm_head=self._lm_head.weight,
                                     position_ids=position_ids, impl=impl, accuracy=accuracy,
                                     transform=self.logit_transform)
-        return outputs, terms
+        return outputs, terms, hidden
 
     def _forward_keeping_hidden(self, model, **inputs):
         """The model's forward (no KV cache), and the decoder's output: the final hidden states."""
@@ -291,12 +323,22 @@ class WeightedLossTrainer(Trainer):
                 logs["weight_mean"] = weight_sum / tokens
             if self.router_aux_coef and inputs:
                 logs["aux_loss"] = aux / inputs
+            if self.aux_terms:
+                sums = self._sum_over_ranks(self._aux_stats).tolist()
+                self._aux_stats.zero_()
+                for i, name in enumerate(self.aux_terms):
+                    logs[f"aux/{name}"] = sums[2 * i] / max(sums[2 * i + 1], 1e-12)
             logs.update(self.throughput.log_values(samples, inputs, positions, tokens))
             logs.update(self.clip_policy.log_values())
             for controller in self.controllers.values():
                 logs.update(controller.log_values())
         super().log(logs, start_time)
 
+
+
+def aux_batch(batch: dict, name: str) -> AuxBatch:
+    """What the auxiliary term `name` sees of a micro-batch (`sft.losses.AuxBatch`)."""
+    return AuxBatch(batch["labels"], batch["loss_weights"], batch.get("position_ids"), batch[f"aux_{name}"])
 
 
 def input_tokens(batch: dict) -> torch.Tensor:

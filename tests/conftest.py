@@ -18,6 +18,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _small_eval_file() -> Path:
+    """The first 97 rows of the bundled validation set: every difficulty bucket, a quarter of the cost of
+    each evaluation, and an odd count, so that 2 ranks' shares are uneven (the sampler repeats a row)."""
+    path = Path(tempfile.mkdtemp(prefix="sft-test-eval-")) / "validation97.jsonl"
+    lines = (REPO / "sft" / "sample_data" / "validation.jsonl").read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:97]))
+    return path
+
+
+SMALL_EVAL = _small_eval_file()  # runs that evaluate on the command line use it (`data.eval_file=...`)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from sft.model import load_tokenizer
@@ -174,7 +186,7 @@ def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, 
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     f = write_jsonl(tmp_path / "rows.jsonl", rows)
-    data = load_sft_datasets(tokenizer, loss.sample_weight, train_file=str(f), max_length=128)
+    data = load_sft_datasets(tokenizer, loss, train_file=str(f), max_length=128)
     args = TrainingArguments(
         output_dir=str(tmp_path / f"out-{batch_size}x{accumulation}"),
         per_device_train_batch_size=batch_size,

@@ -95,15 +95,15 @@ def test_a_chat_the_template_refuses_is_reported_with_its_line_or_skipped_and_co
     path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [SYSTEM, *TURNS], "difficulty_score": 1.0}, bad])
     with pytest.raises(DataError, match=r"chats.jsonl:2: messages: the chat template refuses this chat: "
                                         r"Conversation roles must alternate"):
-        load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(path), max_length=256)
+        load_sft_datasets(tokenizer, None, train_file=str(path), max_length=256)
     rejected = tmp_path / "rejected.jsonl"
-    data = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(path), max_length=256, on_error="skip",
+    data = load_sft_datasets(tokenizer, None, train_file=str(path), max_length=256, on_error="skip",
                              rejected_file=str(rejected))
     assert len(data.train) == 1 and data.summary["train"].rejected == 1
     record = json.loads(rejected.read_text())
     assert record["line"] == 2 and record["field"] == "messages" and json.loads(record["row"]) == bad
     with pytest.raises(DataError, match="chats.jsonl:2"):  # the cache a skipping run wrote does not hide it
-        load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(path), max_length=256)
+        load_sft_datasets(tokenizer, None, train_file=str(path), max_length=256)
 
 
 def test_evaluation_counts_every_sequence_of_a_chat_once(tmp_path):
@@ -120,7 +120,7 @@ def test_evaluation_counts_every_sequence_of_a_chat_once(tmp_path):
     rows = [{"messages": [SYSTEM, *TURNS], "difficulty_score": 1.0},
             {"messages": TURNS[:2], "difficulty_score": 2.0}]
     path = write_jsonl(tmp_path / "eval.jsonl", rows)
-    data = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(path), eval_file=str(path), max_length=256)
+    data = load_sft_datasets(tokenizer, None, train_file=str(path), eval_file=str(path), max_length=256)
     assert len(data.eval) == 3 and data.summary["eval"].own_turn_texts == 1
     model = load_model("tiny")
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=2, use_cpu=True,

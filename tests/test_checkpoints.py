@@ -6,14 +6,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import log_history, run_patched, run_train
+from conftest import SMALL_EVAL, log_history, run_patched, run_train
 from sft import sample_data
 
 # 12 steps of 2 micro-batches, a checkpoint every 4, autoclip and the curriculum moving every 2 steps.
 RUN = ["trainer.max_steps=12", "trainer.save_steps=4", "trainer.save_total_limit=5", "trainer.logging_steps=1",
        "trainer.eval_steps=2", "trainer.per_device_train_batch_size=4", "trainer.gradient_accumulation_steps=2",
        "clip=autoclip", "clip.warmup_steps=3", "+controllers=curriculum", "controllers.curriculum.chunk_size=12",
-       "controllers.curriculum.temperature=2.0"]
+       "controllers.curriculum.temperature=2.0", f"data.eval_file={SMALL_EVAL}"]
 
 KILL_AFTER_CHECKPOINT_8 = """
 import os, signal
@@ -120,7 +120,7 @@ def test_rotation_keeps_the_newest_complete_checkpoints_and_the_resumed_one(tmp_
 def test_resume_with_changed_data_is_refused_unless_forced(tmp_path):
     train = tmp_path / "train.jsonl"  # 300 rows: tokenised three times below
     train.write_text("".join(sample_data.TRAIN_FILE.read_text().splitlines(keepends=True)[:300]))
-    common = ["data=jsonl", f"data.train_file={train}", f"data.eval_file={sample_data.EVAL_FILE}",
+    common = ["data=jsonl", f"data.train_file={train}", f"data.eval_file={SMALL_EVAL}",
               "trainer.eval_steps=100", "trainer.save_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
     first = run_train(*common, "trainer.max_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]

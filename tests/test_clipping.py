@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import log_history, plugin, run_patched, run_train
+from conftest import SMALL_EVAL, log_history, plugin, run_patched, run_train
 from sft.clipping import AutoClip, GradClipPolicy, StaticClip, ZClip
 
 
@@ -80,7 +80,8 @@ WeightedLossTrainer.compute_loss = compute_loss
 """
 SGD = ["trainer.optim=sgd", "trainer.learning_rate=0.1", "trainer.lr_scheduler_type=constant",
        "trainer.warmup_steps=0", "trainer.max_steps=6", "trainer.save_steps=5", "trainer.save_total_limit=10",
-       "trainer.logging_steps=1", "trainer.eval_steps=100", "trainer.per_device_train_batch_size=4"]
+       "trainer.logging_steps=1", "trainer.eval_steps=100", "trainer.per_device_train_batch_size=4",
+       f"data.eval_file={SMALL_EVAL}"]
 
 
 # Under DeepSpeed the policy's threshold is handed to the engine before each step (sft.step_control);
@@ -121,6 +122,7 @@ class HalvingClip(GradClipPolicy):
 '''
 
 
+@pytest.mark.slow
 def test_a_clip_policy_of_your_own_is_one_class_and_one_yaml_file(tmp_path):
     search, env = plugin(tmp_path, HALVING, {"clip/halving.yaml": "_target_: my_plugins.HalvingClip\nmax_norm: 0.4\nevery: 3\n"})
     run = tmp_path / "run"

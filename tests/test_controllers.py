@@ -115,6 +115,7 @@ QUICK = ["data.eval_file=null", "trainer.max_steps=10", "trainer.logging_steps=1
          "trainer.report_to=[]"]
 
 
+@pytest.mark.slow
 def test_a_controller_of_your_own_is_one_class_and_one_yaml_file(tmp_path):
     search, env = plugin(tmp_path, STOP_AT, {"controllers/stop_at.yaml": STOP_AT_YAML})
     run = tmp_path / "run"
@@ -127,6 +128,7 @@ def test_a_controller_of_your_own_is_one_class_and_one_yaml_file(tmp_path):
     assert log_history(run, 4)[-2]["stop_at/step"] == 4
 
 
+@pytest.mark.slow
 def test_a_misspelt_knob_of_your_own_controller_is_refused_naming_it(tmp_path):
     search, env = plugin(tmp_path, STOP_AT, {"controllers/stop_at.yaml": STOP_AT_YAML})
     proc = run_train(*search, "+controllers=stop_at", "+controllers.stop_at.stpe=4", *QUICK,

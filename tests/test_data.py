@@ -8,6 +8,7 @@ import torch
 from conftest import chat, labelled_runs, write_jsonl
 from sft import data as sft_data
 from sft.data import DataError, WeightedDataCollator, load_sft_datasets, read_jsonl, tokenize_batch
+from sft.losses import HardSampleLoss
 
 MULTI_TURN = [
     {"role": "system", "content": "Be brief."},
@@ -67,37 +68,37 @@ def test_an_answer_longer_than_max_length_keeps_its_start_after_some_prompt(toke
 def test_overlong_drop_and_error(tokenizer, tmp_path):
     rows = [chat("word " * 200, "ok", 1.0), chat("What is 1 + 1?", "2", 1.0)]
     f = write_jsonl(tmp_path / "long.jsonl", rows)
-    dropped = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=64, overlong="drop")
+    dropped = load_sft_datasets(tokenizer, None, train_file=str(f), max_length=64, overlong="drop")
     assert dropped.train["source_line"] == [2]
     with pytest.raises(DataError) as e:
-        load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=64, overlong="error")
+        load_sft_datasets(tokenizer, None, train_file=str(f), max_length=64, overlong="error")
     assert f"{f}:1: row: longer than data.max_length=64" in str(e.value)
 
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_loss_weights_are_the_sample_weight_on_assistant_tokens_only(tokenizer, tmp_path, packing):
     f = write_jsonl(tmp_path / "t.jsonl", [chat("What is 1 + 1?", "2", 3.0), chat("Add 5 and 6.", "11", 0.5)])
-    d = load_sft_datasets(tokenizer, sample_weight=lambda s: s * 10, train_file=str(f))
-    assert d.train["loss_weight"] == [30.0, 5.0]
+    d = load_sft_datasets(tokenizer, HardSampleLoss(alpha=2.0), train_file=str(f))
+    assert d.train["loss_weight"] == [9.0, 0.25]
     batch = WeightedDataCollator(tokenizer, packing=packing)(list(d.train))
     rows = zip(batch["loss_weights"], batch["labels"]) if not packing else [
         (batch["loss_weights"][0][a:b], batch["labels"][0][a:b])
         for a, b in [(0, len(d.train[0]["input_ids"])), (len(d.train[0]["input_ids"]), None)]]
-    for (weights, labels), w in zip(rows, (30.0, 5.0)):
+    for (weights, labels), w in zip(rows, (9.0, 0.25)):
         assert weights[labels != -100].tolist() == [w] * int((labels != -100).sum()) and (labels != -100).any()
         assert weights[labels == -100].eq(0).all()
 
 
 def test_second_load_reuses_the_cache_and_a_change_invalidates_it(tokenizer, tmp_path, monkeypatch):
     f = write_jsonl(tmp_path / "t.jsonl", [chat("What is 1 + 1?", "2", 1.0)] * 3)
-    first = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=128)
+    first = load_sft_datasets(tokenizer, None, train_file=str(f), max_length=128)
     calls = []
     real = sft_data.scan_jsonl
     monkeypatch.setattr(sft_data, "scan_jsonl", lambda *a, **k: calls.append(a) or real(*a, **k))
-    again = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=128)
+    again = load_sft_datasets(tokenizer, None, train_file=str(f), max_length=128)
     assert calls == [] and again.data_hash == first.data_hash
     assert again.train["input_ids"] == first.train["input_ids"]
-    other = load_sft_datasets(tokenizer, lambda s: 1.0, train_file=str(f), max_length=96)
+    other = load_sft_datasets(tokenizer, None, train_file=str(f), max_length=96)
     assert len(calls) == 1 and other.data_hash != first.data_hash
 
 

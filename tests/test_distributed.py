@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, free_port, launch, run_train, step_losses
+from conftest import REPO, SMALL_EVAL, free_port, launch, run_train, step_losses
 
 # SGD (Adam would hide a wrong gradient scale), rows in file order, two logged and checkpointed steps.
 EXACT = ["trainer.optim=sgd", "trainer.learning_rate=0.5", "trainer.lr_scheduler_type=constant",
          "trainer.warmup_steps=0", "clip=none", "trainer.train_sampling_strategy=sequential",
          "trainer.max_steps=2", "trainer.logging_steps=1", "trainer.save_steps=2", "trainer.eval_steps=100",
-         "trainer.report_to=[]"]
+         "trainer.report_to=[]", f"data.eval_file={SMALL_EVAL}"]
 
 
 def assert_same_run(one, two):
@@ -24,21 +24,32 @@ def assert_same_run(one, two):
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
     ra, rb = (json.loads((d / "results.json").read_text()) for d in (one, two))
-    # The eval set (400 rows) does not split evenly into 2 ranks x 32: each row still counts once.
+    # The eval set (97 rows) does not split evenly into 2 ranks x 32: each row still counts once.
     assert rb["eval_loss"] == pytest.approx(ra["eval_loss"], abs=1e-5)
     assert rb["eval_loss_initial"] == pytest.approx(ra["eval_loss_initial"], abs=1e-5)
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference for both engines: one plain process, batch 4, with static token weights on top of the
+    difficulty weights (keywords: the sums after "=" weigh 3x)."""
+    run = tmp_path_factory.mktemp("one") / "run"
+    single = run_train(*EXACT, *WEIGHTED, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={run}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    return run
+
+
+WEIGHTED = ["loss=keywords", "loss.alpha=1"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", [[], ["deepspeed=zero3"]], ids=["ddp", "zero3"])
-def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, backend):
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = run_train(*EXACT, *backend, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={one}")
-    assert single.returncode == 0, single.stderr[-3000:]
-    double = launch("--nproc", "2", *EXACT, *backend, "trainer.per_device_train_batch_size=2",
+def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, one_process, backend):
+    two = tmp_path / "two"
+    double = launch("--nproc", "2", *EXACT, *WEIGHTED, *backend, "trainer.per_device_train_batch_size=2",
                     f"hydra.run.dir={two}")
     assert double.returncode == 0, double.stderr[-3000:]
-    assert_same_run(one, two)
+    assert_same_run(one_process, two)
 
 
 def eval_loss_without_deepspeed(adapter_dir):
@@ -54,7 +65,7 @@ from sft import sample_data
 from sft.trainer import WeightedLossTrainer
 tok = load_tokenizer("tiny")
 loss = HardSampleLoss(impl="naive")  # the run's own evaluation took the chunked path, under ZeRO-3
-data = load_sft_datasets(tok, loss.sample_weight, str(sample_data.TRAIN_FILE), str(sample_data.EVAL_FILE), 256)
+data = load_sft_datasets(tok, loss, str(sample_data.TRAIN_FILE), {str(SMALL_EVAL)!r}, 256)
 model = PeftModel.from_pretrained(load_model("tiny"), {str(adapter_dir)!r})
 args = TrainingArguments(output_dir={str(adapter_dir / "eval")!r}, per_device_eval_batch_size=32, report_to=[],
                          remove_unused_columns=False, use_cpu=True)
@@ -71,6 +82,7 @@ print(json.dumps(trainer.evaluate()))
 def test_zero3_lora_two_processes_save_a_full_adapter_that_reloads_and_resumes(tmp_path):
     run = tmp_path / "run"
     common = ["deepspeed=zero3", "lora=default", "trainer.learning_rate=1e-2", "trainer.save_steps=4",
+              f"data.eval_file={SMALL_EVAL}",
               "trainer.eval_steps=100", "trainer.logging_steps=1", f"hydra.run.dir={run}"]
     first = launch("--nproc", "2", *common, "trainer.max_steps=4")
     assert first.returncode == 0, first.stderr[-3000:]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sft.losses import CrossEntropyLoss, HardSampleLoss
+from sft.losses import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, LengthLoss
 
 # Two samples, 4 positions, vocabulary of 3. Position t's logits predict label t+1.
 LOGITS = torch.tensor(
@@ -72,7 +72,7 @@ def test_ce_is_the_plain_token_mean():
 )
 def test_hard_sample_weight_is_clamped_power_of_the_score(score, alpha, lo, hi, expected):
     loss = HardSampleLoss(alpha=alpha, min_weight=lo, max_weight=hi)
-    assert loss.sample_weight(score) == pytest.approx(expected)
+    assert loss.sample_weight({"difficulty_score": score}) == pytest.approx(expected)
 
 
 def test_ce_equals_the_models_own_loss(tokenizer):
@@ -89,9 +89,42 @@ def test_ce_equals_the_models_own_loss(tokenizer):
     assert ours.item() == pytest.approx(out.loss.item(), rel=1e-5)
 
 
+def test_focal_and_dft_factors_match_their_formulas_in_value_and_gradient():
+    # Independent forms: focal -(1-p)^gamma log p and DFT -p log p, p the softmax probability of the target
+    # with the factor's p detached (a constant in the gradient), over the same 5 tokens.
+    mask = LABELS != -100
+    for loss, factor in ((FocalLoss(gamma=2.0), lambda p: (1 - p) ** 2), (DFTLoss(), lambda p: p)):
+        logits = LOGITS.clone().requires_grad_(True)
+        p = logits[:, :-1].softmax(-1).gather(-1, LABELS[:, 1:].clamp_min(0)[..., None])[..., 0][mask[:, 1:]]
+        expected = -(factor(p.detach()) * p.log()).sum() / mask.sum()
+        ours = loss(logits, LABELS, mask.float())
+        assert ours.item() == pytest.approx(expected.item(), rel=1e-6)
+        torch.testing.assert_close(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(expected, logits)[0])
+
+
+def test_a_forward_factor_scales_the_numerator_only():
+    # Halving every factor halves the loss: the denominator (summed before any forward) does not follow it.
+    class Half(CrossEntropyLoss):
+        def token_factor(self, ce):
+            return torch.full_like(ce, 0.5)
+
+    ones = (LABELS != -100).float()
+    assert Half()(LOGITS, LABELS, ones).item() == pytest.approx(0.5 * CrossEntropyLoss()(LOGITS, LABELS, ones).item())
+
+
+def test_length_weight_is_the_power_of_the_answers_length():
+    loss = LengthLoss(length_ref=100, length_beta=0.5, alpha=1.0)
+    assert loss.sample_weight({"difficulty_score": 2.0, "assistant_tokens": 400}) == pytest.approx(2.0 * 0.5)
+    assert LengthLoss(length_beta=0.0).sample_weight({"difficulty_score": 3.0, "assistant_tokens": 9}) == 1.0
+
+
+FACTOR_LOSSES = {"hard_sample": HardSampleLoss, "focal": lambda **k: FocalLoss(gamma=2.0, **k), "dft": DFTLoss}
+
+
+@pytest.mark.parametrize("loss_name", sorted(FACTOR_LOSSES))
 @pytest.mark.parametrize("normalize", ["weight", "token", "sample"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_chunked_equals_naive_in_value_and_gradients(normalize, packed):
+def test_chunked_equals_naive_in_value_and_gradients(normalize, packed, loss_name):
     torch.manual_seed(0)
     rows, length, hidden_size, vocab = (1, 40, 16, 97) if packed else (3, 13, 16, 97)
     hidden = torch.randn(rows, length, hidden_size, requires_grad=True)
@@ -103,7 +136,7 @@ def test_chunked_equals_naive_in_value_and_gradients(normalize, packed):
         position_ids = torch.cat([torch.arange(n) for n in (15, 12, 13)])[None]
         labels[position_ids < 3] = -100
     weights = torch.rand(rows, length) * (labels != -100)
-    loss = HardSampleLoss(normalize=normalize, chunk_tokens=5)  # the weights are given: any loss's terms
+    loss = FACTOR_LOSSES[loss_name](normalize=normalize, chunk_tokens=5)  # the weights are given
     naive = loss.terms(labels, weights, logits=hidden @ weight.T, position_ids=position_ids, accuracy=True)
     chunked = loss.terms(labels, weights, hidden=hidden, lm_head=weight, position_ids=position_ids,
                          impl="chunked", accuracy=True)

@@ -9,7 +9,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO, chat, free_port, log_history, run_patched, run_train, write_jsonl
+from conftest import REPO, SMALL_EVAL, chat, free_port, log_history, run_patched, run_train, write_jsonl
 from sft import sample_data
 
 POISON = """
@@ -39,7 +39,8 @@ WeightedLossTrainer.compute_loss = compute_loss
 # Rows in file order, 2 per step: step k trains on lines 2k-1 and 2k.
 ORDERED = ["trainer.train_sampling_strategy=sequential", "trainer.per_device_train_batch_size=2",
            "trainer.save_steps=1", "trainer.save_total_limit=20", "trainer.logging_steps=1",
-           "trainer.eval_steps=100", "trainer.lr_scheduler_type=linear", "trainer.warmup_steps=0"]
+           "trainer.eval_steps=100", "trainer.lr_scheduler_type=linear", "trainer.warmup_steps=0",
+           f"data.eval_file={SMALL_EVAL}"]
 
 
 def patched(patch, env, *overrides):

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, launch, run_train, step_losses
+from conftest import REPO, SMALL_EVAL, free_port, launch, run_train, step_losses
 
 QUICK = ["trainer.max_steps=3", "trainer.eval_steps=2", "trainer.save_steps=3", "trainer.logging_steps=1",
-         "trainer.per_device_train_batch_size=8"]
+         "trainer.per_device_train_batch_size=8", f"data.eval_file={SMALL_EVAL}"]
 
 
 def sweep(tmp_path, *overrides):
@@ -159,6 +159,7 @@ def test_launch_sh_sweep_runs_each_job_through_accelerate_with_two_processes(tmp
     assert state["log_history"][-1]["num_input_tokens_seen"] > 3 * 2 * 8 * 20  # two ranks trained together
 
 
+@pytest.mark.slow
 def test_multirun_inside_a_multi_process_launch_is_refused():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), "-m", "sft.train", "-m", "loss.alpha=0.5,1"]
@@ -180,7 +181,9 @@ def test_the_loss_zoo_sweeps_each_loss_of_its_group_over_three_seeds():
     from sft.sweep import expand
 
     jobs = [sorted(o for o in job if not o.startswith("+experiment=")) for job in expand(["+experiment=loss_zoo"])]
-    assert jobs == [[f"+loss_zoo={loss}", f"trainer.seed={seed}"] for loss in ("ce", "hard_sample") for seed in (1, 2, 3)]
-    for name, target in (("ce", "CrossEntropyLoss"), ("hard_sample", "HardSampleLoss")):
+    zoo = {"ce": "CrossEntropyLoss", "hard_sample": "HardSampleLoss", "keywords": "KeywordLoss", "focal": "FocalLoss",
+           "dft": "DFTLoss", "length": "LengthLoss"}
+    assert jobs == [[f"+loss_zoo={loss}", f"trainer.seed={seed}"] for loss in zoo for seed in (1, 2, 3)]
+    for name, target in zoo.items():
         cfg = compose("train", ["+experiment=loss_zoo", f"+loss_zoo={name}"])
         assert get_class(cfg.loss._target_).__name__ == target and cfg.sweep.baseline == "+loss_zoo=ce"

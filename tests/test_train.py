@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_train
+from conftest import SMALL_EVAL, run_train
 
-QUICK = ["trainer.per_device_train_batch_size=8", "trainer.eval_steps=3", "trainer.logging_steps=1"]
+QUICK = ["trainer.per_device_train_batch_size=8", "trainer.eval_steps=3", "trainer.logging_steps=1",
+         f"data.eval_file={SMALL_EVAL}"]
 
 
 @pytest.mark.slow

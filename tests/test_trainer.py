@@ -1,17 +1,31 @@
-"""The trainer's loss is exact under gradient accumulation, and hard_sample reduces to ce."""
+"""Every built-in loss is exact under gradient accumulation, packing and the lean loss, and reduces to ce
+with uniform weights."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from conftest import ROWS, train_steps
-from sft.losses import CrossEntropyLoss, HardSampleLoss
+from sft.losses import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
+
+# Every built-in loss, each with the difficulty weight on where it combines with it. ROWS' answers hold
+# "carries"/"carrying" (whole words) and sums after "=" (the regex), so the keyword weights differ by token.
+BUILT_IN = {
+    "ce": CrossEntropyLoss(),
+    "hard_sample": HardSampleLoss(alpha=1.0),
+    "hard_sample-sample": HardSampleLoss(alpha=2.0, normalize="sample"),
+    "hard_sample-token": HardSampleLoss(alpha=1.0, normalize="token"),
+    "keywords": KeywordLoss(phrases=["carries", r"(?<== )\d+"], regex=True, factor=4.0, alpha=1.0),
+    "focal": FocalLoss(gamma=2.0, alpha=1.0),
+    "dft": DFTLoss(alpha=1.0, normalize="sample"),
+    "length": LengthLoss(length_ref=8.0, length_beta=0.5, alpha=1.0),
+}
 
 
-@pytest.mark.parametrize("loss", [CrossEntropyLoss(), HardSampleLoss(alpha=1.0),
-                                  HardSampleLoss(alpha=2.0, normalize="sample"),
-                                  HardSampleLoss(alpha=1.0, normalize="token")],
-                         ids=["ce", "hard_sample", "hard_sample-sample", "hard_sample-token"])
-def test_gradient_accumulation_does_not_change_losses_or_parameters(tmp_path, tokenizer, loss):
+@pytest.mark.parametrize("name", list(BUILT_IN))
+def test_gradient_accumulation_does_not_change_losses_or_parameters(tmp_path, tokenizer, name):
+    loss = BUILT_IN[name]
     losses_a, params_a, _ = train_steps(tmp_path, tokenizer, loss, batch_size=4, accumulation=1)
     losses_b, params_b, _ = train_steps(tmp_path, tokenizer, loss, batch_size=1, accumulation=4)
     assert len(losses_a) == len(losses_b) == 2
@@ -25,6 +39,16 @@ def test_hard_sample_with_equal_weights_is_exactly_ce(tmp_path, tokenizer):
     hs_losses, hs_params, _ = train_steps(tmp_path, tokenizer, HardSampleLoss(alpha=1.0), 2, 2, rows=equal)
     assert hs_losses == pytest.approx(ce_losses, abs=1e-6)
     torch.testing.assert_close(hs_params, ce_params, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("uniform", [KeywordLoss(phrases=["carries"], factor=1.0), FocalLoss(gamma=0.0),
+                                     LengthLoss(length_beta=0.0)], ids=["keywords-factor-1", "focal-gamma-0",
+                                                                        "length-beta-0"])
+def test_each_loss_with_uniform_weights_is_exactly_ce(tmp_path, tokenizer, uniform):
+    ce_losses, ce_params, _ = train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 2, 2)
+    losses, params, _ = train_steps(tmp_path, tokenizer, uniform, 2, 2)
+    assert losses == pytest.approx(ce_losses, abs=1e-6)
+    torch.testing.assert_close(params, ce_params, atol=1e-6, rtol=0)
 
 
 def test_unequal_weights_do_change_the_update(tmp_path, tokenizer):
@@ -44,10 +68,10 @@ def test_logged_ce_and_weight_mean_describe_the_step(tmp_path, tokenizer):
     assert log["ce"] > 0 and log["ce"] != pytest.approx(log["loss"], abs=1e-4)
 
 
-@pytest.mark.parametrize("normalize", ["weight", "token", "sample"])
-def test_chunked_loss_trains_exactly_as_the_naive_one(tmp_path, tokenizer, normalize):
-    naive = HardSampleLoss(alpha=1.0, normalize=normalize, impl="naive")
-    chunked = HardSampleLoss(alpha=1.0, normalize=normalize, impl="chunked", chunk_tokens=7)
+@pytest.mark.parametrize("name", ["hard_sample", "hard_sample-sample", "hard_sample-token", "keywords", "focal", "dft"])
+def test_chunked_loss_trains_exactly_as_the_naive_one(tmp_path, tokenizer, name):
+    naive = dataclasses.replace(BUILT_IN[name], impl="naive")
+    chunked = dataclasses.replace(BUILT_IN[name], impl="chunked", chunk_tokens=7)
     losses_n, params_n, trainer_n = train_steps(tmp_path, tokenizer, naive, 2, 2)
     losses_c, params_c, trainer_c = train_steps(tmp_path, tokenizer, chunked, 2, 2)
     assert (trainer_n.loss_impl, trainer_c.loss_impl) == ("naive", "chunked")
@@ -55,9 +79,9 @@ def test_chunked_loss_trains_exactly_as_the_naive_one(tmp_path, tokenizer, norma
     torch.testing.assert_close(params_c, params_n, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("normalize", ["weight", "sample"])
-def test_packing_trains_exactly_as_padding(tmp_path, tokenizer, normalize):
-    loss = HardSampleLoss(alpha=1.0, normalize=normalize)
+@pytest.mark.parametrize("name", ["hard_sample", "hard_sample-sample", "keywords", "length"])
+def test_packing_trains_exactly_as_padding(tmp_path, tokenizer, name):
+    loss = BUILT_IN[name]
     losses_pad, params_pad, _ = train_steps(tmp_path, tokenizer, loss, 4, 1)
     losses_pack, params_pack, trainer = train_steps(tmp_path, tokenizer, loss, 4, 1, packing=True)
     assert losses_pack == pytest.approx(losses_pad, abs=1e-5)
