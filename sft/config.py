@@ -334,6 +334,8 @@ class ControllerConfig(Schema):
     def check(self, cfg=None):
         if self.needs_eval_data and cfg is not None:
             self.require("", cfg.data.eval_file is not None, "needs evaluation data (data.eval_file)")
+            self.require("", cfg.trainer.eval_strategy != "no", "needs evaluations: trainer.eval_strategy=no "
+                         "turns them off")
 
 
 @dataclass(kw_only=True)

@@ -132,7 +132,7 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_n
     fields["save_total_limit"] = None  # sft.checkpoints rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()
     fields["dataloader_pin_memory"] &= on_gpu  # pinning without a GPU only warns
-    has_eval = cfg.data.eval_file is not None
+    has_eval = evaluates(cfg)
     if not has_eval:
         fields["eval_strategy"] = "no"
     fields.update(process_fields(deepspeed=bool(cfg.deepspeed), on_gpu=on_gpu))
@@ -258,7 +258,7 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     from sft.results import write_eval_rows
 
     trainer = recipe.trainer
-    final_eval = trainer.evaluate() if recipe.data.eval is not None else {}
+    final_eval = final_evaluation(trainer) if evaluates(cfg) else {}
     if final_eval and trainer.is_world_process_zero():
         write_eval_rows(run_dir, trainer.last_eval_rows, trainer.eval_scores)
     trainer.save_model(os.path.join(run_dir, "model"))
@@ -267,6 +267,21 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
             trainer, recipe.tokenizer, cfg.data.eval_file, list(cfg.eval_buckets), cfg.exact_match.max_rows,
             cfg.exact_match.max_new_tokens)
     return final_eval
+
+
+def evaluates(cfg: DictConfig) -> bool:
+    """Whether the run evaluates at all: it has eval data and `trainer.eval_strategy` is not `no`."""
+    return cfg.data.eval_file is not None and cfg.trainer.eval_strategy != "no"
+
+
+def final_evaluation(trainer) -> dict:
+    """The final model's eval metrics: those of the evaluation Trainer ran at the last step, where it ran one
+    in this process (evaluating again would repeat it, and log the step twice), else a new evaluation."""
+    last = next((e for e in reversed(trainer.state.log_history) if "eval_loss" in e), None)
+    if (last is not None and last["step"] == trainer.state.global_step and trainer.last_eval_rows
+            and not trainer.args.load_best_model_at_end):  # else the model evaluated last is not the final one
+        return {k: v for k, v in last.items() if k.startswith("eval_")}
+    return trainer.evaluate()
 
 
 def collect_results(recipe: Recipe, final_eval: dict, train_output, run_dir: str, checkpoint: str | None,

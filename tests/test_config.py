@@ -66,6 +66,7 @@ def test_unknown_keys_and_bad_types_are_rejected_naming_them(override, key):
         (["+controllers=adaptive_eval", "controllers.adaptive_eval.min_steps=900"], "controllers.adaptive_eval.min_steps"),
         (["+controllers=adaptive_eval", "controllers.adaptive_eval.slow=0.5"], "controllers.adaptive_eval.slow"),
         (["+controllers=curriculum", "data=jsonl", "data.train_file=README.md"], "controllers.curriculum"),
+        (["+controllers=early_stopping", "trainer.eval_strategy=no"], "controllers.early_stopping"),
         (["controllers.guard.max_consecutive=0"], "controllers.guard.max_consecutive"),
         (["controllers.guard.spike_factor=0.5"], "controllers.guard.spike_factor"),
         (["controllers.watchdog.timeout_s=0"], "controllers.watchdog.timeout_s"),

@@ -26,6 +26,8 @@ def test_train_writes_results_checkpoint_and_events_then_resumes(tmp_path):
     assert list(run.glob("runs/*/events.out.tfevents.*")), "no TensorBoard events in the run dir"
     assert (run / ".hydra" / "config.yaml").exists()
     assert f"run dir: {run}" in first.stdout
+    # Trainer evaluated at step 6 (eval_steps=3): that is the final evaluation, not repeated.
+    assert [e["step"] for e in results["eval_history"]] == [0, 3, 6] and (run / "eval_rows.jsonl").exists()
 
     second = run_train(*QUICK, "trainer.max_steps=8", "trainer.save_steps=3", "resume=auto", f"hydra.run.dir={run}")
     assert second.returncode == 0, second.stderr[-3000:]
@@ -35,6 +37,16 @@ def test_train_writes_results_checkpoint_and_events_then_resumes(tmp_path):
     state = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())
     steps_logged = [e["step"] for e in state["log_history"] if "loss" in e]
     assert steps_logged[-2:] == [7, 8] and 6 in steps_logged  # the history continued, not restarted
+    assert [e["step"] for e in resumed["eval_history"]] == [0, 3, 6, 8]  # no eval at step 8 until the final one
+
+
+@pytest.mark.slow
+def test_eval_strategy_no_never_evaluates(tmp_path):
+    proc = run_train(*QUICK, "trainer.max_steps=2", "trainer.eval_strategy=no", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["eval_history"] == [] and results["eval_loss"] is None and results["eval_loss_initial"] is None
+    assert not (tmp_path / "eval_rows.jsonl").exists()
 
 
 @pytest.mark.slow
