@@ -84,7 +84,9 @@ class ModelConfig(Schema):
     attn_implementation: Optional[str] = "sdpa"
     trust_remote_code: bool = False
     quantization: Optional[str] = None  # nf4: 4-bit base for QLoRA (bitsandbytes, CUDA only)
-    random_init: Optional[Dict[str, Any]] = None  # a transformers config: this architecture, random weights
+    # A transformers config: this architecture, random weights; empty: load name_or_path's weights. Not null by
+    # default: OmegaConf cannot merge a dict from the command line into a null node (an AttributeError).
+    random_init: Dict[str, Any] = field(default_factory=dict)
     # Fields of the checkpoint's config to change, e.g. +model.config_overrides.output_router_logits=true
     config_overrides: Dict[str, Any] = field(default_factory=dict)
 

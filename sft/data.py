@@ -77,6 +77,12 @@ def _check_row(row, default_score: float | None) -> tuple[str, str] | None:
             return f"{where}.content", "missing"
         if not isinstance(m["content"], str):
             return f"{where}.content", f"must be a string, got {type(m['content']).__name__}"
+        for key in ("content", "reasoning_content"):
+            surrogate = _lone_surrogate(m.get(key))
+            if surrogate is not None:
+                return f"{where}.{key}", f"not valid Unicode (a lone surrogate at character {surrogate})"
+        if m.get("tool_calls") is not None:
+            return f"{where}.tool_calls", "tool calls are not trained yet (the row would train without them)"
         if m["role"] == "assistant" and not m["content"].strip():
             return f"{where}.content", "empty assistant content"
         reasoning = m.get("reasoning_content")
@@ -90,9 +96,24 @@ def _check_row(row, default_score: float | None) -> tuple[str, str] | None:
     if score is None:
         if default_score is None:
             return "difficulty_score", "missing (set data.default_score to use a default)"
+    elif isinstance(score, int) and not isinstance(score, bool) and abs(score) > 2 ** 1023:
+        return "difficulty_score", (f"must be a finite number >= 0, got an integer too large for a float "
+                                    f"({len(str(abs(score)))} digits)")
     elif isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score) or score < 0:
         return "difficulty_score", f"must be a finite number >= 0, got {score!r}"
     return None
+
+
+def _lone_surrogate(text) -> int | None:
+    """The position of the first lone surrogate (a JSON escape like \\ud800 that no UTF-8 can encode) in
+    `text`, or None."""
+    if not isinstance(text, str) or text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
 
 
 @dataclass
@@ -146,6 +167,9 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None) -> t
             except json.JSONDecodeError as e:
                 reject("row", f"invalid JSON ({e.msg} at column {e.colno})")
                 continue
+            except RecursionError:
+                reject("row", "nested too deeply to be a chat (JSON arrays or objects inside each other)")
+                continue
             problem = _check_row(row, default_score)
             if problem:
                 reject(*problem)
@@ -157,7 +181,7 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None) -> t
                               "reasoning_content": m.get("reasoning_content")} for m in row["messages"]],
                 "difficulty_score": float(default_score if score is None else score),
                 "source_line": lineno,
-                "extra": json.dumps(extra, ensure_ascii=False) if extra else "",
+                "extra": json.dumps(extra) if extra else "",  # ASCII: a lone surrogate stays an escape
             })
     if not rows and not rejected:
         raise DataError([f"{path}: file: no rows (the file is empty)"])
@@ -447,6 +471,9 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
         keep_in_memory=True,
         desc=f"tokenising {Path(path).name}",
     )
+    if len(ds) == 0:  # every row dropped (datasets then keeps the input's columns, not the function's)
+        raise DataError([f"{path}: file: no row left with an assistant token at data.max_length={max_length} "
+                         f"(data.overlong={overlong})"])
     refused = [(i, line, why.split("\t", 1)) for i, (line, why)
                in enumerate(zip(column(ds, "source_line"), column(ds, "refused"))) if why]
     if refused:
@@ -481,7 +508,7 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
         log.info("data: %s: the chat template rewrites earlier turns: %d turn(s) trained from their own rendering "
                  "(data.rewritten_turns=split)", path, summary.own_turn_texts)
     if len(ds) == 0:
-        raise DataError([f"{path}: file: no row left with an assistant token at data.max_length={max_length}"])
+        raise DataError([f"{path}: file: no valid row left (all {len(rejected)} rejected)"])
     ds = ds.remove_columns(["overlong", "refused"])
     with building(target) as tmp:
         ds.save_to_disk(str(tmp / "rows"))

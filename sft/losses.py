@@ -180,7 +180,7 @@ class WeightedTokenLoss(LossConfig):
         """
         try:
             w = float(score) ** self.alpha
-        except ZeroDivisionError:  # 0 ** negative alpha: infinitely easy, clamped below
+        except (ZeroDivisionError, OverflowError):  # 0 ** negative alpha, or 1e300 ** 2: clamped below
             w = float("inf")
         return min(max(w, self.min_weight), self.max_weight)
 

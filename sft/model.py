@@ -160,7 +160,7 @@ def load_model(
 
     `attn_implementation` is one of transformers' (`sdpa`, `eager`, `flash_attention_2` ...) or
     `sdpa_varlen` (`sft.attention`: sdpa per sample of a packed row). `random_init` (a transformers
-    config as a dict, e.g. Qwen2.5-7B's shape) builds that architecture with random weights instead of
+    config as a dict, e.g. Qwen2.5-7B's shape; empty or None: load the weights) builds that architecture with random weights instead of
     loading `name_or_path`'s, on the GPU when there is one: benchmarks at full size with no download.
     `config_overrides` changes fields of the model's config (e.g. a mixture of experts' router aux loss:
     `output_router_logits`, `router_aux_loss_coef`); a name the config does not have is refused.
@@ -181,13 +181,13 @@ def load_model(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=getattr(torch, dtype),
         )
-    if random_init is not None:
+    if random_init:
         config = AutoConfig.for_model(**random_init)
     else:
         config = AutoConfig.from_pretrained(resolve(name_or_path), trust_remote_code=trust_remote_code)
     _override_config(config, config_overrides or {})
     try:
-        if random_init is not None:
+        if random_init:
             with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
                 return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
                                                         attn_implementation=attn_implementation)

@@ -128,3 +128,9 @@ def test_random_init_builds_the_given_architecture_without_weights_on_disk():
     model = load_model("no/such/model", random_init=shape)
     assert model.config.hidden_size == 64 and model.lm_head.weight.shape == (1000, 64)
     assert len(model.model.layers) == 2
+    # The shape given on the command line: added to the empty dict (into a null node, OmegaConf's merge would
+    # raise an AttributeError); without the +, Hydra's own message says to add it.
+    cfg = compose("train", ["+model.random_init={model_type: qwen2, hidden_size: 64}"])
+    assert cfg.model.random_init == {"model_type": "qwen2", "hidden_size": 64}
+    with pytest.raises(Exception, match=r"To append to your config use \+model.random_init="):
+        compose("train", ["model.random_init={model_type: qwen2}"])

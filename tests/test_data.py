@@ -73,6 +73,10 @@ def test_overlong_drop_and_error(tokenizer, tmp_path):
     with pytest.raises(DataError) as e:
         load_sft_datasets(tokenizer, None, train_file=str(f), max_length=64, overlong="error")
     assert f"{f}:1: row: longer than data.max_length=64" in str(e.value)
+    only_long = write_jsonl(tmp_path / "eval.jsonl", rows[:1])  # e.g. an eval file of long rows only
+    with pytest.raises(DataError, match=f"{only_long}: file: no row left with an assistant token at "
+                                        "data.max_length=64 \\(data.overlong=drop\\)"):
+        load_sft_datasets(tokenizer, None, str(f), str(only_long), max_length=64, overlong="drop")
 
 
 @pytest.mark.parametrize("packing", [False, True])

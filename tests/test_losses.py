@@ -68,7 +68,8 @@ def test_ce_is_the_plain_token_mean():
 @pytest.mark.parametrize(
     "score, alpha, lo, hi, expected",
     [(2.5, 1.0, 0.0, 100.0, 2.5), (3.0, 2.0, 0.0, 100.0, 9.0), (3.0, 2.0, 0.0, 4.0, 4.0),
-     (0.1, 1.0, 0.5, 100.0, 0.5), (0.0, -1.0, 0.0, 10.0, 10.0), (4.0, 0.0, 0.0, 100.0, 1.0)],
+     (0.1, 1.0, 0.5, 100.0, 0.5), (0.0, -1.0, 0.0, 10.0, 10.0), (4.0, 0.0, 0.0, 100.0, 1.0),
+     (1e300, 2.0, 0.0, 100.0, 100.0)],
 )
 def test_hard_sample_weight_is_clamped_power_of_the_score(score, alpha, lo, hi, expected):
     loss = HardSampleLoss(alpha=alpha, min_weight=lo, max_weight=hi)

@@ -186,6 +186,14 @@ CORPUS = {
     "score_negative": ([GOOD.replace('"difficulty_score": 1.0', '"difficulty_score": -0.5')], 1,
                        "difficulty_score: must be a finite number >= 0, got -0.5"),
     "score_missing": ([GOOD.replace(', "difficulty_score": 1.0', '')], 1, "difficulty_score: missing"),
+    "score_too_large": ([GOOD.replace('"difficulty_score": 1.0', '"difficulty_score": 1' + '0' * 400)], 1,
+                        "difficulty_score: must be a finite number >= 0, got an integer too large for a float "
+                        "(401 digits)"),
+    "lone_surrogate": ([GOOD.replace('"What is 1 + 1?"', '"What \\ud800 is"')], 1,
+                       "messages[0].content: not valid Unicode (a lone surrogate at character 5)"),
+    "nested_too_deep": (['[' * 100000 + ']' * 100000], 1, "row: nested too deeply"),
+    "tool_calls": ([GOOD.replace('"1 + 1 = 2"}', '"1 + 1 = 2", "tool_calls": [{"name": "f"}]}')], 1,
+                   "messages[1].tool_calls: tool calls are not trained yet (the row would train without them)"),
 }
 
 
