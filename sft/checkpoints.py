@@ -6,6 +6,11 @@ ranks have finished writing: it is the completion marker, and it holds what a re
 Trainer's own files (the resolved config, the data identity, the package version and git commit, and
 the state of every controller). `resume=auto` picks the newest checkpoint that has it; rotation keeps the
 newest `save_total_limit` complete ones plus the best one and the one this run resumed from.
+
+The marker also lists every file of the checkpoint (every rank's) with its size and, for files up to
+64 MiB (all of them with `checkpoint_checksums=all`), a CRC-32 (`manifest`). A resume verifies them
+(`verify`): `resume=auto` passes over a newest checkpoint that lost or changed a file, naming it, to the
+next one that is whole; an explicit `resume=<dir>` that fails is refused (`resume_force=true` overrides).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+import zlib
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -27,6 +33,7 @@ log = logging.getLogger("sft")
 
 STATE_FILE = "sft_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+SMALL_FILE = 64 * 2**20  # files up to this size get a checksum in the manifest
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path, bool]]:
@@ -56,6 +63,45 @@ def read_state(checkpoint: str | os.PathLike) -> dict:
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
 
 
+def crc32(path: Path) -> int:
+    """The CRC-32 of a file's bytes, read 16 MiB at a time (about 1 GB/s)."""
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def manifest(folder: Path, checksum_all: bool = False) -> dict[str, dict]:
+    """Every file of a checkpoint but the marker: its size, and a CRC-32 for files up to `SMALL_FILE` (all
+    with `checksum_all`)."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != STATE_FILE):
+        entry = {"size": path.stat().st_size}
+        if checksum_all or entry["size"] <= SMALL_FILE:
+            entry["crc32"] = crc32(path)
+        files[path.relative_to(folder).as_posix()] = entry
+    return files
+
+
+def verify(checkpoint: str | os.PathLike) -> str | None:
+    """Why a complete checkpoint cannot be resumed from (the file and what is wrong with it), or None."""
+    folder = Path(checkpoint)
+    try:
+        files = read_state(folder).get("files")
+    except (OSError, ValueError) as e:
+        return f"{STATE_FILE}: unreadable ({type(e).__name__}: {e})"
+    for name, saved in (files or {}).items():  # a checkpoint of an older sft lists none
+        path = folder / name
+        if not path.is_file():
+            return f"{name}: missing"
+        if path.stat().st_size != saved["size"]:
+            return f"{name}: {path.stat().st_size} bytes, {saved['size']} when saved"
+        if "crc32" in saved and crc32(path) != saved["crc32"]:
+            return f"{name}: its bytes changed since it was saved (CRC-32)"
+    return None
+
+
 def data_changes(saved: dict, current: dict) -> list[str]:
     """What differs between the data identity a checkpoint was trained on and the current one."""
     return [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
@@ -67,7 +113,14 @@ def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | N
     if resume is None:
         return None
     if resume == "auto":
-        found = latest_complete(output_dir)
+        found = None
+        for _, path, complete in reversed(checkpoints(output_dir)):
+            problem = verify(path) if complete else None
+            if complete and problem is None:
+                found = path
+                break
+            if problem:
+                log.warning("resume=auto: passing over %s: %s", path, problem)
         if os.environ.get("RANK", "0") == "0":
             for debris in remove_incomplete(output_dir):
                 log.warning("resume=auto: removed %s, a checkpoint left incomplete by a crash", debris)
@@ -76,14 +129,20 @@ def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | N
     if not Path(resume, STATE_FILE).is_file() and not force:
         raise ConfigError("resume", resume, f"no {STATE_FILE}: an incomplete checkpoint, or not one of sft's "
                           "(resume_force=true resumes anyway)")
+    problem = verify(resume) if Path(resume, STATE_FILE).is_file() else None
+    if problem and not force:
+        raise ConfigError("resume", resume, f"{problem}; an older checkpoint, or resume_force=true to resume anyway")
+    if problem:
+        log.warning("resume_force: resuming from %s although %s", resume, problem)
     return resume
 
 
 def check_resume_data(checkpoint: str, identity: dict, force: bool) -> dict | None:
     """The checkpoint's saved state; refuse it if it was trained on other data, unless forced."""
-    if not Path(checkpoint, STATE_FILE).is_file():
+    try:
+        state = read_state(checkpoint)
+    except (OSError, ValueError):  # absent, or unreadable under resume_force: no state of sft's to restore
         return None
-    state = read_state(checkpoint)
     changes = data_changes(state.get("data", {}), identity)
     if changes:
         if not force:
@@ -116,8 +175,9 @@ class CheckpointState(TrainerCallback, ExportableState):
     `trainer_state.json` (`stateful_callbacks.CheckpointState`) so a checkpoint names its data version.
     """
 
-    def __init__(self, run_info: dict, controllers: dict, keep: int | None, resumed_from: str | None):
-        self.run_info, self.controllers, self.keep = run_info, controllers, keep
+    def __init__(self, run_info: dict, controllers: dict, keep: int | None, resumed_from: str | None,
+                 checksum_all: bool = False):
+        self.run_info, self.controllers, self.keep, self.checksum_all = run_info, controllers, keep, checksum_all
         self.resumed_from = Path(resumed_from).resolve() if resumed_from else None
 
     def state(self) -> dict:
@@ -130,7 +190,8 @@ class CheckpointState(TrainerCallback, ExportableState):
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             payload = {**self.run_info, "global_step": state.global_step,
-                       "controllers": {name: c.state_dict() for name, c in self.controllers.items()}}
+                       "controllers": {name: c.state_dict() for name, c in self.controllers.items()},
+                       "files": manifest(folder, self.checksum_all)}
             write_json_atomic(folder / STATE_FILE, payload)
             self.rotate(args.output_dir, state.best_model_checkpoint)
         PartialState().wait_for_everyone()

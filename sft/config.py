@@ -581,13 +581,16 @@ class TrainConfig(Schema):
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     bench: Any = None  # python -m sft.bench only: bench_schema (conf/bench.yaml)
     resume: Optional[str] = None  # null, "auto" (newest complete checkpoint in the run dir) or a checkpoint path
-    resume_force: bool = False  # resume even if the data changed since the checkpoint
+    resume_force: bool = False  # resume even if the data changed or the checkpoint fails verification
+    # Checksums in each checkpoint's manifest: small (files up to 64 MiB; sizes of all) | all (minutes at 7B)
+    checkpoint_checksums: str = "small"
 
     def check(self, cfg=None):
         self.require("eval_buckets", list(self.eval_buckets) == sorted(self.eval_buckets),
                      "bucket edges must be increasing")
         self.require("resume", self.resume in (None, "auto") or Path(self.resume).is_dir(),
                      "must be null, 'auto' or an existing checkpoint directory")
+        self.require("checkpoint_checksums", self.checkpoint_checksums in ("small", "all"), "must be small or all")
 
 
 SCHEMAS = {  # (group, name) -> schema; a YAML option of the group names its schema in `defaults`

@@ -216,7 +216,8 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None) -
         raise ConfigError("controllers", None, "a controller cannot be named clip or trainer")
     run_info = {"config": OmegaConf.to_container(cfg, resolve=True), "data_hash": data.data_hash,
                 "data": data.identity, "sft_version": version("sft"), "git_commit": git_commit()}
-    trainer.add_callback(CheckpointState(run_info, stateful, cfg.trainer.save_total_limit, checkpoint))
+    trainer.add_callback(CheckpointState(run_info, stateful, cfg.trainer.save_total_limit, checkpoint,
+                                         checksum_all=cfg.checkpoint_checksums == "all"))
     saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
     for name, state in (saved or {}).get("controllers", {}).items():
         if name in stateful:
@@ -224,11 +225,16 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None) -
 
 
 def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
-    """`trainer.train`, turning a CUDA out-of-memory error into the settings that lower memory."""
+    """`trainer.train`, turning a CUDA out-of-memory error into the settings that lower memory, and a full
+    disk while saving into one line (`TrainingStopped`) saying so."""
     import torch
 
     try:
         return trainer.train(resume_from_checkpoint=checkpoint)
+    except (OSError, RuntimeError) as e:
+        if not disk_full(e):
+            raise
+        raise TrainingStopped(disk_full_message(trainer.args.output_dir, trainer.state.global_step)) from e
     except torch.OutOfMemoryError as e:
         t = cfg.trainer
         in_use = (f"trainer.per_device_train_batch_size={t.per_device_train_batch_size}, "
@@ -241,6 +247,31 @@ def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
             "(the loss is unchanged); 2) a smaller data.max_length; 3) trainer.activation_checkpointing=true; "
             "4) lora=default instead of full fine-tuning; 5) deepspeed=zero3, then deepspeed=zero3_offload. "
             f"Original error: {str(e).splitlines()[0]}") from e
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether an error while training is a full disk: ENOSPC, or how torch.save reports a short write."""
+    import errno
+
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    return "No space left on device" in text or "unexpected pos" in text or "file write failed" in text
+
+
+def disk_full_message(output_dir: str, step: int) -> str:
+    """The disk is full: where, how much is free, about how much a checkpoint takes, and how to go on."""
+    import shutil
+
+    from sft.checkpoints import latest_complete
+
+    free = shutil.disk_usage(output_dir).free / 2**20
+    last = latest_complete(output_dir)
+    needed = (f"; {last.name} took {sum(f.stat().st_size for f in last.rglob('*') if f.is_file()) / 2**20:,.0f} MiB"
+              if last else "")
+    return (f"the disk is full: saving checkpoint-{step} in {output_dir} failed with {free:,.0f} MiB free{needed}. "
+            "That checkpoint is incomplete, so no resume uses it, and the earlier ones are untouched: free space "
+            "(or lower trainer.save_total_limit), then run again with resume=auto")
 
 
 def raise_if_failed(controllers: dict) -> None:

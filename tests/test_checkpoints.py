@@ -1,6 +1,8 @@
-"""Exact resume after SIGKILL, crash while a checkpoint is written, and data changed since a checkpoint."""
+"""Exact resume after SIGKILL, crash while a checkpoint is written, a damaged checkpoint passed over, and
+data changed since a checkpoint."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -49,6 +51,18 @@ def save_rng(self, output_dir):
         os.kill(os.getpid(), signal.SIGKILL)
     return _save_rng(self, output_dir)
 Trainer._save_rng_state = save_rng
+"""
+
+
+DISK_FULL_AT_CHECKPOINT_8 = """
+import errno
+from transformers import Trainer
+_save = Trainer._save_optimizer_and_scheduler
+def save(self, output_dir):
+    if self.state.global_step == 8:  # the model of checkpoint-8 is written, its optimizer does not fit
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _save(self, output_dir)
+Trainer._save_optimizer_and_scheduler = save
 """
 
 
@@ -137,3 +151,86 @@ def test_resume_with_changed_data_is_refused_unless_forced(tmp_path):
     forced = run_train(*common, "trainer.max_steps=4", "resume=auto", "resume_force=true")
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "results.json").read_text())["global_step"] == 4
+
+
+def _zero_bytes(path, at=1000, n=64):
+    data = bytearray(path.read_bytes())
+    data[at:at + n] = bytes(n)
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "optimizer-deleted": (lambda f: (f / "optimizer.pt").unlink(), "optimizer.pt: missing"),
+    "trainer-state-truncated": (lambda f: (f / "trainer_state.json").write_text('{"glo'),
+                                "trainer_state.json: 5 bytes, 18 when saved"),
+    "model-bytes-zeroed": (lambda f: _zero_bytes(f / "model.safetensors"),
+                           "model.safetensors: its bytes changed since it was saved (CRC-32)"),
+    "marker-truncated": (lambda f: (f / "sft_state.json").write_text('{"files": {'),
+                         "sft_state.json: unreadable (JSONDecodeError"),
+}
+
+
+def fake_checkpoint(folder, checksum_all=False):
+    from sft.checkpoints import STATE_FILE, manifest, write_json_atomic
+
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 10)
+    (folder / "optimizer.pt").write_bytes(b"x" * 100)
+    (folder / "trainer_state.json").write_text('{"global_step": 3}')
+    write_json_atomic(folder / STATE_FILE, {"files": manifest(folder, checksum_all)})
+    return folder
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGE))
+def test_verification_names_the_file_a_checkpoint_lost_or_changed(tmp_path, name):
+    from sft.checkpoints import verify
+
+    folder = fake_checkpoint(tmp_path / "checkpoint-3")
+    assert verify(folder) is None
+    damage, problem = DAMAGE[name]
+    damage(folder)
+    assert verify(folder).startswith(problem)
+
+
+def test_large_files_are_checksummed_only_when_asked(tmp_path, monkeypatch):
+    from sft import checkpoints
+
+    monkeypatch.setattr(checkpoints, "SMALL_FILE", 1000)  # model.safetensors (2,560 bytes) is "large" now
+    sizes_only, summed = fake_checkpoint(tmp_path / "a"), fake_checkpoint(tmp_path / "b", checksum_all=True)
+    for folder in (sizes_only, summed):
+        _zero_bytes(folder / "model.safetensors")
+    assert checkpoints.verify(sizes_only) is None
+    assert checkpoints.verify(summed).startswith("model.safetensors: its bytes changed")
+
+
+@pytest.mark.slow
+def test_resume_auto_passes_over_damaged_checkpoints_to_a_whole_one(tmp_path, uninterrupted):
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    (run / "checkpoint-12" / "optimizer.pt").unlink()  # a "complete" checkpoint missing a file
+    _zero_bytes(run / "checkpoint-8" / "model.safetensors")  # bytes changed, the size unchanged
+    explicit = run_train(*RUN, f"resume={run / 'checkpoint-12'}", f"hydra.run.dir={run}")
+    assert explicit.returncode == 2
+    assert explicit.stderr.strip().splitlines()[-1] == (
+        f"error: config: resume='{run / 'checkpoint-12'}': optimizer.pt: missing; an older checkpoint, or "
+        "resume_force=true to resume anyway")
+    resumed = run_train(*RUN, "resume=auto", f"hydra.run.dir={run}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stdout + resumed.stderr
+    assert f"passing over {run / 'checkpoint-12'}: optimizer.pt: missing" in log
+    assert f"passing over {run / 'checkpoint-8'}: model.safetensors: its bytes changed" in log
+    assert json.loads((run / "results.json").read_text())["resumed_from"] == str(run / "checkpoint-4")
+    assert_exact_continuation(run, uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_stops_with_one_line_and_loses_no_checkpoint(tmp_path):
+    full = run_patched(DISK_FULL_AT_CHECKPOINT_8, *RUN, f"hydra.run.dir={tmp_path}")
+    assert full.returncode == 1 and "Traceback" not in full.stderr
+    errors = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: the disk is full: saving checkpoint-8 in {tmp_path} "
+                                                     "failed with ")
+    assert (tmp_path / "checkpoint-4" / "sft_state.json").exists()  # the earlier one untouched
+    assert (tmp_path / "checkpoint-8").is_dir() and not (tmp_path / "checkpoint-8" / "sft_state.json").exists()
+    assert not (tmp_path / "hangs").exists()  # an error is not a hang: the watchdog's armed report is removed
+

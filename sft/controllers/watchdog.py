@@ -8,6 +8,7 @@ naming the rank and its last completed step, and the process exits with status 1
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import time
@@ -45,6 +46,9 @@ class HangWatchdog(WatchdogConfig, Controller):
         folder.mkdir(parents=True, exist_ok=True)
         self._path = folder / f"rank-{self._rank}.txt"
         self._file = open(self._path, "w")
+        # A run that ends by an exception (or sys.exit) never reaches on_train_end: disarm at exit all the
+        # same, or the armed header would read as a hang. A real hang exits through faulthandler (_exit).
+        atexit.register(self._disarm)
         self._arm(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -56,6 +60,10 @@ class HangWatchdog(WatchdogConfig, Controller):
             self._arm(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._disarm()
+
+    def _disarm(self) -> None:
+        """Cancel the timer and remove the report that did not happen."""
         if self._file is not None:
             faulthandler.cancel_dump_traceback_later()
             self._file.close()
