@@ -56,10 +56,30 @@ if [ "$NPROC" -gt 1 ] || [ "$NNODES" -gt 1 ]; then
 elif ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   args+=(--cpu)
 fi
+# A signal to this script (SIGTERM from a scheduler, Ctrl-C) reaches every process of the run: the run gets
+# a process group of its own, the signal is forwarded to the whole group (sft.preemption: finish the step,
+# save, exit 75), and this script waits for the run and exits with its status. No process outlives it.
+run_in_group() {
+  setsid "$@" &
+  local pid=$! status=0
+  trap 'kill -TERM -- -'"$pid"' 2>/dev/null' TERM
+  trap 'kill -INT -- -'"$pid"' 2>/dev/null' INT
+  while true; do
+    wait "$pid" && status=0 || status=$?
+    kill -0 "$pid" 2>/dev/null || break  # wait returns early when a forwarded signal interrupts it
+  done
+  exit "$status"
+}
+
 for a in "$@"; do
   if [ "$a" = "-m" ] || [ "$a" = "--multirun" ]; then
     # A sweep: each job in turn through accelerate launch, one run dir per job (sft/sweep.py).
-    SFT_LAUNCH_ARGS="${args[*]}" exec python -m sft.sweep "$@"
+    SFT_LAUNCH_ARGS="${args[*]}" run_in_group python -m sft.sweep "$@"
   fi
 done
-exec accelerate launch "${args[@]}" -m sft.train "$@"
+if [ "$NPROC" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
+  # One process: accelerate's launcher would only set the environment, and on a signal it dies at once
+  # with its own status while the training saves; the training itself is the process to wait for.
+  run_in_group python -m sft.train "$@"
+fi
+run_in_group accelerate launch "${args[@]}" -m sft.train "$@"

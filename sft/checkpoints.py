@@ -124,7 +124,8 @@ def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | N
         if os.environ.get("RANK", "0") == "0":
             for debris in remove_incomplete(output_dir):
                 log.warning("resume=auto: removed %s, a checkpoint left incomplete by a crash", debris)
-        log.info("resume=auto: %s", f"resuming from {found}" if found else f"no checkpoint in {output_dir}, starting fresh")
+        log.info("resume=auto: %s",
+                 f"resuming from {found}" if found else f"no checkpoint in {output_dir}, starting fresh")
         return str(found) if found else None
     if not Path(resume, STATE_FILE).is_file() and not force:
         raise ConfigError("resume", resume, f"no {STATE_FILE}: an incomplete checkpoint, or not one of sft's "

@@ -584,6 +584,8 @@ class TrainConfig(Schema):
     resume_force: bool = False  # resume even if the data changed or the checkpoint fails verification
     # Checksums in each checkpoint's manifest: small (files up to 64 MiB; sizes of all) | all (minutes at 7B)
     checkpoint_checksums: str = "small"
+    # SIGTERM/SIGINT: at most this long to finish the step and save a checkpoint (sft.preemption)
+    signal_grace_s: float = 600.0
 
     def check(self, cfg=None):
         self.require("eval_buckets", list(self.eval_buckets) == sorted(self.eval_buckets),
@@ -591,6 +593,7 @@ class TrainConfig(Schema):
         self.require("resume", self.resume in (None, "auto") or Path(self.resume).is_dir(),
                      "must be null, 'auto' or an existing checkpoint directory")
         self.require("checkpoint_checksums", self.checkpoint_checksums in ("small", "all"), "must be small or all")
+        self.require("signal_grace_s", self.signal_grace_s > 0, "must be > 0")
 
 
 SCHEMAS = {  # (group, name) -> schema; a YAML option of the group names its schema in `defaults`

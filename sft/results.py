@@ -3,6 +3,7 @@
 
     {"status": "ok", "eval_loss": 0.57, "eval_ce": 0.55, ..., "eval_history": [...]}     a finished run
     {"status": "failed", "error": "ConfigError: ...", "wall_time_s": 3.1}               a failed job
+    {"status": "preempted", "checkpoint": ".../checkpoint-40", "global_step": 40, ...}   stopped at a signal
     no file                                                                              an interrupted one
 
 The per-bucket eval losses are one field here (`eval_loss_buckets`, keyed by bucket number) and
@@ -23,8 +24,9 @@ BUCKET = "eval_loss_bucket_"
 
 @dataclass
 class RunResults:
-    status: str = "ok"  # ok | failed; sft.report shows a job dir without the file as interrupted
+    status: str = "ok"  # ok | failed | preempted; sft.report shows a job dir without the file as interrupted
     error: Optional[str] = None  # failed: the reason, one line
+    checkpoint: Optional[str] = None  # preempted: the checkpoint saved at the signal (resume=auto takes it)
     eval_loss_initial: Optional[float] = None
     eval_loss: Optional[float] = None
     eval_ce: Optional[float] = None
@@ -57,7 +59,7 @@ class RunResults:
         for key, value in asdict(self).items():
             if key == "eval_loss_buckets":
                 out.update({f"{BUCKET}{k}": v for k, v in sorted(value.items(), key=lambda kv: int(kv[0]))})
-            elif key != "error":
+            elif key not in ("error", "checkpoint") or value is not None:
                 out[key] = value
         return out
 

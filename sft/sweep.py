@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -68,6 +69,7 @@ def start_job(run_dir: str | Path, number: int, overrides: list[str], resume: bo
 
 def main(argv: list[str] | None = None) -> None:
     from sft.config import ConfigError, compose
+    from sft.preemption import PREEMPTED_EXIT_CODE
     from sft.report import ReportError, write_report
     from sft.results import RunResults
 
@@ -79,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     launcher = ["accelerate", "launch", *shlex.split(os.environ.get("SFT_LAUNCH_ARGS", "")), "-m", "sft.train"]
     cfg = compose("train", [o for o in overrides if "," not in o and not o.startswith("hydra.")])
     print(f"[sweep] {len(jobs)} job(s) in {sweep_dir}", flush=True)
+    # ./launch.sh signals the whole process group: the running job saves and stops, and this loop sees it
+    # preempted. A Python handler, not SIG_IGN, which the job's processes would inherit.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
     for number, job in enumerate(jobs):
         run_dir = Path(sweep_dir) / str(number)
         try:
@@ -94,7 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         started = time.time()
         proc = subprocess.run([*launcher, *job, f"hydra.run.dir={run_dir}"], stderr=subprocess.PIPE, text=True)
         sys.stderr.write(proc.stderr[-5000:])
-        if proc.returncode != 0 and RunResults.read(run_dir) is None:
+        results = RunResults.read(run_dir)
+        if results is not None and results.status == "preempted":  # the machine is going away: so is the sweep
+            print(f"[sweep] #{number} preempted; continue with the same command plus sweep.resume=true "
+                  f"hydra.sweep.dir={sweep_dir}", file=sys.stderr, flush=True)
+            sys.exit(PREEMPTED_EXIT_CODE)
+        if proc.returncode != 0 and results is None:
             last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [""]
             RunResults.failed(f"exit code {proc.returncode}: {last[0].strip()}", time.time() - started).write(run_dir)
     try:

@@ -55,6 +55,7 @@ class Recipe:
 def train(cfg: DictConfig) -> RunResults:
     """Run the recipe for a checked config; return the results written to `results.json`."""
     from sft.checkpoints import find_checkpoint
+    from sft.preemption import Preemption
 
     started = time.time()
     slurm_distributed_env()
@@ -63,7 +64,15 @@ def train(cfg: DictConfig) -> RunResults:
     checkpoint = find_checkpoint(cfg.resume, cfg.trainer.output_dir or run_dir, cfg.resume_force)
     recipe = build(cfg, run_dir, checkpoint)
     track_checkpoints(recipe, cfg, checkpoint)
-    train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
+    preemption = Preemption(cfg.signal_grace_s)
+    recipe.trainer.add_callback(preemption)
+    preemption.install()
+    try:
+        train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
+    finally:
+        preemption.uninstall()
+    if preemption.stopped_at is not None:
+        stop_preempted(recipe.trainer, preemption, run_dir, started)
     raise_if_failed(recipe.controllers)
     final_eval = evaluate_and_save(recipe, cfg, run_dir)
     results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
@@ -73,6 +82,21 @@ def train(cfg: DictConfig) -> RunResults:
         results.write(run_dir)
     end_process_group()
     return results
+
+
+def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
+    """After a signal (`sft.preemption`): `results.json` says preempted and where the checkpoint is; raise
+    `Preempted`."""
+    from sft.preemption import Preempted
+
+    checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{preemption.stopped_at}")
+    if trainer.is_world_process_zero():
+        RunResults(status="preempted", checkpoint=checkpoint, global_step=preemption.stopped_at,
+                   resumed_from=None, wall_time_s=round(time.time() - started, 1)).write(run_dir)
+    finish_trackers()
+    end_process_group()
+    raise Preempted(f"{preemption.signal} at step {preemption.stopped_at}: saved {checkpoint}; continue with "
+                    f"the same command plus resume=auto hydra.run.dir={run_dir}", checkpoint)
 
 
 def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recipe:
@@ -231,11 +255,7 @@ def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
 
     try:
         return trainer.train(resume_from_checkpoint=checkpoint)
-    except (OSError, RuntimeError) as e:
-        if not disk_full(e):
-            raise
-        raise TrainingStopped(disk_full_message(trainer.args.output_dir, trainer.state.global_step)) from e
-    except torch.OutOfMemoryError as e:
+    except torch.OutOfMemoryError as e:  # a RuntimeError: before the disk-full clause
         t = cfg.trainer
         in_use = (f"trainer.per_device_train_batch_size={t.per_device_train_batch_size}, "
                   f"data.max_length={cfg.data.max_length}, trainer.activation_checkpointing={t.activation_checkpointing}, "
@@ -247,6 +267,10 @@ def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
             "(the loss is unchanged); 2) a smaller data.max_length; 3) trainer.activation_checkpointing=true; "
             "4) lora=default instead of full fine-tuning; 5) deepspeed=zero3, then deepspeed=zero3_offload. "
             f"Original error: {str(e).splitlines()[0]}") from e
+    except (OSError, RuntimeError) as e:
+        if not disk_full(e):
+            raise
+        raise TrainingStopped(disk_full_message(trainer.args.output_dir, trainer.state.global_step)) from e
 
 
 def disk_full(error: BaseException) -> bool:
@@ -372,6 +396,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.errors import InstantiationException
 
     from sft.data import DataError
+    from sft.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     started = time.time()
     finished = start_sweep_job(cfg) if in_sweep() else None
@@ -392,6 +417,9 @@ def main(cfg: DictConfig) -> float | None:
             fail(str(reason))
         if isinstance(reason, TrainingStopped):
             fail(str(reason), code=1)
+        if isinstance(reason, Preempted):  # also inside a sweep: the machine is going away, so is the sweep
+            print(f"preempted: {reason}", file=sys.stderr)
+            sys.exit(PREEMPTED_EXIT_CODE)
         raise
     if os.environ.get("RANK", "0") == "0":
         print(f"run dir: {HydraConfig.get().runtime.output_dir}")

@@ -2,7 +2,12 @@
 data changed since a checkpoint."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,4 +238,46 @@ def test_a_full_disk_while_saving_stops_with_one_line_and_loses_no_checkpoint(tm
     assert (tmp_path / "checkpoint-4" / "sft_state.json").exists()  # the earlier one untouched
     assert (tmp_path / "checkpoint-8").is_dir() and not (tmp_path / "checkpoint-8" / "sft_state.json").exists()
     assert not (tmp_path / "hangs").exists()  # an error is not a hang: the watchdog's armed report is removed
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains `text`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in proc.joinpath("cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.slow
+def test_sigterm_to_launch_sh_saves_stops_and_resumes_to_the_uninterrupted_run(tmp_path, uninterrupted):
+    from conftest import REPO, free_port
+
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([str(REPO / "launch.sh"), *RUN, f"hydra.run.dir={run}"], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "MASTER_PORT": str(free_port())})
+    deadline = time.time() + 300
+    while not (run / "checkpoint-4" / "sft_state.json").exists() and launcher.poll() is None:
+        assert time.time() < deadline, "no checkpoint-4 within 300 s"
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)  # what a scheduler sends: to the launcher only
+    _, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 75, err[-3000:]
+    results = json.loads((run / "results.json").read_text())
+    step = results["global_step"]
+    assert results["status"] == "preempted" and 4 < step < 12
+    saved = run / f"checkpoint-{step}"
+    assert results["checkpoint"] == str(saved) and (saved / "sft_state.json").exists()
+    assert f"continue with the same command plus resume=auto hydra.run.dir={run}" in err
+    time.sleep(1)
+    assert processes_mentioning(f"hydra.run.dir={run}") == []  # nothing outlived the launcher
+    assert not (run / "hangs").exists()  # a signal is not a hang
+    resumed = run_train(*RUN, "resume=auto", f"hydra.run.dir={run}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run / "results.json").read_text())["resumed_from"] == str(run / f"checkpoint-{step}")
+    assert_exact_continuation(run, uninterrupted)
 
