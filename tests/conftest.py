@@ -66,9 +66,10 @@ def labelled_runs(ids: list[int], labels: list[int]) -> list[list[int]]:
     return runs + ([run] if run else [])
 
 
-def run_train(*overrides: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_train(*overrides: str, env: dict | None = None, timeout: int = 600,
+              patch: str | None = None) -> subprocess.CompletedProcess:
     """`python -m sft.train overrides...` as a user would run it: a process of its own, its exit code,
-    stdout and stderr.
+    stdout and stderr. `patch` (Python source) runs in that process first: fault injection.
 
     The process is forked from a fork server that imported torch and transformers once, which saves
     about 9 s of imports a run on this project's machines; it starts as `python -m sft.train` would.
@@ -83,7 +84,8 @@ def run_train(*overrides: str, env: dict | None = None, timeout: int = 600) -> s
     args = [sys.executable, "-m", "sft.train", *overrides]
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        child = _fork_server.Process(target=_run_cli, args=(out, err, list(overrides), {**os.environ, **(env or {})}))
+        child = _fork_server.Process(target=_run_cli, args=(out, err, list(overrides), {**os.environ, **(env or {})},
+                                                             patch))
         child.start()
         child.join(timeout)
         if child.exitcode is None:
@@ -94,9 +96,9 @@ def run_train(*overrides: str, env: dict | None = None, timeout: int = 600) -> s
                                            Path(err).read_text(errors="replace"))
 
 
-def _run_cli(out: str, err: str, overrides: list[str], env: dict) -> None:
-    """In a `run_train` child: `sft.train`'s command line with stdout/stderr into files, then exit with
-    its code (a traceback and code 1 for an uncaught exception, as the interpreter does)."""
+def _run_cli(out: str, err: str, overrides: list[str], env: dict, patch: str | None = None) -> None:
+    """In a `run_train` child: `patch`, then `sft.train`'s command line with stdout/stderr into files, then
+    exit with its code (a traceback and code 1 for an uncaught exception, as the interpreter does)."""
     import traceback
 
     code = 1
@@ -111,6 +113,8 @@ def _run_cli(out: str, err: str, overrides: list[str], env: dict) -> None:
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         os.chdir(REPO)
         sys.argv = ["sft.train", *overrides]
+        if patch:
+            exec(compile(patch, "<patch>", "exec"), {"__name__": "__patch__"})
         from sft.train import cli
 
         try:
@@ -123,6 +127,9 @@ def _run_cli(out: str, err: str, overrides: list[str], env: dict) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
+        import atexit
+
+        atexit._run_exitfuncs()  # what the interpreter runs at exit, which os._exit skips
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -152,9 +159,7 @@ def step_losses(run_dir: Path, step: int) -> list[float]:
 
 def run_patched(patch: str, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m sft.train overrides...` with `patch` (Python source) executed first: fault injection."""
-    script = f"import sys\n{patch}\nsys.argv = ['sft.train', *{list(overrides)!r}]\nfrom sft.train import cli\ncli()\n"
-    return subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ))
+    return run_train(*overrides, timeout=timeout, patch=patch)
 
 
 def log_history(run_dir: Path, step: int) -> list[dict]:

@@ -134,13 +134,13 @@ def test_a_stalled_rank_makes_both_exit_with_its_stack_dumped(tmp_path):
     script.write_text("import sys\n" + STALL_RANK_1 + "from sft.train import cli\ncli()\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(script), "trainer.max_steps=6", "trainer.eval_steps=100", "trainer.save_steps=100",
-           "controllers.watchdog.timeout_s=20", f"hydra.run.dir={tmp_path / 'run'}"]
+           "controllers.watchdog.timeout_s=10", f"data.eval_file={SMALL_EVAL}", f"hydra.run.dir={tmp_path / 'run'}"]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert time.monotonic() - started < 150
     dump = (tmp_path / "run" / "hangs" / "rank-1.txt").read_text()
-    assert dump.startswith("rank 1: no optimizer step completed within 20 s after step 2")
+    assert dump.startswith("rank 1: no optimizer step completed within 10 s after step 2")
     assert "compute_loss" in dump and "stalled_train.py" in dump  # the stack shows where it is stuck
 
 
