@@ -99,7 +99,7 @@ def _check_row(row, default_score: float | None) -> tuple[str, str] | None:
     elif isinstance(score, int) and not isinstance(score, bool) and abs(score) > 2 ** 1023:
         return "difficulty_score", (f"must be a finite number >= 0, got an integer too large for a float "
                                     f"({len(str(abs(score)))} digits)")
-    elif isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score) or score < 0:
+    elif not _finite_number(score, nonnegative=True):
         return "difficulty_score", f"must be a finite number >= 0, got {score!r}"
     return None
 
@@ -382,7 +382,9 @@ def _bad_token_weights(weights, n_tokens: int) -> str | None:
         return f"the loss returned {weights.shape} weights for {n_tokens} tokens"
     if np.issubdtype(weights.dtype, np.number) and np.isfinite(weights).all() and (weights >= 0).all():
         return None
-    bad = next(i for i, w in enumerate(weights.tolist()) if not _finite_number(w, nonnegative=True))
+    bad = next((i for i, w in enumerate(weights.tolist()) if not _finite_number(w, nonnegative=True)), None)
+    if bad is None:  # an object array of usable numbers
+        return None
     return f"the loss returned {weights.tolist()[bad]!r} for token {bad}: weights must be finite numbers >= 0"
 
 
@@ -643,7 +645,10 @@ def _finite_number(value, nonnegative: bool = False) -> bool:
     """Whether `value` is a finite real number (not a bool, not a string), >= 0 if `nonnegative`."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         return False
-    return math.isfinite(value) and (value >= 0 or not nonnegative)
+    try:
+        return math.isfinite(value) and (value >= 0 or not nonnegative)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 # --- collation ----------------------------------------------------------------------------------------
