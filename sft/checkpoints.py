@@ -11,6 +11,10 @@ The marker also lists every file of the checkpoint (every rank's) with its size 
 64 MiB (all of them with `checkpoint_checksums=all`), a CRC-32 (`manifest`). A resume verifies them
 (`verify`): `resume=auto` passes over a newest checkpoint that lost or changed a file, naming it, to the
 next one that is whole; an explicit `resume=<dir>` that fails is refused (`resume_force=true` overrides).
+
+A resume from step N renames the dir's checkpoints after N (damaged ones that `resume=auto` passed over,
+or a later branch left by `resume=<older checkpoint>`) to `checkpoint-M.damaged` / `.abandoned`: kept
+for the user, never resumed from, rotated or written into (`set_aside_after`).
 """
 
 from __future__ import annotations
@@ -108,22 +112,59 @@ def data_changes(saved: dict, current: dict) -> list[str]:
             for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
 
 
+def set_aside_after(output_dir: str | os.PathLike, step: int, damaged: dict[Path, str]) -> None:
+    """Rename the dir's checkpoints after `step` (the one resumed from; 0 for a fresh start) so that the
+    resumed run neither resumes from them, rotates them nor writes into them: `.damaged` for those in
+    `damaged` (path -> the problem), `.abandoned` for the others (a later branch)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for later, path, complete in checkpoints(output_dir):
+        if later <= step or not complete:  # incomplete ones are crash debris, removed by find_checkpoint
+            continue
+        suffix = "damaged" if path in damaged else "abandoned"
+        target = path.with_name(f"{path.name}.{suffix}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.name}.{suffix}-{n}")
+        path.rename(target)
+        log.warning("resume: %s is after the checkpoint resumed from (step %d)%s: renamed %s, kept but never used",
+                    path, step, f" and {damaged[path]}" if path in damaged else "", target.name)
+
+
+def step_of(checkpoint: str | os.PathLike) -> int:
+    """The step in a checkpoint dir's name (`checkpoint-N`), or 0 for a dir named otherwise."""
+    m = _CHECKPOINT.match(Path(checkpoint).name)
+    return int(m.group(1)) if m else 0
+
+
+def inside(checkpoint: str | os.PathLike | None, output_dir: str | os.PathLike) -> bool:
+    """Whether a checkpoint is one of `output_dir`'s own."""
+    return checkpoint is not None and Path(checkpoint).resolve().parent == Path(output_dir).resolve()
+
+
 def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | None:
-    """The checkpoint to resume from: none, the newest complete one in the run dir (`auto`), or a path."""
+    """The checkpoint to resume from: none, the newest complete one in the run dir (`auto`), or a path.
+
+    Checkpoints of the run dir after the one chosen are renamed aside (`sft.run_dir.set_aside_after`),
+    so that the resumed run never writes into them, nor rotates them away.
+    """
     if resume is None:
         return None
     if resume == "auto":
-        found = None
+        found, damaged = None, {}
         for _, path, complete in reversed(checkpoints(output_dir)):
             problem = verify(path) if complete else None
             if complete and problem is None:
                 found = path
                 break
             if problem:
+                damaged[path] = problem
                 log.warning("resume=auto: passing over %s: %s", path, problem)
         if os.environ.get("RANK", "0") == "0":
             for debris in remove_incomplete(output_dir):
                 log.warning("resume=auto: removed %s, a checkpoint left incomplete by a crash", debris)
+        set_aside_after(output_dir, step_of(found) if found else 0, damaged)
         log.info("resume=auto: %s",
                  f"resuming from {found}" if found else f"no checkpoint in {output_dir}, starting fresh")
         return str(found) if found else None
@@ -135,7 +176,95 @@ def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | N
         raise ConfigError("resume", resume, f"{problem}; an older checkpoint, or resume_force=true to resume anyway")
     if problem:
         log.warning("resume_force: resuming from %s although %s", resume, problem)
+    if inside(resume, output_dir):
+        set_aside_after(output_dir, step_of(resume), {})
     return resume
+
+
+# Settings a resume cannot change: the checkpoint's weights, optimizer state or data order were made with
+# them. An entry ending in "." covers its group, and turning the group on or off.
+FIXED_ON_RESUME = ("model.", "lora.", "tokenizer.", "deepspeed", "deepspeed.zero_optimization.stage",
+                   "trainer.per_device_train_batch_size", "trainer.gradient_accumulation_steps", "trainer.seed",
+                   "trainer.data_seed", "trainer.optim", "trainer.train_sampling_strategy")
+CHANGEABLE_ON_RESUME = ("model.attn_implementation",)  # the same weights, another kernel
+NOT_COMPARED = ("resume", "resume_force", "overwrite")
+ABSENT = "<absent>"
+
+
+def _leaves(node, prefix: str = ""):
+    """(dotted key, value) of every leaf of a nested dict; lists are leaves, an empty dict has none."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node
+
+
+def config_changes(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """(key, saved value, current value) of every leaf setting that differs between two resolved configs.
+
+        {"trainer": {"learning_rate": 2e-4}}, {"trainer": {"learning_rate": 1e-4}}
+            -> [("trainer.learning_rate", 2e-4, 1e-4)]
+    """
+    a, b = dict(_leaves(saved)), dict(_leaves(current))
+    return [(key, a.get(key, ABSENT), b.get(key, ABSENT)) for key in sorted(a.keys() | b.keys())
+            if key not in NOT_COMPARED and a.get(key, ABSENT) != b.get(key, ABSENT)]
+
+
+def fixed_on_resume(key: str) -> bool:
+    """Whether a resume must refuse a change of this setting (`FIXED_ON_RESUME`)."""
+    if key in CHANGEABLE_ON_RESUME:
+        return False
+    return any(key == fixed.rstrip(".") or (fixed.endswith(".") and key.startswith(fixed)) for fixed in FIXED_ON_RESUME)
+
+
+def check_resume_config(checkpoint: str, current: dict, force: bool) -> list[tuple[str, object, object]]:
+    """The settings that differ from the checkpoint's saved config, each logged; a change of one the
+    checkpoint cannot follow (`fixed_on_resume`: model, LoRA shape, batch shape, optimizer ...) is refused
+    naming it, unless forced. The others apply: see `LearningRateChange` for the learning rate."""
+    try:
+        saved = read_state(checkpoint).get("config")
+    except (OSError, ValueError):  # resume_force on a checkpoint without sft's state: nothing to compare
+        return []
+    if saved is None:
+        return []
+    changes = config_changes(saved, current)
+    fixed = [(key, old, new) for key, old, new in changes if fixed_on_resume(key)]
+    if changes:
+        log.warning("resume: %d setting(s) differ from %s:\n%s", len(changes), checkpoint, "\n".join(
+            f"  {key}: {old!r} -> {new!r} ({'refused' if (key, old, new) in fixed and not force else 'applied'})"
+            for key, old, new in changes))
+    if fixed and not force:
+        key, old, new = fixed[0]
+        others = f" (and {', '.join(k for k, _, _ in fixed[1:])})" if len(fixed) > 1 else ""
+        raise ConfigError(key, new, f"was {old!r} when {checkpoint} was saved{others}: a resume continues that run, "
+                          "whose weights, optimizer state or data order depend on it. Keep the saved value, start "
+                          "a new run (another hydra.run.dir), or resume_force=true")
+    if fixed:
+        log.warning("resume_force: resuming although %s changed", ", ".join(k for k, _, _ in fixed))
+    return changes
+
+
+class LearningRateChange(TrainerCallback):
+    """A resume with another `trainer.learning_rate`: Trainer restores the scheduler's base rates and the
+    optimizer's current ones from the checkpoint; at the start of training both are scaled by new/old, so
+    the schedule (warmup, decay, plateau reductions) goes on from the resumed step at the new peak rate."""
+
+    def __init__(self, old: float, new: float):
+        self.old, self.new = old, new
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        ratio = self.new / self.old
+        if hasattr(lr_scheduler, "base_lrs"):
+            lr_scheduler.base_lrs = [lr * ratio for lr in lr_scheduler.base_lrs]
+        for group in optimizer.param_groups:
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+        if hasattr(lr_scheduler, "_last_lr"):
+            lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        log.info("resume: trainer.learning_rate %g -> %g: the schedule goes on from step %d at the new rate "
+                 "(now %g)", self.old, self.new, state.global_step, optimizer.param_groups[0]["lr"])
 
 
 def check_resume_data(checkpoint: str, identity: dict, force: bool) -> dict | None:
@@ -180,6 +309,7 @@ class CheckpointState(TrainerCallback, ExportableState):
                  checksum_all: bool = False):
         self.run_info, self.controllers, self.keep, self.checksum_all = run_info, controllers, keep, checksum_all
         self.resumed_from = Path(resumed_from).resolve() if resumed_from else None
+        self.run_id = run_info.get("run_id")
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"data_hash": self.run_info["data_hash"]}}
@@ -198,7 +328,8 @@ class CheckpointState(TrainerCallback, ExportableState):
         PartialState().wait_for_everyone()
 
     def rotate(self, output_dir: str, best: str | None) -> None:
-        """Keep the newest `keep` complete checkpoints, the best one and the resumed one; drop the rest."""
+        """Keep the newest `keep` complete checkpoints, the best one and the resumed one; drop the rest,
+        if they are this run's (another run's checkpoints are never deleted)."""
         if self.keep is None:
             return
         found = checkpoints(output_dir)
@@ -210,6 +341,15 @@ class CheckpointState(TrainerCallback, ExportableState):
         for step, path, ok in found:
             if path.resolve() in {p.resolve() for p in protected}:
                 continue
+            if ok and not self.ours(path):
+                continue
             if ok or step < newest_step:  # an incomplete one older than a complete one is crash debris
                 shutil.rmtree(path, ignore_errors=True)
                 log.info("checkpoint rotation: removed %s", path)
+
+    def ours(self, checkpoint: Path) -> bool:
+        """Whether a complete checkpoint was saved by this run (or the run it resumes)."""
+        try:
+            return read_state(checkpoint).get("run_id") == self.run_id
+        except (OSError, ValueError):
+            return False

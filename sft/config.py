@@ -581,7 +581,8 @@ class TrainConfig(Schema):
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     bench: Any = None  # python -m sft.bench only: bench_schema (conf/bench.yaml)
     resume: Optional[str] = None  # null, "auto" (newest complete checkpoint in the run dir) or a checkpoint path
-    resume_force: bool = False  # resume even if the data changed or the checkpoint fails verification
+    resume_force: bool = False  # resume even if the data or a fixed setting changed, or verification fails
+    overwrite: bool = False  # a new run into a dir holding another run's outputs: delete them (else refused)
     # Checksums in each checkpoint's manifest: small (files up to 64 MiB; sizes of all) | all (minutes at 7B)
     checkpoint_checksums: str = "small"
     # SIGTERM/SIGINT: at most this long to finish the step and save a checkpoint (sft.preemption)

@@ -13,6 +13,7 @@ their product on the assistant tokens.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -299,6 +300,33 @@ def fit_window(n_tokens: int, answer_start: int, max_length: int) -> tuple[int, 
     return start, start + max_length
 
 
+@functools.lru_cache(maxsize=8)
+def _longest_token_chars(tokenizer) -> int:
+    """The most characters one token of the vocabulary stands for (its string's length: bytes for byte-level
+    BPE, which is at least the characters)."""
+    return max(16, max(map(len, tokenizer.get_vocab())))
+
+
+def token_reach(tokenizer, max_length: int) -> int:
+    """How many characters `max_length` tokens (and one cut token on either side) can cover, at most."""
+    return (max_length + 2) * _longest_token_chars(tokenizer) + 64
+
+
+def tokenized_part(n_chars: int, answer_start: int, reach: int) -> tuple[int, int]:
+    """The [lo, hi) characters of a text to tokenise: all of it, unless it is longer than twice `reach`
+    (`token_reach`: then it is certainly over-long), when `reach` either side of the last trained answer's
+    start. `fit_window` keeps tokens within that: the last `max_length` of a tail that fits, else a quarter
+    window before the answer and the rest after it. So a 50 MB row costs the memory of a few `max_length`
+    windows, not of 50 MB of tokens, and keeps the same tokens as tokenising it whole (but for a text that
+    is one giant word, where the tokeniser's merges around the cut may differ).
+
+        n_chars=10_000_000, answer_start=9_000_000, reach=300_000 -> (8_700_000, 9_300_000)
+    """
+    if n_chars <= 2 * reach:
+        return 0, n_chars
+    return max(0, answer_start - reach), min(n_chars, answer_start + reach)
+
+
 def row_fields(score: float, extra: str) -> dict:
     """A row's columns as the loss's hooks see them: `difficulty_score` and its other fields (`extra`)."""
     return {**(json.loads(extra) if extra else {}), "difficulty_score": score}
@@ -330,7 +358,8 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
         if token_weights is not None:
             out["token_weights"].append(np.ones(len(ids), dtype=np.float32) if weights is None else weights)
 
-    texts, where = [], []  # every text of the batch, tokenised in one call; its row and spans
+    texts, pieces, where = [], [], []  # every text of the batch, the part of it tokenised, its row and spans
+    reach = token_reach(tokenizer, max_length)
     for k, messages in enumerate(batch["messages"]):
         try:
             views = chat_views(tokenizer, messages, rewritten_turns)
@@ -338,14 +367,17 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
             emit(k, [], [], 0, refused=f"{e.field}\t{e.reason}")
             continue
         for view, (text, spans) in enumerate(views):
+            lo, hi = tokenized_part(len(text), spans[-1][0], reach)
             texts.append(text)
-            where.append((k, view, spans))
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, truncation=False) if texts else None
+            pieces.append(text[lo:hi] if (lo, hi) != (0, len(text)) else text)
+            where.append((k, view, spans, lo))
+    enc = tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True, truncation=False) if texts else None
     refused_rows = set()
-    for n, (k, view, spans) in enumerate(where):
+    for n, (k, view, spans, lo) in enumerate(where):
         if k in refused_rows:
             continue
-        ids, offsets = enc["input_ids"][n], np.asarray(enc["offset_mapping"][n], dtype=np.int64).reshape(-1, 2)
+        ids = enc["input_ids"][n]
+        offsets = np.asarray(enc["offset_mapping"][n], dtype=np.int64).reshape(-1, 2) + lo  # into the whole text
         starts = offsets[:, 0]
         trained = np.zeros(len(ids), dtype=bool)
         for a, b in spans:

@@ -206,6 +206,14 @@ def load_model(
 
         raise ConfigError("model.attn_implementation", attn_implementation,
                           str(e).split(". Please")[0] + ": use eager (or flash_attention_2 on a GPU)") from e
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e):
+            raise
+        from sft.config import ConfigError
+
+        raise ConfigError("model.config_overrides", dict(config_overrides or {}), f"changes the shape of "
+                          f"{name_or_path}'s weights, which then cannot load; model.random_init builds another "
+                          "shape with random weights") from e
 
 
 def _override_config(config, overrides: dict) -> None:

@@ -61,27 +61,67 @@ def train(cfg: DictConfig) -> RunResults:
     slurm_distributed_env()
     name_the_run()
     run_dir = HydraConfig.get().runtime.output_dir
-    checkpoint = find_checkpoint(cfg.resume, cfg.trainer.output_dir or run_dir, cfg.resume_force)
-    recipe = build(cfg, run_dir, checkpoint)
-    track_checkpoints(recipe, cfg, checkpoint)
-    preemption = Preemption(cfg.signal_grace_s)
-    recipe.trainer.add_callback(preemption)
-    preemption.install()
+    output_dir = cfg.trainer.output_dir or run_dir
+    locks = lock_run_dirs(run_dir, output_dir)
     try:
-        train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
+        checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force)
+        changes = continue_or_claim(cfg, output_dir, checkpoint)
+        recipe = build(cfg, run_dir, checkpoint)
+        track_checkpoints(recipe, cfg, checkpoint, changes)
+        preemption = Preemption(cfg.signal_grace_s)
+        recipe.trainer.add_callback(preemption)
+        preemption.install()
+        try:
+            train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
+        finally:
+            preemption.uninstall()
+        if preemption.stopped_at is not None:
+            stop_preempted(recipe.trainer, preemption, run_dir, started)
+        raise_if_failed(recipe.controllers)
+        final_eval = evaluate_and_save(recipe, cfg, run_dir)
+        results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
+        log_hparams(cfg, run_dir, results.to_json(), recipe.trainer.args)
+        finish_trackers()
+        if recipe.trainer.is_world_process_zero():
+            results.write(run_dir)
     finally:
-        preemption.uninstall()
-    if preemption.stopped_at is not None:
-        stop_preempted(recipe.trainer, preemption, run_dir, started)
-    raise_if_failed(recipe.controllers)
-    final_eval = evaluate_and_save(recipe, cfg, run_dir)
-    results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
-    log_hparams(cfg, run_dir, results.to_json(), recipe.trainer.args)
-    finish_trackers()
-    if recipe.trainer.is_world_process_zero():
-        results.write(run_dir)
+        for lock in locks:
+            lock.release()
     end_process_group()
     return results
+
+
+def lock_run_dirs(run_dir: str, output_dir: str) -> list:
+    """Rank 0 holds the run dir (and the checkpoint dir, if another) for the run (`sft.run_dir.RunDirLock`):
+    a second run started into it refuses to start."""
+    from sft.run_dir import RunDirLock
+
+    if os.environ.get("RANK", "0") != "0":
+        return []
+    locks = []
+    try:
+        for folder in dict.fromkeys([run_dir, output_dir]):
+            locks.append(RunDirLock(folder))
+            locks[-1].acquire()
+    except ConfigError:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
+def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) -> list:
+    """A resume continues the checkpoint's run: the settings that differ from its config are logged, and
+    refused where the checkpoint cannot follow them (`check_resume_config`); returns them. A new run may not
+    start over another run's outputs (`sft.run_dir.claim`, `overwrite=true`)."""
+    from sft.checkpoints import check_resume_config, inside
+    from sft.run_dir import claim
+
+    if cfg.resume != "auto" and not inside(checkpoint, output_dir):
+        claim(output_dir, cfg.overwrite)
+    if checkpoint is None:
+        return []
+    return check_resume_config(checkpoint, OmegaConf.to_container(cfg, resolve=True), cfg.resume_force)
 
 
 def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
@@ -227,25 +267,36 @@ def check_lora_targets(model, targets) -> None:
                           f"{type(model).__name__}; its linear layers: {', '.join(linear)} (or all-linear)")
 
 
-def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None) -> None:
+def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, changes: list) -> None:
     """Every checkpoint gets `sft_state.json` (run info, each stateful part's state); on resume that state
-    comes back, once the data is checked to be the checkpoint's."""
+    comes back, once the data is checked to be the checkpoint's, and a new learning rate takes effect."""
+    import uuid
     from importlib.metadata import version
 
-    from sft.checkpoints import CheckpointState, check_resume_data, git_commit
+    from sft.checkpoints import (
+        CheckpointState,
+        LearningRateChange,
+        check_resume_data,
+        git_commit,
+    )
 
     trainer, data = recipe.trainer, recipe.data
     stateful = {"clip": recipe.clip_policy, "trainer": trainer, **recipe.controllers}
     if len(stateful) < 2 + len(recipe.controllers):
         raise ConfigError("controllers", None, "a controller cannot be named clip or trainer")
+    saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
     run_info = {"config": OmegaConf.to_container(cfg, resolve=True), "data_hash": data.data_hash,
-                "data": data.identity, "sft_version": version("sft"), "git_commit": git_commit()}
+                "data": data.identity, "sft_version": version("sft"), "git_commit": git_commit(),
+                # a resume goes on with the run it resumes: rotation deletes only that run's checkpoints
+                "run_id": saved.get("run_id") if saved is not None else uuid.uuid4().hex[:12]}
     trainer.add_callback(CheckpointState(run_info, stateful, cfg.trainer.save_total_limit, checkpoint,
                                          checksum_all=cfg.checkpoint_checksums == "all"))
-    saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
     for name, state in (saved or {}).get("controllers", {}).items():
         if name in stateful:
             stateful[name].load_state_dict(state)
+    for key, old, new in changes:
+        if key == "trainer.learning_rate" and old:
+            trainer.add_callback(LearningRateChange(old, new))
 
 
 def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
@@ -268,6 +319,10 @@ def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
             "4) lora=default instead of full fine-tuning; 5) deepspeed=zero3, then deepspeed=zero3_offload. "
             f"Original error: {str(e).splitlines()[0]}") from e
     except (OSError, RuntimeError) as e:
+        if checkpoint and "size mismatch" in str(e):  # the config matched (or resume_force), the weights do not
+            mismatch = next(line.strip() for line in str(e).splitlines() if "size mismatch" in line)
+            raise ConfigError("resume", checkpoint, f"its weights do not fit this model ({mismatch}): a checkpoint "
+                              "of another model or LoRA shape") from e
         if not disk_full(e):
             raise
         raise TrainingStopped(disk_full_message(trainer.args.output_dir, trainer.state.global_step)) from e

@@ -231,3 +231,46 @@ def plugin(tmp_path: Path, module: str, configs: dict[str, str]) -> tuple[list[s
         path.write_text(text)
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     return [f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]"], env
+
+
+# 12 steps of 2 micro-batches, a checkpoint every 4, autoclip and the curriculum moving every 2 steps.
+RESUME_RUN = ["trainer.max_steps=12", "trainer.save_steps=4", "trainer.save_total_limit=5", "trainer.logging_steps=1",
+              "trainer.eval_steps=2", "trainer.per_device_train_batch_size=4", "trainer.gradient_accumulation_steps=2",
+              "clip=autoclip", "clip.warmup_steps=3", "+controllers=curriculum", "controllers.curriculum.chunk_size=12",
+              "controllers.curriculum.temperature=2.0", f"data.eval_file={SMALL_EVAL}"]
+
+
+def train_log(run_dir, step=12):
+    """The training log entries of a `RESUME_RUN` dir by step."""
+    return {e["step"]: e for e in log_history(run_dir, step) if "loss" in e}
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """The reference of the resume and fault tests: `RESUME_RUN` from start to end, in one go."""
+    run = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_train(*RESUME_RUN, f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def assert_exact_continuation(run, reference):
+    """Steps 9-12 of `run` (resumed from checkpoint 8 or earlier) logged, and ended, as the reference did."""
+    from safetensors.torch import load_file
+
+    ours, theirs = train_log(run), train_log(reference)
+    for step in (9, 10, 11, 12):
+        assert ours[step]["loss"] == pytest.approx(theirs[step]["loss"], abs=1e-6), step
+        assert ours[step]["clip/threshold"] == pytest.approx(theirs[step]["clip/threshold"], abs=1e-6), step
+        assert ours[step]["curriculum/temperature"] == theirs[step]["curriculum/temperature"], step
+        assert ours[step]["ce"] == pytest.approx(theirs[step]["ce"], abs=1e-6), step
+    a, b = load_file(run / "model" / "model.safetensors"), load_file(reference / "model" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0, msg=key)
+
+
+def zero_bytes(path, at=1000, n=64):
+    """Zero `n` bytes of a file at `at`: damage that keeps its size."""
+    data = bytearray(path.read_bytes())
+    data[at:at + n] = bytes(n)
+    path.write_bytes(bytes(data))

@@ -200,6 +200,9 @@ def test_a_config_override_the_model_does_not_have_is_refused():
     with pytest.raises(ConfigError, match="model.config_overrides.output_router_logits=True: Qwen2Config has no "
                                           "field 'output_router_logits'"):
         load_model("tiny", config_overrides={"output_router_logits": True})
+    with pytest.raises(ConfigError, match=r"model.config_overrides=\{'intermediate_size': 96\}: changes the shape of "
+                                          "tiny's weights, which then cannot load"):
+        load_model("tiny", config_overrides={"intermediate_size": 96})
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

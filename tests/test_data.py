@@ -1,6 +1,8 @@
 """Tokenisation, label masking, truncation, caching, collation and data errors."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -63,6 +65,50 @@ def test_an_answer_longer_than_max_length_keeps_its_start_after_some_prompt(toke
     assert len(labels) == 64 and labels[-1] != -100  # the answer runs to the end of the window
     first = next(i for i, lab in enumerate(labels) if lab != -100)
     assert 0 < first <= 64 // 4 + 1  # at most a quarter of the window is prompt
+
+
+def _huge(text: str, n_chars: int) -> str:
+    return (text * (n_chars // len(text) + 1))[:n_chars]
+
+
+HUGE_CHATS = {  # each far longer than twice the characters 64 tokens can cover: tokenised in part
+    "huge-prompt": [{"role": "user", "content": _huge("Add these: 12 + 30, 7 + 8. ", 60_000)},
+                    {"role": "assistant", "content": "42 and 15"}],
+    "huge-answer": [{"role": "user", "content": "Count up."},
+                    {"role": "assistant", "content": _huge("1 2 3 4 ", 60_000)}],
+    "huge-middle-turns": [{"role": "user", "content": _huge("a b ", 30_000)},
+                          {"role": "assistant", "content": _huge("c d ", 30_000)},
+                          {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Done."}],
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUGE_CHATS))
+def test_a_huge_row_is_tokenised_in_part_with_the_same_result(tokenizer, monkeypatch, name):
+    in_part = encode(tokenizer, HUGE_CHATS[name], max_length=64)
+    monkeypatch.setattr(sft_data, "tokenized_part", lambda n_chars, answer_start, reach: (0, n_chars))
+    whole = encode(tokenizer, HUGE_CHATS[name], max_length=64)
+    assert in_part["input_ids"] == whole["input_ids"] and in_part["labels"] == whole["labels"]
+    assert in_part["truncated"] == whole["truncated"] == [True] * len(whole["input_ids"])
+    assert all(len(ids) == 64 for ids in in_part["input_ids"])
+
+
+def test_a_50_mb_row_costs_memory_of_max_length_not_of_the_row():
+    script = """
+import resource
+from sft.data import tokenize_batch
+from sft.model import load_tokenizer
+tok = load_tokenizer("tiny")
+chat = [{"role": "user", "content": "12 + 34 = 46. " * 3_600_000}, {"role": "assistant", "content": "46."}]
+batch = {"messages": [chat], "difficulty_score": [1.0], "source_line": [1]}
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = tokenize_batch(batch, tok, 256)
+print(len(out["input_ids"][0]), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kept, grew_mb = map(int, proc.stdout.split()[-2:])
+    assert kept == 256
+    assert grew_mb < 1000, grew_mb  # the row itself and its renderings; tokenised whole it took over 14 GB
 
 
 def test_overlong_drop_and_error(tokenizer, tmp_path):

@@ -1,6 +1,7 @@
 """Real multi-process runs on CPU (gloo): DDP and DeepSpeed ZeRO-3 through ./launch.sh, LoRA, one run dir."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -42,13 +43,50 @@ def one_process(tmp_path_factory):
 WEIGHTED = ["loss=keywords", "loss.alpha=1"]
 
 
+# A controller of the user's kind (sft.controllers.base.Controller) that sends its own process SIGTERM when
+# a step begins: on every rank, as SLURM signals every process of a job step.
+SIGTERM_AT = """
+import os, signal
+from sft.controllers.base import Controller
+
+class SigtermAt(Controller):
+    name = "sigterm_at"
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", [[], ["deepspeed=zero3"]], ids=["ddp", "zero3"])
-def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, one_process, backend):
+def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, one_process):
     two = tmp_path / "two"
-    double = launch("--nproc", "2", *EXACT, *WEIGHTED, *backend, "trainer.per_device_train_batch_size=2",
-                    f"hydra.run.dir={two}")
+    double = launch("--nproc", "2", *EXACT, *WEIGHTED, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}")
     assert double.returncode == 0, double.stderr[-3000:]
+    assert_same_run(one_process, two)
+
+
+@pytest.mark.slow
+def test_zero3_preempted_by_sigterm_then_resumed_equals_one_process(tmp_path, one_process):
+    """Two processes under DeepSpeed ZeRO-3, SIGTERM on both in step 1: each finishes the step, they save a
+    complete checkpoint together and exit 75; `resume=auto` finishes the run as one process trains it."""
+    (tmp_path / "my_plugins.py").write_text(SIGTERM_AT)
+    two = tmp_path / "two"
+    args = ["--nproc", "2", *EXACT, *WEIGHTED, "deepspeed=zero3", "trainer.per_device_train_batch_size=2",
+            f"hydra.run.dir={two}"]
+    preempted = launch(*args, "+controllers.sigterm={_target_:my_plugins.SigtermAt,step:1}",
+                       env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    assert preempted.returncode != 0, preempted.stderr[-3000:]
+    assert preempted.stderr.count("preempted: SIGTERM at step 1") == 2  # both ranks
+    results = json.loads((two / "results.json").read_text())
+    assert results["status"] == "preempted" and results["checkpoint"] == str(two / "checkpoint-1")
+    assert (two / "checkpoint-1" / "sft_state.json").exists() and not (two / "checkpoint-2").exists()
+    resumed = launch(*args, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((two / "results.json").read_text())["resumed_from"] == str(two / "checkpoint-1")
     assert_same_run(one_process, two)
 
 
