@@ -57,8 +57,9 @@ class DataError(ValueError):
 # --- reading and validation ---------------------------------------------------------------------------
 
 
-def _check_row(row, default_score: float | None) -> tuple[str, str] | None:
-    """Return (field, reason) for the first problem of a parsed row, or None when it is valid."""
+def _check_row(row, default_score: float | None, score_required: bool = True) -> tuple[str, str] | None:
+    """Return (field, reason) for the first problem of a parsed row, or None when it is valid. A missing
+    `difficulty_score` is one only if `score_required` and there is no `default_score`."""
     if not isinstance(row, dict):
         return "row", f"must be a JSON object, got {type(row).__name__}"
     messages = row.get("messages")
@@ -95,7 +96,7 @@ def _check_row(row, default_score: float | None) -> tuple[str, str] | None:
         return "messages", "no assistant turn (nothing to train on)"
     score = row.get("difficulty_score")
     if score is None:
-        if default_score is None:
+        if default_score is None and score_required:
             return "difficulty_score", "missing (set data.default_score to use a default)"
     elif isinstance(score, int) and not isinstance(score, bool) and abs(score) > 2 ** 1023:
         return "difficulty_score", (f"must be a finite number >= 0, got an integer too large for a float "
@@ -136,9 +137,11 @@ class Rejected:
         return re.sub(r"\[\d+\]", "[]", self.field) + ": " + re.split(r" \(|, got", self.reason)[0]
 
 
-def scan_jsonl(path: str | os.PathLike, default_score: float | None = None) -> tuple[list[dict], list[Rejected]]:
+def scan_jsonl(path: str | os.PathLike, default_score: float | None = None,
+               score_required: bool = True) -> tuple[list[dict], list[Rejected]]:
     """Read a chat JSONL file: the valid rows (each with `source_line`, and its other fields as a JSON
-    object in `extra`, for the loss's hooks) and the rejected ones.
+    object in `extra`, for the loss's hooks) and the rejected ones. Without `score_required`, a row with no
+    `difficulty_score` (and no `default_score`) gets NaN: no score.
 
     A UTF-8 BOM, CRLF line ends and blank lines are accepted.
     """
@@ -171,7 +174,7 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None) -> t
             except RecursionError:
                 reject("row", "nested too deeply to be a chat (JSON arrays or objects inside each other)")
                 continue
-            problem = _check_row(row, default_score)
+            problem = _check_row(row, default_score, score_required)
             if problem:
                 reject(*problem)
                 continue
@@ -180,7 +183,8 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None) -> t
             rows.append({
                 "messages": [{"role": m["role"], "content": m["content"],
                               "reasoning_content": m.get("reasoning_content")} for m in row["messages"]],
-                "difficulty_score": float(default_score if score is None else score),
+                "difficulty_score": float(math.nan if score is None and default_score is None
+                                          else default_score if score is None else score),
                 "source_line": lineno,
                 "extra": json.dumps(extra) if extra else "",  # ASCII: a lone surrogate stays an escape
             })
@@ -487,7 +491,9 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
         if rejected and on_error == "raise":  # cached by a run with data.on_error=skip
             raise DataError([str(r) for r in rejected])
         return load_from_disk(str(target / "rows")), rejected, summary
-    rows, rejected = scan_jsonl(path, default_score)
+    # Rows without a score are kept (NaN), for every run to share the cache: `_require_scores` refuses them
+    # where the run uses scores.
+    rows, rejected = scan_jsonl(path, default_score, score_required=False)
     if rejected and on_error == "raise":
         raise DataError([str(r) for r in rejected])
     if not rows:
@@ -560,8 +566,37 @@ def column(ds: datasets.Dataset, name: str) -> list:
 
 
 def row_scores(dataset) -> dict[int, float]:
-    """`difficulty_score` by `source_line`: names a row's difficulty in reports and eval buckets."""
-    return dict(zip(column(dataset, "source_line"), column(dataset, "difficulty_score")))
+    """`difficulty_score` by `source_line`, for the rows that have one: names a row's difficulty in reports
+    and eval buckets."""
+    return {line: score for line, score in zip(column(dataset, "source_line"), column(dataset, "difficulty_score"))
+            if not math.isnan(score)}
+
+
+def _require_scores(ds: datasets.Dataset, path: str, needed_by: list[str],
+                    on_error: str) -> tuple[datasets.Dataset, list[Rejected]]:
+    """Where the run uses difficulty scores (`needed_by` names what does), a row without one is refused
+    (`on_error=raise`) or left out and reported (`skip`); elsewhere it trains with no score.
+
+        needed_by=["loss.alpha=1.0"], a row of line 7 without a score  ->
+            DataError "train.jsonl:7: difficulty_score: missing (used by loss.alpha=1.0; ...)"
+    """
+    lines = column(ds, "source_line")
+    unscored = sorted({line for line, score in zip(lines, column(ds, "difficulty_score")) if math.isnan(score)})
+    if not unscored:
+        return ds, []
+    if not needed_by:
+        log.info("data: %s: %d row(s) without difficulty_score, which this run does not use", path, len(unscored))
+        return ds, []
+    reason = f"missing (used by {', '.join(needed_by)}; set data.default_score to use a default)"
+    raw = _raw_lines(path, set(unscored))
+    missing = [Rejected(path, line, "difficulty_score", reason, raw[line]) for line in unscored]
+    if on_error == "raise":
+        raise DataError([str(r) for r in missing])
+    unscored_set = set(unscored)
+    kept = ds.select([i for i, line in enumerate(lines) if line not in unscored_set])
+    if len(kept) == 0:
+        raise DataError([f"{path}: file: no row with a difficulty_score (used by {', '.join(needed_by)})"])
+    return kept, missing
 
 
 def report_rejected(rejected: list[Rejected], rejected_file: str | None) -> None:
@@ -607,6 +642,7 @@ def load_sft_datasets(
     rejected_file: str | None = None,
     packing: bool = False,
     rewritten_turns: str = "split",
+    scores_needed_by: list[str] | None = None,
 ) -> SFTData:
     """Validated, tokenised train and eval splits with the loss's static weights: a per-row `loss_weight`
     (`loss.sample_weight`), per-token `token_weights` when the loss has them, and an `aux_<name>` value
@@ -615,8 +651,11 @@ def load_sft_datasets(
     `on_error`: `raise` stops at the first bad rows with `DataError`; `skip` trains on the valid rows
     and reports the others (`report_rejected`). `overlong` and `rewritten_turns`: see `tokenize_batch`
     and `chat_views`. `packing` changes only how batches are formed (`WeightedDataCollator`); it is kept
-    with the data settings it describes.
+    with the data settings it describes. `scores_needed_by`: what in the run uses `difficulty_score` (by
+    default the loss, if its `alpha` is not 0); a row without a score is refused only then.
     """
+    if scores_needed_by is None:
+        scores_needed_by = [f"loss.alpha={loss.alpha:g}"] if getattr(loss, "alpha", 0) else []
     token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
     identity = data_identity(train_file, eval_file, tokenizer, max_length, default_score)
     identity.update(overlong=overlong, rewritten_turns=rewritten_turns)
@@ -631,7 +670,9 @@ def load_sft_datasets(
             continue
         ds, bad, summaries[name] = _tokenized_split(path, tokenizer, max_length, default_score, num_proc, key,
                                                     on_error, overlong, rewritten_turns, token_weights)
-        rejected += bad
+        ds, unscored = _require_scores(ds, path, scores_needed_by, on_error)
+        rejected += bad + unscored
+        summaries[name].rejected += len(unscored)
         if token_weights is not None and name == "train" and not summaries[name].reweighted_tokens:
             log.warning("loss: its token weights leave every one of the %d trained tokens of %s at 1 (for "
                         "loss.phrases: no phrase occurs in an assistant turn)", summaries[name].trained_tokens, path)

@@ -6,7 +6,9 @@
   needs without a launcher, and under SLURM tasks;
 - `gloo_deepspeed_state`: DeepSpeed with several processes on machines without GPUs;
 - `process_fields`: the TrainingArguments fields these decide;
-- `refuse_multirun_in_launch`: `-m` cannot run inside a multi-process launch.
+- `refuse_multirun_in_launch`: `-m` cannot run inside a multi-process launch;
+- `set_cpu_threads`: on CPU, torch's threads shared out among the processes of the machine, and a warning
+  when other work already loads its cores.
 """
 
 from __future__ import annotations
@@ -129,3 +131,42 @@ def end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def cpu_threads(cores: int, local_processes: int, omp_num_threads: str | None) -> int | None:
+    """Torch's intra-op threads for each of `local_processes` training processes on `cores` CPU cores, or
+    None to leave torch's choice. `OMP_NUM_THREADS` is the user's to set, except the 1 that torchrun and
+    accelerate set for every multi-process launch, which would leave all but `local_processes` cores idle.
+
+        cores=16, local_processes=2, OMP_NUM_THREADS="1" (torchrun's)  ->  8
+        cores=2,  local_processes=1, unset  ->  None (torch uses the 2 cores)
+    """
+    if omp_num_threads is not None and not (omp_num_threads == "1" and local_processes > 1):
+        return None
+    if local_processes <= 1:
+        return None
+    return max(1, cores // local_processes)
+
+
+def set_cpu_threads(log) -> None:
+    """Without a GPU, give each training process its share of the cores (`cpu_threads`), and warn once when
+    the load average says other work already uses them: torch's CPU kernels slow down many times over when
+    their threads have to share cores."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = cpu_threads(cores, local, os.environ.get("OMP_NUM_THREADS"))
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    log.info("cpu: %d torch thread(s) per process, %d process(es) on %d core(s)", torch.get_num_threads(), local,
+             cores)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > cores:
+        log.warning("cpu: the load average (%.1f) is above the %d core(s) this run uses: other work shares them, "
+                    "and torch's CPU threads then slow down badly; training will be slower than the machine "
+                    "allows until it ends (or set OMP_NUM_THREADS lower)", load, cores)

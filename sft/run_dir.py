@@ -146,16 +146,18 @@ def describe_run(run_dir: str | os.PathLike) -> str:
     return ", ".join(p.name for p in outputs[:3]) + (" ..." if len(outputs) > 3 else "")
 
 
-def claim(run_dir: str | os.PathLike, overwrite: bool) -> None:
+def claim(run_dir: str | os.PathLike, overwrite: bool, sweep_job: bool = False) -> None:
     """A new run (no `resume`) starts only in a dir without another run's outputs; `overwrite` deletes them
-    (on rank 0) instead of refusing."""
+    (on rank 0) instead of refusing. `sweep_job`: the dir is a job's of a multirun, whose choices differ."""
     outputs = run_outputs(run_dir)
     if not outputs:
         return
     if not overwrite:
-        raise ConfigError("hydra.run.dir", str(run_dir), f"holds another run: {describe_run(run_dir)}. "
-                          "resume=auto continues it; another hydra.run.dir starts a new run beside it; "
-                          "overwrite=true deletes its checkpoints and results and starts over")
+        choices = ("sweep.resume=true continues that sweep; another hydra.sweep.dir starts a new one beside it"
+                   if sweep_job else "resume=auto continues it; another hydra.run.dir starts a new run beside it")
+        raise ConfigError("hydra.sweep.dir" if sweep_job else "hydra.run.dir", str(run_dir),
+                          f"holds another run: {describe_run(run_dir)}. {choices}; overwrite=true deletes its "
+                          "checkpoints and results and starts over")
     if os.environ.get("RANK", "0") == "0":
         log.warning("overwrite=true: deleting what an earlier run left in %s: %s", run_dir,
                     ", ".join(p.name for p in outputs))

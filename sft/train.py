@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sft.config import CONF_DIR, ConfigError, check, register
 from sft.distributed import (end_process_group, process_fields, rank_overrides, refuse_multirun_in_launch,
-                             share_run_dir, slurm_distributed_env)
+                             set_cpu_threads, share_run_dir, slurm_distributed_env)
 from sft.results import RunResults
 from sft.tracking import finish_trackers, in_sweep, job_overrides, log_hparams, name_the_run
 
@@ -59,6 +59,7 @@ def train(cfg: DictConfig) -> RunResults:
 
     started = time.time()
     slurm_distributed_env()
+    set_cpu_threads(log)
     name_the_run()
     run_dir = HydraConfig.get().runtime.output_dir
     output_dir = cfg.trainer.output_dir or run_dir
@@ -118,7 +119,7 @@ def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) 
     from sft.run_dir import claim
 
     if cfg.resume != "auto" and not inside(checkpoint, output_dir):
-        claim(output_dir, cfg.overwrite)
+        claim(output_dir, cfg.overwrite, sweep_job=in_sweep())
     if checkpoint is None:
         return []
     return check_resume_config(checkpoint, OmegaConf.to_container(cfg, resolve=True), cfg.resume_force)
@@ -157,15 +158,15 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
 
     tokenizer = instantiate(cfg.tokenizer)
     loss = build_loss(cfg.loss)
+    controllers = build_controllers(cfg.controllers)
     with args.main_process_first(desc="preprocessing"):
         # A partial, then the objects: passed to instantiate, the loss (a dataclass) would become a config node.
         data = instantiate(cfg.data, _partial_=True)(
-            tokenizer=tokenizer, loss=loss,
+            tokenizer=tokenizer, loss=loss, scores_needed_by=scores_needed_by(loss, controllers),
             rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0 else None)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
 
     model = build_model(cfg, args.activation_checkpointing)
-    controllers = build_controllers(cfg.controllers)
     trainer = WeightedLossTrainer(
         model=model,
         args=args,
@@ -184,6 +185,13 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
 
 
 # --- the steps of `build` and `train` -----------------------------------------------------------------
+
+
+def scores_needed_by(loss, controllers: dict) -> list[str]:
+    """What in this run uses the rows' `difficulty_score` (rows without one are refused only then): the loss
+    if it weighs by difficulty (`alpha` not 0), and controllers that need it (the curriculum)."""
+    users = [f"loss.alpha={loss.alpha:g}"] if getattr(loss, "alpha", 0) else []
+    return users + [f"controllers.{name}" for name, c in controllers.items() if c.needs_difficulty_score]
 
 
 def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_norm: float):

@@ -304,12 +304,15 @@ class WeightedLossTrainer(Trainer):
         if self.eval_scores:
             buckets: dict[int, list[float]] = {}
             for (line, _), (_, _, ce, n, _) in rows.items():
+                if line not in self.eval_scores:  # a row without a score is in no bucket
+                    continue
                 k = bisect.bisect_right(self.eval_buckets, self.eval_scores[line])
                 acc = buckets.setdefault(k, [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + ce, acc[1] + n
             for k, (ce, n) in sorted(buckets.items()):
                 metrics[f"{prefix}_loss_bucket_{k}"] = ce / max(n, 1)
-            metrics[f"{prefix}_loss_hardest_bucket"] = metrics[f"{prefix}_loss_bucket_{max(buckets)}"]
+            if buckets:
+                metrics[f"{prefix}_loss_hardest_bucket"] = metrics[f"{prefix}_loss_bucket_{max(buckets)}"]
         return metrics
 
     @override

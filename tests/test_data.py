@@ -111,6 +111,25 @@ print(len(out["input_ids"][0]), (resource.getrusage(resource.RUSAGE_SELF).ru_max
     assert grew_mb < 1000, grew_mb  # the row itself and its renderings; tokenised whole it took over 14 GB
 
 
+def test_a_score_is_required_only_where_the_run_uses_it(tokenizer, tmp_path):
+    from sft.data import row_scores
+    from sft.losses import CrossEntropyLoss
+
+    unscored = {k: v for k, v in chat("Add 7 and 8.", "15").items() if k != "difficulty_score"}
+    f = write_jsonl(tmp_path / "mixed.jsonl", [chat("What is 1 + 1?", "2", 3.0), unscored])
+    plain = load_sft_datasets(tokenizer, CrossEntropyLoss(), str(f), max_length=64)  # alpha 0 reads no score
+    assert sft_data.column(plain.train, "loss_weight") == [1.0, 1.0]
+    assert row_scores(plain.train) == {1: 3.0}  # the unscored row is in no difficulty bucket
+    missing = f"{f}:2: difficulty_score: missing (used by loss.alpha=1; set data.default_score to use a default)"
+    with pytest.raises(DataError, match=missing.replace("(", r"\(").replace(")", r"\)")):
+        load_sft_datasets(tokenizer, HardSampleLoss(), str(f), max_length=64)  # the same cached rows
+    skipped = load_sft_datasets(tokenizer, HardSampleLoss(), str(f), max_length=64, on_error="skip")
+    assert sft_data.column(skipped.train, "source_line") == [1] and skipped.summary["train"].rejected == 1
+    with pytest.raises(DataError, match="used by controllers.curriculum"):
+        load_sft_datasets(tokenizer, CrossEntropyLoss(), str(f), max_length=64,
+                          scores_needed_by=["controllers.curriculum"])
+
+
 def test_overlong_drop_and_error(tokenizer, tmp_path):
     rows = [chat("word " * 200, "ok", 1.0), chat("What is 1 + 1?", "2", 1.0)]
     f = write_jsonl(tmp_path / "long.jsonl", rows)

@@ -67,6 +67,18 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, on
     double = launch("--nproc", "2", *EXACT, *WEIGHTED, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}")
     assert double.returncode == 0, double.stderr[-3000:]
     assert_same_run(one_process, two)
+    cores = len(os.sched_getaffinity(0))  # torchrun set OMP_NUM_THREADS=1; each process gets half the cores
+    assert f"cpu: {max(1, cores // 2)} torch thread(s) per process, 2 process(es) on {cores} core(s)" in \
+        (two / "train.log").read_text()
+
+
+def test_cpu_threads_share_the_cores_and_respect_the_users_setting():
+    from sft.distributed import cpu_threads
+
+    assert cpu_threads(16, 2, "1") == 8  # the 1 torchrun sets for a multi-process launch is replaced
+    assert cpu_threads(16, 2, None) == 8 and cpu_threads(2, 4, None) == 1
+    assert cpu_threads(16, 2, "4") is None  # the user's own setting stands
+    assert cpu_threads(16, 1, "1") is None and cpu_threads(2, 1, None) is None  # one process: torch's choice
 
 
 @pytest.mark.slow

@@ -243,3 +243,29 @@ def test_on_error_skip_trains_on_valid_rows_counts_and_writes_rejected(tmp_path)
     assert "skipped 3 invalid row(s)" in proc.stdout + proc.stderr
     assert "difficulty_score: must be a finite number >= 0 x1" in proc.stdout + proc.stderr
     assert json.loads((run / "results.json").read_text())["global_step"] == 3
+
+
+@pytest.mark.slow
+def test_rows_without_a_score_train_where_no_part_of_the_run_uses_scores(tmp_path):
+    def strip_scores(lines):  # every other row loses its difficulty_score
+        return [json.dumps({k: v for k, v in json.loads(line).items() if k != "difficulty_score" or i % 2})
+                for i, line in enumerate(lines)]
+
+    train = write_jsonl(tmp_path / "train.jsonl", strip_scores(sample_data.TRAIN_FILE.read_text().splitlines()[:64]))
+    evals = write_jsonl(tmp_path / "eval.jsonl", strip_scores(SMALL_EVAL.read_text().splitlines()))
+    common = ["data=jsonl", f"data.train_file={train}", f"data.eval_file={evals}", "loss=ce", "trainer.max_steps=1",
+              "trainer.eval_steps=100", "trainer.save_steps=100"]
+    run = tmp_path / "run"
+    proc = run_train(*common, f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "eval_rows.jsonl").read_text().splitlines()]
+    assert {r["difficulty_score"] is None for r in rows} == {True, False}  # no score: in no bucket
+    results = json.loads((run / "results.json").read_text())
+    for k, (low, high) in enumerate([(0, 1), (1, 2), (2, 3), (3, float("inf"))]):  # eval_buckets 1, 2, 3
+        scored = [r for r in rows if r["difficulty_score"] is not None and low <= r["difficulty_score"] < high]
+        expected = sum(r["ce_sum"] for r in scored) / sum(r["tokens"] for r in scored)
+        assert results[f"eval_loss_bucket_{k}"] == pytest.approx(expected, rel=1e-9)  # the scored rows only
+    ordered = run_train(*common, "+controllers=curriculum", f"hydra.run.dir={tmp_path / 'curriculum'}")
+    assert ordered.returncode == 2 and "Traceback" not in ordered.stderr
+    assert f"{train}:1: difficulty_score: missing (used by controllers.curriculum; set data.default_score" in \
+        ordered.stderr

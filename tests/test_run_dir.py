@@ -73,6 +73,8 @@ def test_a_new_run_is_refused_over_another_runs_outputs_unless_overwrite(tmp_pat
                                          "config ")
     assert "resume=auto continues it; another hydra.run.dir" in str(refused.value)
     assert "overwrite=true deletes" in str(refused.value)
+    with pytest.raises(ConfigError, match="sweep.resume=true continues that sweep; another hydra.sweep.dir"):
+        claim(tmp_path, overwrite=False, sweep_job=True)  # a job dir of a multirun run again
     claim(tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "notes.txt"]  # only the run's outputs went
 

@@ -42,6 +42,7 @@ class Controller(TrainerCallback):
     """Base of every controller; each method below is a no-op unless a controller needs it."""
 
     name = "controller"  # for log lines
+    needs_difficulty_score = False  # True: every training row must have a difficulty_score
 
     def __post_init__(self):  # the built-in controllers are dataclasses extending their schema
         """Set up the state that is not a knob (the knobs are the schema's fields)."""

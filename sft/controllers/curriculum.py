@@ -26,6 +26,7 @@ from sft.data import column
 @dataclass(eq=False, kw_only=True)
 class Curriculum(CurriculumConfig, Controller):
     name = "curriculum"
+    needs_difficulty_score = True  # it orders rows by difficulty
 
     def __post_init__(self):
         super().__post_init__()
