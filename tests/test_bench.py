@@ -22,7 +22,8 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["ratios"]) == {"ce_vs_hf", "hard_sample_vs_hf", "packing_vs_hf",
                                      "chunked_vs_naive_loss_memory", "chunked_vs_naive_loss_time",
-                                     "preprocess_cached_speedup", "startup_cfg_job_s", "startup_help_s"}
+                                     "preprocess_cached_speedup", "startup_cfg_job_s", "startup_help_s",
+                                     "startup_first_step_s"}
     assert all(v > 0 for v in report["ratios"].values())
     for case in ("hf", "ce", "hard_sample", "packing"):
         run = report["raw"][case][0]
