@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from sft import sample_data
 
@@ -642,6 +642,43 @@ def compose(config_name: str = "train", overrides: list[str] = (), return_hydra_
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides),
                              return_hydra_config=return_hydra_config)
+
+
+def help_text(overrides: list[str]) -> str | None:
+    """`python -m sft.train --help [overrides]`: the config groups with their options (YAML files only: the
+    `*_schema` entries are the options' schemas, not choices), those of your `hydra.searchpath` included,
+    and the composed config, in Hydra's layout.
+
+    Hydra's own `--help` takes seconds: it lists every group through the config store, copying each stored
+    schema once per group. None where this cannot answer: a `pkg://` search path, or overrides that do not
+    compose (Hydra's `--help` then says why).
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+    except Exception:  # noqa: BLE001 - Hydra's own --help reports it
+        return None
+    roots = [CONF_DIR] + [str(p) for p in cfg.hydra.searchpath]
+    if any(not root.startswith(("/", "file://")) for root in roots):
+        return None
+    options: dict[str, set] = {}
+    for root in roots:
+        root = Path(root.removeprefix("file://"))
+        for yaml in [*root.rglob("*.yaml"), *root.rglob("*.yml")]:
+            group = yaml.parent.relative_to(root).as_posix()
+            if group != ".":  # the primary configs (train, bench) are not choices
+                options.setdefault(group, set()).add(yaml.stem)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    groups = "\n".join(f"{group}: {', '.join(sorted(names))}" for group, names in sorted(options.items()))
+    return ("python -m sft.train [group=option] [key=value ...]: fine-tune a chat model (README.md).\n\n"
+            "== Configuration groups ==\nCompose your configuration from those groups (group=option)\n\n"
+            f"{groups}\n\n\n== Config ==\nOverride anything in the config (foo.bar=value)\n\n"
+            f"{OmegaConf.to_yaml(cfg)}")
 
 
 # --- value checks -------------------------------------------------------------------------------------

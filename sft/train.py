@@ -516,6 +516,13 @@ def record_failure(error: BaseException, wall_time_s: float) -> None:
 
 def cli() -> None:
     """The `python -m sft.train` entry point: settle the multi-process details, then run `main`."""
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        from sft.config import help_text
+
+        text = help_text([a for a in sys.argv[1:] if a not in ("--help", "-h")])
+        if text is not None:  # else Hydra's own --help (a search path of yours, or an error to report)
+            print(text, end="")
+            return
     refuse_multirun_in_launch(sys.argv[1:])
     share_run_dir()
     sys.argv.extend(rank_overrides())

@@ -134,3 +134,26 @@ def test_random_init_builds_the_given_architecture_without_weights_on_disk():
     assert cfg.model.random_init == {"model_type": "qwen2", "hidden_size": 64}
     with pytest.raises(Exception, match=r"To append to your config use \+model.random_init="):
         compose("train", ["model.random_init={model_type: qwen2}"])
+
+
+def test_help_lists_the_choices_and_the_composed_config_and_falls_back_to_hydra(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def help_of(*args):
+        return subprocess.run([sys.executable, "-m", "sft.train", "--help", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+
+    fast = help_of("loss=ce")
+    assert fast.returncode == 0, fast.stderr
+    assert "\nloss: ce, dft, focal, hard_sample, keywords, length\n" in fast.stdout  # no *_schema entries
+    assert "  _target_: sft.losses.CrossEntropyLoss\n" in fast.stdout  # the config as composed
+    (tmp_path / "loss").mkdir()
+    (tmp_path / "loss" / "mine.yaml").write_text("defaults:\n  - ce\n")
+    own = help_of(f"hydra.searchpath=[file://{tmp_path}]", "loss=mine")  # a config dir of the user's
+    assert own.returncode == 0, own.stderr
+    assert "\nloss: ce, dft, focal, hard_sample, keywords, length, mine\n" in own.stdout
+    bad = help_of("loss=nope")
+    assert bad.returncode != 0 and "nope" in bad.stderr
