@@ -572,6 +572,14 @@ def row_scores(dataset) -> dict[int, float]:
             if not math.isnan(score)}
 
 
+def scores_used_by(loss, controllers: dict | None = None) -> list[str]:
+    """What in a run uses the rows' `difficulty_score`: the loss if it weighs by difficulty (`alpha` not 0),
+    and controllers that say they need it (`needs_difficulty_score`: the curriculum)."""
+    users = [f"loss.alpha={loss.alpha:g}"] if getattr(loss, "alpha", 0) else []
+    return users + [f"controllers.{name}" for name, c in (controllers or {}).items()
+                    if getattr(c, "needs_difficulty_score", False)]
+
+
 def _require_scores(ds: datasets.Dataset, path: str, needed_by: list[str],
                     on_error: str) -> tuple[datasets.Dataset, list[Rejected]]:
     """Where the run uses difficulty scores (`needed_by` names what does), a row without one is refused
@@ -655,7 +663,7 @@ def load_sft_datasets(
     default the loss, if its `alpha` is not 0); a row without a score is refused only then.
     """
     if scores_needed_by is None:
-        scores_needed_by = [f"loss.alpha={loss.alpha:g}"] if getattr(loss, "alpha", 0) else []
+        scores_needed_by = scores_used_by(loss)
     token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
     identity = data_identity(train_file, eval_file, tokenizer, max_length, default_score)
     identity.update(overlong=overlong, rewritten_turns=rewritten_turns)

@@ -147,6 +147,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     from transformers import set_seed
 
     from sft.controllers import build_controllers
+    from sft.data import scores_used_by
     from sft.losses import build_loss
     from sft.trainer import WeightedLossTrainer
 
@@ -162,7 +163,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     with args.main_process_first(desc="preprocessing"):
         # A partial, then the objects: passed to instantiate, the loss (a dataclass) would become a config node.
         data = instantiate(cfg.data, _partial_=True)(
-            tokenizer=tokenizer, loss=loss, scores_needed_by=scores_needed_by(loss, controllers),
+            tokenizer=tokenizer, loss=loss, scores_needed_by=scores_used_by(loss, controllers),
             rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0 else None)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
 
@@ -185,13 +186,6 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
 
 
 # --- the steps of `build` and `train` -----------------------------------------------------------------
-
-
-def scores_needed_by(loss, controllers: dict) -> list[str]:
-    """What in this run uses the rows' `difficulty_score` (rows without one are refused only then): the loss
-    if it weighs by difficulty (`alpha` not 0), and controllers that need it (the curriculum)."""
-    users = [f"loss.alpha={loss.alpha:g}"] if getattr(loss, "alpha", 0) else []
-    return users + [f"controllers.{name}" for name, c in controllers.items() if c.needs_difficulty_score]
 
 
 def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_norm: float):
