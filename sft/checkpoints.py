@@ -146,7 +146,7 @@ def inside(checkpoint: str | os.PathLike | None, output_dir: str | os.PathLike) 
 def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | None:
     """The checkpoint to resume from: none, the newest complete one in the run dir (`auto`), or a path.
 
-    Checkpoints of the run dir after the one chosen are renamed aside (`sft.run_dir.set_aside_after`),
+    Checkpoints of the run dir after the one chosen are renamed aside (`set_aside_after`),
     so that the resumed run never writes into them, nor rotates them away.
     """
     if resume is None:

@@ -585,8 +585,8 @@ def _require_scores(ds: datasets.Dataset, path: str, needed_by: list[str],
     """Where the run uses difficulty scores (`needed_by` names what does), a row without one is refused
     (`on_error=raise`) or left out and reported (`skip`); elsewhere it trains with no score.
 
-        needed_by=["loss.alpha=1.0"], a row of line 7 without a score  ->
-            DataError "train.jsonl:7: difficulty_score: missing (used by loss.alpha=1.0; ...)"
+        needed_by=["loss.alpha=1"], a row of line 7 without a score  ->
+            DataError "train.jsonl:7: difficulty_score: missing (used by loss.alpha=1; ...)"
     """
     lines = column(ds, "source_line")
     unscored = sorted({line for line, score in zip(lines, column(ds, "difficulty_score")) if math.isnan(score)})

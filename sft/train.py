@@ -275,12 +275,7 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
     import uuid
     from importlib.metadata import version
 
-    from sft.checkpoints import (
-        CheckpointState,
-        LearningRateChange,
-        check_resume_data,
-        git_commit,
-    )
+    from sft.checkpoints import CheckpointState, LearningRateChange, check_resume_data, git_commit
 
     trainer, data = recipe.trainer, recipe.data
     stateful = {"clip": recipe.clip_policy, "trainer": trainer, **recipe.controllers}
@@ -514,7 +509,7 @@ def cli() -> None:
         from sft.config import help_text
 
         text = help_text([a for a in sys.argv[1:] if a not in ("--help", "-h")])
-        if text is not None:  # else Hydra's own --help (a search path of yours, or an error to report)
+        if text is not None:  # else Hydra's own --help (a pkg:// search path, or an error to report)
             print(text, end="")
             return
     refuse_multirun_in_launch(sys.argv[1:])
