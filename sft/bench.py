@@ -40,8 +40,10 @@ from sft import config
 
 TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if at most)
     "ce_vs_hf": (0.97, "min"),
-    "hard_sample_vs_hf": (0.95, "min"),
+    "hard_sample_vs_hf": (0.97, "min"),
     "packing_vs_hf": (1.3, "min"),
+    "ce_vs_trl": (1.05, "min"),
+    "packing_vs_trl_padding_free": (1.3, "min"),
     "chunked_vs_naive_loss_memory": (0.3, "max"),
     "chunked_vs_naive_loss_time": (1.3, "max"),
     "preprocess_cached_speedup": (10.0, "min"),
@@ -50,9 +52,12 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "startup_first_step_s": (10.0, "max"),
 }
 CASE_OVERRIDES = {"hf": [], "ce": ["loss=ce"], "hard_sample": ["loss=hard_sample"],
-                  "packing": ["loss=hard_sample", "data.packing=true"]}
+                  "packing": ["loss=hard_sample", "data.packing=true"], "trl": ["loss=ce"],
+                  "trl_padding_free": ["loss=ce"]}
 TRAINING_CASES = tuple(CASE_OVERRIDES)
+TRL_CASES = ("trl", "trl_padding_free")  # need `pip install -e .[bench]`; skipped with a line otherwise
 LOSS_CASES = ("loss_naive", "loss_chunked")
+EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
 RESULT = "BENCH_RESULT "
 
 
@@ -97,35 +102,57 @@ class CountingCollator:
         return self.collator(features)
 
 
+def case_trainer(case: str, cfg, run_dir: str):
+    """The trainer `case` trains (or evaluates) with: this project's (`sft.train.build`), a plain `Trainer`
+    (`hf`), or TRL's `SFTTrainer` (`trl`, `trl_padding_free`), the last two on `sft`'s own tokenised rows and
+    labels, so every case sees the same tokens."""
+    if case not in ("hf", "trl", "trl_padding_free", "eval_hf"):
+        from sft.train import build
+
+        return build(cfg, run_dir).trainer
+    from hydra.utils import instantiate
+    from transformers import set_seed
+
+    from sft.losses import build_loss
+    from sft.train import build_model
+
+    fields = OmegaConf.to_container(cfg.trainer, resolve=True)
+    fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 1.0))
+    fields["dataloader_pin_memory"] &= _on_gpu()
+    if case.startswith("trl"):
+        from trl import SFTConfig
+
+        # sft's rows are already cut to data.max_length; the rest of TRL's defaults as a user meets them.
+        args = SFTConfig(**fields, max_length=None, padding_free=case == "trl_padding_free", dataset_num_proc=None)
+    else:
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(**fields)
+    set_seed(args.seed)
+    tokenizer = instantiate(cfg.tokenizer)
+    data = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer, loss=build_loss(cfg.loss))
+    model = build_model(cfg, args.activation_checkpointing)
+    if case.startswith("trl"):
+        from trl import SFTTrainer
+
+        keep = ["input_ids", "labels"]  # with `labels` present, TRL trains on exactly these (no re-tokenising)
+        return SFTTrainer(model=model, args=args, train_dataset=data.train.select_columns(keep),
+                          eval_dataset=data.eval.select_columns(keep) if data.eval is not None else None,
+                          processing_class=tokenizer)
+    from transformers import DataCollatorForSeq2Seq, Trainer
+
+    return Trainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
+                   data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100),
+                   processing_class=tokenizer)
+
+
 def run_training_case(case: str, cfg) -> dict:
     """Train as `case` says; tokens per second over the timed steps, peak memory, MFU where known."""
-    from hydra.utils import instantiate
-
-    from sft.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
     from sft.data import column
-    from sft.train import build, build_model
+    from sft.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
 
-    run_dir = tempfile.mkdtemp(prefix=f"sft-bench-{case}-")
-    if case == "hf":
-        from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments, set_seed
-
-        from sft.losses import build_loss
-
-        fields = OmegaConf.to_container(cfg.trainer, resolve=True)
-        fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 1.0))
-        fields["dataloader_pin_memory"] &= _on_gpu()
-        args = TrainingArguments(**fields)
-        set_seed(args.seed)
-        tokenizer = instantiate(cfg.tokenizer)
-        loss = build_loss(cfg.loss)
-        data = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer, loss=loss)
-        model = build_model(cfg, args.activation_checkpointing)
-        collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100))
-        trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=collator,
-                          processing_class=tokenizer)
-    else:
-        trainer = build(cfg, run_dir).trainer
-        collator = trainer.data_collator = CountingCollator(trainer.data_collator)
+    trainer = case_trainer(case, cfg, tempfile.mkdtemp(prefix=f"sft-bench-{case}-"))
+    collator = trainer.data_collator = CountingCollator(trainer.data_collator)
     clock = step_clock()
     trainer.add_callback(clock)
     trainer.train()
@@ -143,6 +170,20 @@ def run_training_case(case: str, cfg) -> dict:
         flops = flops_per_token(trainer.model, mean_length) * tokens_per_second
         result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
     return result
+
+
+def run_eval_case(case: str, cfg) -> dict:
+    """`trainer.evaluate()` on the eval rows, a plain Trainer's (`eval_hf`) or this project's (`eval_sft`):
+    seconds per 1,000 rows, the best of `bench.eval_repeats` after one untimed evaluation."""
+    trainer = case_trainer(case, cfg, tempfile.mkdtemp(prefix=f"sft-bench-{case}-"))
+    trainer.evaluate()  # warms up: first batches, lazy initialisation
+    best = float("inf")
+    for _ in range(cfg.bench.eval_repeats):
+        started = time.perf_counter()
+        trainer.evaluate()
+        best = min(best, time.perf_counter() - started)
+    rows = len(trainer.eval_dataset)
+    return {"seconds_per_1000_rows": 1000 * best / rows, "rows": rows}
 
 
 def run_loss_case(case: str, cfg) -> dict:
@@ -238,6 +279,8 @@ def child(case: str, config_file: str) -> None:
     cfg = OmegaConf.load(config_file)
     if case in TRAINING_CASES:
         result = run_training_case(case, cfg)
+    elif case in EVAL_CASES:
+        result = run_eval_case(case, cfg)
     elif case in LOSS_CASES:
         result = run_loss_case(case, cfg)
     else:
@@ -304,26 +347,74 @@ def first_step_seconds(repeats: int = 2) -> float:
     return best
 
 
+def trl_missing() -> str | None:
+    """Why the TRL cases cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return "trl is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def case_id(case: str, batch_size: int, first: int) -> str:
+    """A training case's name in the report: `ce` at the first of `bench.batch_sizes`, `ce_b16` at 16."""
+    return case if batch_size == first else f"{case}_b{batch_size}"
+
+
+def training_ratios(cases: dict, suffix: str) -> dict:
+    """Throughput ratios (and peak-memory ratios against TRL) among the training cases of one batch size."""
+    ratios = {}
+    pairs = [("ce", "hf"), ("hard_sample", "hf"), ("packing", "hf"), ("ce", "trl"),
+             ("packing", "trl_padding_free")]
+    for ours, theirs in pairs:
+        a, b = cases.get(ours + suffix), cases.get(theirs + suffix)
+        if a and b:
+            ratios[f"{ours}_vs_{theirs}{suffix}"] = a["tokens_per_second"] / b["tokens_per_second"]
+            if theirs.startswith("trl"):
+                ratios[f"{ours}_vs_{theirs}_memory{suffix}"] = a["peak_memory_gb"] / b["peak_memory_gb"]
+    return ratios
+
+
+def target_of(key: str):
+    """The target of a ratio; one measured at another batch size (`_b16`) has its base ratio's."""
+    base = key.rsplit("_b", 1)[0] if key.rsplit("_b", 1)[-1].isdigit() else key
+    return TARGETS.get(base)
+
+
 def run_all(overrides: list[str]) -> dict:
     """Every case of `bench.cases`, interleaved and repeated; the raw numbers, medians and ratios."""
     base = compose(overrides)
     b = base.bench
-    configs = {case: compose(overrides + CASE_OVERRIDES[case] + timed_training_overrides(base))
-               for case in b.cases if case in TRAINING_CASES}
-    configs.update({case: base for case in b.cases if case in LOSS_CASES})
-    raw: dict[str, list[dict]] = {case: [] for case in configs}
+    report: dict = {"overrides": overrides, "raw": {}, "cases": {}, "ratios": {}, "skipped": {}}
+    wanted = list(b.cases)
+    if any(case in TRL_CASES for case in wanted) and (reason := trl_missing()):
+        print(f"skipping {', '.join(c for c in wanted if c in TRL_CASES)}: {reason}", file=sys.stderr)
+        report["skipped"].update({case: reason for case in wanted if case in TRL_CASES})
+        wanted = [case for case in wanted if case not in TRL_CASES]
+    jobs = {}  # case id -> (case, config)
+    batch_sizes = list(b.batch_sizes or [base.trainer.per_device_train_batch_size])
+    for size in batch_sizes:
+        for case in wanted:
+            if case in TRAINING_CASES:
+                cfg = compose(overrides + CASE_OVERRIDES[case] + timed_training_overrides(base)
+                              + [f"trainer.per_device_train_batch_size={size}"])
+                jobs[case_id(case, size, batch_sizes[0])] = (case, cfg)
+    evaluation = compose(overrides + ["loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"])
+    jobs.update({case: (case, evaluation) for case in wanted if case in EVAL_CASES})
+    jobs.update({case: (case, base) for case in wanted if case in LOSS_CASES})
+    raw = report["raw"] = {name: [] for name in jobs}
     for round_ in range(b.repeats):
-        for case, cfg in configs.items():
-            print(f"[round {round_ + 1}/{b.repeats}] {case} ...", file=sys.stderr, flush=True)
-            raw[case].append(spawn(case, cfg))
-    report: dict = {"overrides": overrides, "raw": raw, "cases": {}, "ratios": {}}
-    for case, runs in raw.items():
-        report["cases"][case] = {key: statistics.median(run[key] for run in runs)
+        for name, (case, cfg) in jobs.items():
+            print(f"[round {round_ + 1}/{b.repeats}] {name} ...", file=sys.stderr, flush=True)
+            raw[name].append(spawn(case, cfg))
+    for name, runs in raw.items():
+        report["cases"][name] = {key: statistics.median(run[key] for run in runs)
                                  for key in runs[0] if isinstance(runs[0][key], (int, float))}
     cases, ratios = report["cases"], report["ratios"]
-    for case in ("ce", "hard_sample", "packing"):
-        if case in cases and "hf" in cases:
-            ratios[f"{case}_vs_hf"] = cases[case]["tokens_per_second"] / cases["hf"]["tokens_per_second"]
+    for size in batch_sizes:
+        ratios.update(training_ratios(cases, case_id("", size, batch_sizes[0])))
+    if all(case in cases for case in EVAL_CASES):
+        ratios["eval_vs_hf_time"] = cases["eval_sft"]["seconds_per_1000_rows"] / cases["eval_hf"]["seconds_per_1000_rows"]
     if all(case in cases for case in LOSS_CASES):
         naive, chunked = cases["loss_naive"], cases["loss_chunked"]
         ratios["chunked_vs_naive_loss_memory"] = chunked["peak_memory_gb"] / naive["peak_memory_gb"]
@@ -345,37 +436,47 @@ def run_all(overrides: list[str]) -> dict:
         ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job")
         ratios["startup_help_s"] = startup_seconds("--help")
         ratios["startup_first_step_s"] = first_step_seconds()
-    report["targets"] = {k: {"target": t, "kind": kind, "met": (ratios[k] >= t if kind == "min" else ratios[k] <= t)}
-                         for k, (t, kind) in TARGETS.items() if k in ratios}
+    report["targets"] = {}
+    for key, value in ratios.items():
+        if (target := target_of(key)) is not None:
+            t, kind = target
+            report["targets"][key] = {"target": t, "kind": kind, "met": value >= t if kind == "min" else value <= t}
     return report
 
 
 def print_report(report: dict) -> None:
     cases = report["cases"]
-    hf = cases.get("hf", {}).get("tokens_per_second")
-    print(f"\n{'case':<14}{'tokens/s':>12}{'vs hf':>8}{'peak GiB':>10}{'vs hf':>8}{'mfu':>8}")
-    for case in TRAINING_CASES:
+    print(f"\n{'case':<22}{'tokens/s':>12}{'vs hf':>8}{'peak GiB':>10}{'vs hf':>8}{'mfu':>8}")
+    for name, c in cases.items():
+        if "tokens_per_second" not in c:
+            continue
+        suffix = name[len(name.rsplit("_b", 1)[0]):] if name.rsplit("_b", 1)[-1].isdigit() else ""
+        hf = cases.get("hf" + suffix, {})
+        print(f"{name:<22}{c['tokens_per_second']:>12.0f}"
+              f"{c['tokens_per_second'] / hf['tokens_per_second'] if hf else float('nan'):>8.2f}"
+              f"{c['peak_memory_gb']:>10.2f}"
+              f"{c['peak_memory_gb'] / hf['peak_memory_gb'] if hf else float('nan'):>8.2f}"
+              f"{c['mfu'] if 'mfu' in c else float('nan'):>8.3f}")
+    for case in EVAL_CASES:
         if case in cases:
             c = cases[case]
-            mem_hf = cases.get("hf", {}).get("peak_memory_gb")
-            print(f"{case:<14}{c['tokens_per_second']:>12.0f}"
-                  f"{c['tokens_per_second'] / hf if hf else float('nan'):>8.2f}{c['peak_memory_gb']:>10.2f}"
-                  f"{c['peak_memory_gb'] / mem_hf if mem_hf else float('nan'):>8.2f}"
-                  f"{c['mfu'] if 'mfu' in c else float('nan'):>8.3f}")
+            print(f"{case:<22}{c['seconds_per_1000_rows']:>10.2f} s per 1,000 eval rows ({c['rows']} rows)")
     for case in LOSS_CASES:
         if case in cases:
             c = cases[case]
-            print(f"{case:<14}{c['tokens'] / c['seconds']:>12.0f}{'':>8}{c['peak_memory_gb']:>10.2f}   "
+            print(f"{case:<22}{c['tokens'] / c['seconds']:>12.0f}{'':>8}{c['peak_memory_gb']:>10.2f}   "
                   f"({c['seconds']:.2f} s forward+backward)")
     if "preprocess" in cases:
         p = cases["preprocess"]
         print(f"preprocess    {p['rows']} rows: first {p['first_s']:.1f} s, cached {p['cached_s']:.2f} s")
+    for case, reason in report.get("skipped", {}).items():
+        print(f"{case:<22}skipped: {reason}")
     print()
     for key, value in report["ratios"].items():
         target = report["targets"].get(key)
         mark = "" if target is None else (f"  target {'>=' if target['kind'] == 'min' else '<='} {target['target']}: "
                                           f"{'met' if target['met'] else 'NOT MET'}")
-        print(f"{key:<32}{value:>8.3f}{mark}")
+        print(f"{key:<38}{value:>8.3f}{mark}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -546,7 +546,11 @@ class BenchConfig(Schema):
     """`python -m sft.bench` (training ignores it): which cases, how long, the loss-only case's shape."""
 
     cases: List[str] = field(default_factory=lambda: [
-        "hf", "ce", "hard_sample", "packing", "loss_naive", "loss_chunked", "preprocess", "startup"])
+        "hf", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "eval_hf", "eval_sft", "loss_naive",
+        "loss_chunked", "preprocess", "startup"])
+    # The training cases run at each micro-batch size (null: trainer.per_device_train_batch_size); ratios at the
+    # first are named plainly (`ce_vs_hf`), at the others with the size (`ce_vs_hf_b16`).
+    batch_sizes: Optional[List[int]] = None
     steps: int = 40  # optimizer steps per training case
     warmup_steps: int = 5  # not timed
     repeats: int = 3  # rounds over all cases, interleaved; medians are reported
@@ -557,6 +561,7 @@ class BenchConfig(Schema):
     loss_dtype: str = "float32"
     loss_trainable_head: bool = False  # false: the projection frozen, as with LoRA
     preprocess_rows: int = 100000
+    eval_repeats: int = 3  # evaluations timed per eval case (the best counts), after one untimed
     case_timeout_s: int = 1800
 
 

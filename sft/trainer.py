@@ -23,6 +23,9 @@ still has each one, with the same parameters):
 - `evaluation_loop` (public) replaces the mean of per-batch losses by the exact ratio over the eval set
   (each row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
   `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
+- `prediction_step` (public) runs `compute_loss` for the per-row sums and returns no loss, which spares
+  two collectives per eval batch that Trainer would make for a loss nothing reads (`num_items_in_batch`
+  over the ranks, the batch loss gathered);
 - `log` (public) adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`,
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
@@ -292,6 +295,19 @@ class WeightedLossTrainer(Trainer):
         self.last_eval_rows = rows  # the latest evaluation row by row (sft.results.write_eval_rows)
         output.metrics.update(self._eval_metrics(rows, metric_key_prefix))
         return output
+
+    @override
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation's forward: `compute_loss` records the batch's per-row sums, from which
+        `evaluation_loop` computes every metric. No loss is returned, so Trainer does not count
+        `num_items_in_batch` over the ranks nor gather a per-batch loss: two collectives per eval batch
+        whose results were never used. Predictions (`prediction_loss_only=False`) take Trainer's path."""
+        if not prediction_loss_only or self._eval_rows is None or inputs.get("source_lines") is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            self.compute_loss(model, inputs)
+        return None, None, None
 
     def _eval_metrics(self, rows: dict, prefix: str) -> dict:
         """Exact ratios over the eval rows (each counted once): loss, ce, token accuracy, buckets."""

@@ -16,20 +16,70 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
         [sys.executable, "-m", "sft.bench", "--out", str(out), "bench.steps=4", "bench.warmup_steps=1",
          "bench.repeats=1", "bench.loss_vocab=3000", "bench.loss_hidden=32", "bench.loss_batch=2",
          "bench.loss_seq=64", "loss.chunk_tokens=16", "bench.preprocess_rows=300",
-         "trainer.per_device_train_batch_size=8"],
+         "bench.batch_sizes=[8]", "bench.eval_repeats=1"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["ratios"]) == {"ce_vs_hf", "hard_sample_vs_hf", "packing_vs_hf",
+    assert set(report["ratios"]) == {"ce_vs_hf", "hard_sample_vs_hf", "packing_vs_hf", "ce_vs_trl",
+                                     "ce_vs_trl_memory", "packing_vs_trl_padding_free",
+                                     "packing_vs_trl_padding_free_memory", "eval_vs_hf_time",
                                      "chunked_vs_naive_loss_memory", "chunked_vs_naive_loss_time",
                                      "preprocess_cached_speedup", "startup_cfg_job_s", "startup_help_s",
                                      "startup_first_step_s"}
     assert all(v > 0 for v in report["ratios"].values())
-    for case in ("hf", "ce", "hard_sample", "packing"):
+    for case in ("hf", "ce", "hard_sample", "packing", "trl", "trl_padding_free"):
         run = report["raw"][case][0]
         assert run["tokens_per_second"] > 0 and run["peak_memory_gb"] > 0 and run["timed_steps"] == 3
     # The ratios are the medians' ratios, as printed.
     cases = report["cases"]
     assert report["ratios"]["packing_vs_hf"] == cases["packing"]["tokens_per_second"] / cases["hf"]["tokens_per_second"]
     assert cases["preprocess"]["rows"] == 300
+    assert cases["eval_sft"]["rows"] == cases["eval_hf"]["rows"] == 400  # the bundled validation set
+    assert report["ratios"]["ce_vs_trl"] == cases["ce"]["tokens_per_second"] / cases["trl"]["tokens_per_second"]
     assert "packing_vs_hf" in proc.stdout and "target >= 1.3" in proc.stdout
+    assert "ce_vs_trl" in proc.stdout and "target >= 1.05" in proc.stdout
+
+
+def test_ratios_at_each_batch_size_are_named_by_it_and_keep_their_targets():
+    from sft.bench import case_id, target_of, training_ratios
+
+    assert [case_id("ce", size, 64) for size in (64, 16)] == ["ce", "ce_b16"]
+    cases = {f"{case}_b16": {"tokens_per_second": tps, "peak_memory_gb": mem}
+             for case, tps, mem in [("hf", 100, 1.0), ("ce", 110, 1.0), ("trl", 88, 2.0)]}
+    ratios = training_ratios(cases, "_b16")
+    assert ratios == {"ce_vs_hf_b16": 1.1, "ce_vs_trl_b16": 1.25, "ce_vs_trl_memory_b16": 0.5}
+    assert target_of("ce_vs_trl_b16") == target_of("ce_vs_trl") == (1.05, "min")
+    assert target_of("ce_vs_trl_memory_b16") is None
+
+
+def test_trl_cases_are_skipped_with_one_line_when_trl_is_missing(monkeypatch, capsys):
+    import sft.bench
+
+    monkeypatch.setattr(sft.bench, "trl_missing", lambda: "trl is not installed (pip install -e '.[bench]')")
+    report = sft.bench.run_all(["bench.cases=[trl,trl_padding_free]"])  # nothing else: nothing is spawned
+    assert report["raw"] == {} and report["ratios"] == {}
+    assert set(report["skipped"]) == {"trl", "trl_padding_free"}
+    assert "skipping trl, trl_padding_free: trl is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ours, theirs, overrides", [
+    ("ce", "trl", ["trainer.gradient_accumulation_steps=2"]),
+    ("packing", "trl_padding_free", []),
+])
+def test_trl_case_trains_on_the_same_tokens_with_the_same_loss_as_sft(tmp_path, ours, theirs, overrides):
+    """The bench's speed comparison is like for like: TRL's SFTTrainer, given `sft`'s rows, logs the same loss
+    at every step (same model, rows, order, labels, optimizer, accumulation) as `sft` with `loss=ce`."""
+    pytest.importorskip("trl", reason="the TRL cases need pip install -e '.[bench]'")
+    from sft.bench import CASE_OVERRIDES, case_trainer, compose
+
+    shared = ["trainer.per_device_train_batch_size=4", "trainer.max_steps=3", "trainer.logging_steps=1",
+              "trainer.eval_strategy=no", "trainer.save_strategy=no", "trainer.report_to=[]",
+              "trainer.disable_tqdm=true", "data.eval_file=null", *overrides]
+    losses = {}
+    for case, extra in ((ours, ["loss=ce", "data.packing=true"] if ours == "packing" else []), (theirs, [])):
+        cfg = compose(shared + CASE_OVERRIDES[case] + extra)
+        trainer = case_trainer(case, cfg, str(tmp_path / case))
+        trainer.train()
+        losses[case] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses[ours]) == 3
+    assert losses[ours] == pytest.approx(losses[theirs], rel=1e-5, abs=1e-6)

@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import ROWS, train_steps
+from conftest import ROWS, chat, train_steps, write_jsonl
+from sft.data import load_sft_datasets
 from sft.losses import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
 
 # Every built-in loss, each with the difficulty weight on where it combines with it. ROWS' answers hold
@@ -110,3 +111,39 @@ def test_a_model_whose_logits_the_lean_loss_cannot_reproduce_gets_naive_or_a_cle
         assert build().loss_impl == "naive"
     assert "loss.impl=auto: this Qwen2ForCausalLM's logits are not" in caplog.text
     assert WeightedLossTrainer(model=load_model("tiny"), args=args, loss=CrossEntropyLoss()).loss_impl == "chunked"
+
+
+def test_evaluation_makes_no_collective_per_batch_and_keeps_the_exact_metrics(tmp_path, tokenizer):
+    """Trainer would count `num_items_in_batch` over the ranks and gather each batch's loss (two collectives
+    per eval batch); `sft` reads neither, and its metrics are the exact ratios over the rows, batch size
+    notwithstanding."""
+    from transformers import TrainingArguments
+
+    from sft.data import WeightedDataCollator
+    from sft.losses import HardSampleLoss
+    from sft.model import load_model
+    from sft.trainer import WeightedLossTrainer
+
+    path = write_jsonl(tmp_path / "eval.jsonl", [chat(f"What is {i} + {i}?", f"{i} + {i} = {2 * i}", 1.0 + i % 4)
+                                                 for i in range(7)])
+    loss = HardSampleLoss(alpha=1.0)
+    data = load_sft_datasets(tokenizer, loss, train_file=str(path), eval_file=str(path), max_length=256)
+    model = load_model("tiny")
+    metrics = {}
+    for batch_size in (2, 7):
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=batch_size,
+                                 use_cpu=True, report_to=[], remove_unused_columns=False)
+        trainer = WeightedLossTrainer(model=model, args=args, eval_dataset=data.eval, loss=loss,
+                                      data_collator=WeightedDataCollator(tokenizer))
+        collectives = []
+        for name in ("gather", "gather_for_metrics", "reduce"):
+            original = getattr(trainer.accelerator, name)
+            setattr(trainer.accelerator, name,
+                    lambda *a, _name=name, _f=original, **k: collectives.append(_name) or _f(*a, **k))
+        counted = trainer._get_num_items_in_batch
+        trainer._get_num_items_in_batch = lambda *a, **k: collectives.append("num_items") or counted(*a, **k)
+        metrics[batch_size] = trainer.evaluate()
+        assert collectives == [], batch_size
+    for key in ("eval_loss", "eval_ce", "eval_token_accuracy", "eval_loss_bucket_1"):
+        assert metrics[2][key] == pytest.approx(metrics[7][key], rel=1e-6), key
+    assert metrics[7]["eval_loss"] != pytest.approx(metrics[7]["eval_ce"], rel=1e-3)  # the weights count
