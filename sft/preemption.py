@@ -1,8 +1,10 @@
 """Graceful preemption: on SIGTERM or SIGINT, finish the optimizer step, save a complete checkpoint, stop.
 
 SLURM, Kubernetes and spot instances send SIGTERM some time before they kill; Ctrl-C sends SIGINT. Each
-rank's handler only notes the signal; at the end of the step every rank learns whether any rank got one
-(one all-reduce of a flag), so all of them save the same checkpoint and stop together. The run then
+rank's handler only notes the signal; at the end of the step every rank learns whether any rank got one,
+so all of them save the same checkpoint and stop together. The flag travels in the step's one all-reduce
+of `sft.step_control` (with the step loss the guard judges), right before the optimizer step: a signal
+that arrives during the optimizer step itself stops the run after the next step. The run then
 writes `results.json` with `status: "preempted"` and the checkpoint, says how to continue (`resume=auto`
 with the same run dir) and exits with `PREEMPTED_EXIT_CODE`.
 
@@ -40,11 +42,16 @@ class Preemption(TrainerCallback):
     """Notes SIGTERM/SIGINT (`install`), and at the end of the step in which any rank got one, asks
     Trainer to save and stop (`stopped_at` is then that step)."""
 
-    def __init__(self, grace_s: float = 600.0):
+    def __init__(self, grace_s: float = 600.0, step_control=None):
+        """`step_control` (the trainer's `StepControl`) carries the flag across the ranks in its per-step
+        all-reduce; without one, each step end makes an all-reduce of its own."""
         self.grace_s = grace_s
         self.signal: str | None = None
         self._received_at = 0.0
         self.stopped_at: int | None = None
+        self.step_control = step_control
+        if step_control is not None:
+            step_control.stop_requests.append(lambda: self.signal is not None)
 
     def install(self) -> None:
         """Take over SIGTERM and SIGINT (from the main thread, where Python runs signal handlers)."""
@@ -88,7 +95,10 @@ class Preemption(TrainerCallback):
         import torch.distributed as dist
 
         flag = self.signal is not None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed and self.step_control is not None:
+            return self.step_control.stop_requested  # every rank's flag, from this step's all-reduce
+        if distributed:
             t = torch.tensor([float(flag)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flag = bool(t.item())

@@ -7,8 +7,9 @@
 2. `add_micro_batch` (from `compute_loss`): the micro-batch's loss and per-row losses are kept, when a
    controller judges steps, for the verdict and, if the step is bad, its report;
 3. `finish` (from `_clip_grad_norm`, once the backward passes are done and right before
-   `optimizer.step()`): the global pre-clip gradient norm is computed; every controller with a
-   `judge_step` gives its verdict; a skipped step drops its gradients (parameters, optimizer state and
+   `optimizer.step()`): the global pre-clip gradient norm is computed; one all-reduce tells every rank
+   the step's loss and whether any rank asked to stop (`stop_requests`: a signal, `sft.preemption`), so
+   the judges and preemption share a collective; every controller with a `judge_step` gives its verdict; a skipped step drops its gradients (parameters, optimizer state and
    schedule stay as they are); otherwise the clip policy's threshold is applied; the policy observes
    the norm. A bad step's rows go to `<folder>/step-N.json` in the run dir and to the log.
 
@@ -24,6 +25,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate.utils import gather_object
@@ -71,6 +73,10 @@ class StepControl:
         self._step_loss: torch.Tensor | None = None
         self._step_rows: list = []  # (source lines, per-row loss, (input_ids, attention_mask, position_ids))
         self._train_scores: dict[int, float] = {}
+        # Whether this rank wants the run to stop after the current step (`sft.preemption` adds its signal flag);
+        # `stop_requested` is then any rank's answer, as of the last `finish`.
+        self.stop_requests: list[Callable[[], bool]] = []
+        self.stop_requested = False
 
     def begin(self, device) -> None:
         """A new optimizer step starts; under DeepSpeed its clip threshold is set on the engine now."""
@@ -98,7 +104,7 @@ class StepControl:
             total_norm = t.accelerator.clip_grad_norm_(params, math.inf)  # unscales fp16; clips nothing
             norm = float(total_norm)
             threshold = self.clip_policy.threshold(norm) if math.isfinite(norm) else math.inf
-        verdicts = self._judge(norm)
+        verdicts = self._judge(norm, self._reduce_step())
         if any(v.skip for v in verdicts):
             if not t.is_deepspeed_enabled and t.accelerator.scaler is None:  # fp16: the scaler skips it itself
                 model.zero_grad(set_to_none=True)  # optimizers leave parameters without a gradient alone
@@ -112,12 +118,25 @@ class StepControl:
         self.clip_policy.observe(norm, threshold)
         return norm
 
-    def _judge(self, norm: float) -> list[StepVerdict]:
+    def _reduce_step(self) -> float | None:
+        """The step's mean loss over the ranks (for the judges; None without any) and, in `stop_requested`,
+        whether any rank asked to stop: one all-reduce for both, none on one process."""
+        t = self.trainer
+        local_stop = any(request() for request in self.stop_requests)
+        if t.accelerator.num_processes == 1:
+            self.stop_requested = local_stop
+            return float(self._step_loss) if self.judges else None
+        if not (self.judges or self.stop_requests):
+            return None
+        sums = t._sum_over_ranks(torch.stack([self._step_loss, self._step_loss.new_tensor(float(local_stop))]))
+        self.stop_requested = bool(sums[1] > 0)
+        return float(sums[0]) / t.accelerator.num_processes if self.judges else None
+
+    def _judge(self, norm: float, loss: float | None) -> list[StepVerdict]:
         """Every judging controller's verdict on the finished step; a bad step is reported."""
         if not self.judges:
             return []
         t = self.trainer
-        loss = float(t._sum_over_ranks(self._step_loss)) / t.accelerator.num_processes
         step = t.state.global_step + 1
         verdicts = [v for v in (c.judge_step(step, loss, norm) for c in self.judges) if v is not None]
         for verdict in verdicts:

@@ -69,7 +69,7 @@ def train(cfg: DictConfig) -> RunResults:
         changes = continue_or_claim(cfg, output_dir, checkpoint)
         recipe = build(cfg, run_dir, checkpoint)
         track_checkpoints(recipe, cfg, checkpoint, changes)
-        preemption = Preemption(cfg.signal_grace_s)
+        preemption = Preemption(cfg.signal_grace_s, recipe.trainer.step_control)
         recipe.trainer.add_callback(preemption)
         preemption.install()
         try:

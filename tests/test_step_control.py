@@ -104,3 +104,48 @@ def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parame
         theirs = getattr(Trainer, name, None)
         assert theirs is not None, f"transformers.Trainer has no {name} any more"
         assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters), name
+
+
+def test_the_step_loss_and_every_ranks_stop_flag_share_one_all_reduce(monkeypatch):
+    """Two ranks as `_sum_over_ranks` would see them: this one's loss 2 and no signal, the other's loss 4 and
+    a SIGTERM. One all-reduce per step gives the judges the mean loss and preemption the other rank's signal;
+    preemption then makes no collective of its own."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from transformers import TrainerControl, TrainerState
+
+    from sft.clipping import StaticClip
+    from sft.preemption import Preemption
+    from sft.step_control import StepControl
+
+    reductions = []
+
+    def sum_over_two_ranks(t):
+        reductions.append(t.clone())
+        return t + torch.tensor([4.0, 1.0], dtype=t.dtype)  # the other rank: loss 4, signalled
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=2), _sum_over_ranks=sum_over_two_ranks,
+                              is_deepspeed_enabled=False)
+    control = StepControl(trainer, StaticClip(max_norm=1.0), {"veto": SkipStep(step=99)})
+    preemption = Preemption(step_control=control)
+    control.begin("cpu")
+    control.add_micro_batch(torch.tensor(2.0), torch.tensor([0]), torch.tensor([2.0]), [None, None, None])
+    assert control._reduce_step() == 3.0
+    assert len(reductions) == 1 and reductions[0].tolist() == [2.0, 0.0]  # this rank: no signal
+    assert control.stop_requested
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("preemption made a collective of its own"))
+    state, step_end = TrainerState(), TrainerControl()
+    state.global_step = 5
+    preemption.on_step_end(SimpleNamespace(device="cpu"), state, step_end)
+    assert step_end.should_save and step_end.should_training_stop and preemption.stopped_at == 5
+
+    # Without judges the flag still travels, alone; on one process nothing is reduced at all.
+    reductions.clear()
+    control.judges = []
+    assert control._reduce_step() is None and len(reductions) == 1
+    trainer.accelerator.num_processes = 1
+    assert control._reduce_step() is None and len(reductions) == 1 and not control.stop_requested

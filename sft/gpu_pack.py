@@ -1,0 +1,164 @@
+"""`python -m sft.gpu_pack [--out gpu_pack] [--no-readme]`: every check that needs a CUDA GPU, in one command.
+
+1. `pytest -m gpu` (tests/test_gpu.py: cut-cross-entropy and Liger per-token losses against the chunked loss,
+   flash attention varlen packing against padded logits, QLoRA trains and merges, bf16 follows fp32);
+2. `python -m sft.bench preset=gpu_7b` (LoRA on Qwen2.5-7B's shape, bf16, packed ~4k-token rows: tokens/s,
+   MFU, peak memory; the lean loss against the naive one).
+
+Each part runs under its own time limit (`--tests-timeout`, `--bench-timeout`; 240 s + 330 s by default, so
+the pack fits in 10 minutes on one GPU). Writes `<out>/figures.md` (the date, the GPU, every test's outcome,
+the bench's figures), `<out>/gpu_pack.json`, the pytest and bench outputs, and puts figures.md into README.md
+between its `gpu-pack` markers, where the README shows the measured figures.
+
+Without a CUDA GPU it says so in one line and exits 2, running nothing. Needs the project installed with a
+CUDA build of torch (`pip install -e '.[gpu]'`; flash-attn and bitsandbytes separately, as their builds
+need the machine's CUDA); a kernel that is not installed skips its test, and the figures say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README_BEGIN, README_END = "<!-- gpu-pack:begin -->", "<!-- gpu-pack:end -->"
+KERNELS = ("cut-cross-entropy", "liger-kernel", "flash-attn", "bitsandbytes")
+
+
+def cuda_missing() -> str | None:
+    """Why this machine cannot run the pack, or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"no CUDA GPU on this machine (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})"
+    return None
+
+
+def machine() -> dict:
+    """The GPU and the versions the figures were measured with."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    installed = {}
+    for name in ("torch", "transformers", "peft", *KERNELS):
+        try:
+            installed[name] = version(name)
+        except PackageNotFoundError:
+            installed[name] = None
+    return {"date": datetime.date.today().isoformat(), "gpu": props.name, "gpus": torch.cuda.device_count(),
+            "memory_gib": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda, "versions": installed}
+
+
+def run_part(args: list[str], timeout: int, log: Path) -> dict:
+    """Run one part of the pack with its output into `log`; its exit code (124 when it ran out of time)."""
+    started = time.monotonic()
+    with log.open("w") as out:
+        try:
+            code = subprocess.run(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return {"command": " ".join(args[1:]), "exit_code": code, "seconds": round(time.monotonic() - started, 1),
+            "log": log.name}
+
+
+def test_outcomes(junit: Path) -> list[dict]:
+    """Each test's outcome from pytest's JUnit XML: passed, failed (with the first line) or skipped (why)."""
+    if not junit.is_file():
+        return []
+    outcomes = []
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        outcome, detail = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            node = case.find(kind)
+            if node is not None:
+                outcome = "skipped" if kind == "skipped" else "failed"
+                detail = (node.get("message") or "").splitlines()[0] if node.get("message") else ""
+                break
+        outcomes.append({"test": case.get("name"), "outcome": outcome, "detail": detail,
+                         "seconds": float(case.get("time") or 0)})
+    return outcomes
+
+
+def figures_markdown(report: dict) -> str:
+    """The README's GPU figures: where and when, each test's outcome, the bench's cases and ratios."""
+    m = report["machine"]
+    kernels = ", ".join(f"{k} {v}" if v else f"{k} not installed" for k, v in m["versions"].items() if k in KERNELS)
+    lines = [f"Measured {m['date']} on {m['gpus']} x {m['gpu']} ({m['memory_gib']} GiB), torch "
+             f"{m['versions']['torch']}, CUDA {m['cuda']}, transformers {m['versions']['transformers']}; {kernels}. "
+             "Command: `python -m sft.gpu_pack`.", "", "| GPU test | outcome |", "|---|---|"]
+    for t in report["tests"]:
+        lines.append(f"| `{t['test']}` | {t['outcome']}{': ' + t['detail'] if t['detail'] else ''} |")
+    if not report["tests"]:
+        lines.append(f"| (no test result) | pytest exit {report['parts']['tests']['exit_code']} |")
+    bench = report.get("bench")
+    lines += ["", "| `sft.bench preset=gpu_7b` | value |", "|---|---|"]
+    if bench:
+        for case, c in bench["cases"].items():
+            if "tokens_per_second" in c:
+                mfu = f", MFU {c['mfu']:.3f}" if "mfu" in c else ""
+                lines.append(f"| {case} | {c['tokens_per_second']:,.0f} tokens/s{mfu}, peak {c['peak_memory_gb']:.1f} GiB |")
+        for key, value in bench["ratios"].items():
+            target = bench["targets"].get(key)
+            mark = "" if target is None else f" (target {'>=' if target['kind'] == 'min' else '<='} " \
+                                             f"{target['target']}: {'met' if target['met'] else 'not met'})"
+            lines.append(f"| {key} | {value:.3f}{mark} |")
+    else:
+        lines.append(f"| (no bench result) | exit {report['parts']['bench']['exit_code']} |")
+    return "\n".join(lines) + "\n"
+
+
+def put_into_readme(readme: Path, figures: str) -> bool:
+    """Replace what stands between the README's gpu-pack markers by `figures`; False if it has no markers."""
+    text = readme.read_text()
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        return False
+    readme.write_text(text[:begin + len(README_BEGIN)] + "\n" + figures + text[end:])
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sft.gpu_pack", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(REPO / "gpu_pack"), help="where the figures and logs go")
+    parser.add_argument("--tests-timeout", type=int, default=240)
+    parser.add_argument("--bench-timeout", type=int, default=330)
+    parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
+    args = parser.parse_args(argv)
+    if reason := cuda_missing():
+        print(f"gpu pack: {reason}: nothing to run (the gpu tests skip without one)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"machine": machine(), "parts": {}}
+    junit = out / "gpu_tests.xml"
+    report["parts"]["tests"] = run_part([sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-rA",
+                                         "-p", "no:cacheprovider", f"--junitxml={junit}"],
+                                        args.tests_timeout, out / "gpu_tests.log")
+    report["tests"] = test_outcomes(junit)
+    bench_json = out / "bench_gpu_7b.json"
+    report["parts"]["bench"] = run_part([sys.executable, "-m", "sft.bench", "--out", str(bench_json), "preset=gpu_7b"],
+                                        args.bench_timeout, out / "bench_gpu_7b.log")
+    report["bench"] = json.loads(bench_json.read_text()) if bench_json.is_file() else None
+    (out / "gpu_pack.json").write_text(json.dumps(report, indent=2) + "\n")
+    figures = figures_markdown(report)
+    (out / "figures.md").write_text(figures)
+    if not args.no_readme and put_into_readme(REPO / "README.md", figures):
+        print("gpu pack: README.md's GPU figures replaced", file=sys.stderr)
+    print(figures)
+    failed = [t["test"] for t in report["tests"] if t["outcome"] == "failed"]
+    bad_parts = [name for name, part in report["parts"].items() if part["exit_code"] not in (0, 5)]
+    if failed or bad_parts:
+        print(f"gpu pack: failed: {', '.join(failed + bad_parts)} (logs in {out})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,79 @@
+"""The GPU pack on a machine without one: it refuses in one line, every gpu test skips with the reason, and
+the figures it writes from pytest's own JUnit report say what happened to each test."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA GPU")
+
+
+@needs_cpu_only
+def test_the_pack_refuses_in_one_line_without_a_gpu_and_writes_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sft.gpu_pack", "--out", str(tmp_path / "pack")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"gpu pack: no CUDA GPU on this machine (torch {torch.__version__}, CUDA build: none): nothing to run "
+        "(the gpu tests skip without one)"]
+    assert not (tmp_path / "pack").exists()
+
+
+@needs_cpu_only
+def test_every_gpu_test_is_collected_and_skipped_without_cuda(tmp_path):
+    junit = tmp_path / "junit.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/", "-q", "-p", "no:cacheprovider",
+                           f"--junitxml={junit}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    from sft.gpu_pack import test_outcomes
+
+    outcomes = test_outcomes(junit)
+    import test_gpu
+
+    defined = {name for name in vars(test_gpu) if name.startswith("test_")}
+    assert {o["test"] for o in outcomes} == defined  # all of them, and nothing else carries the marker
+    assert {(o["outcome"], o["detail"]) for o in outcomes} == {("skipped", "needs a CUDA GPU")}
+
+
+def test_figures_say_what_each_test_did_and_replace_only_the_readme_block(tmp_path):
+    """From a JUnit report pytest itself wrote (a pass, a failure, a skip) and a bench report, the figures name
+    each outcome, the bench's throughput and targets; the README keeps everything outside its markers."""
+    from sft.gpu_pack import README_BEGIN, README_END, figures_markdown, put_into_readme, test_outcomes
+
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    assert True\n"
+        "def test_bad():\n    assert 1 == 2, 'the gradients differ'\n"
+        "def test_absent():\n    pytest.skip('liger-kernel is not installed')\n")
+    junit = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", str(tmp_path / "test_three.py"), "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={junit}", "--rootdir", str(tmp_path)], cwd=tmp_path, capture_output=True, timeout=120)
+    tests = test_outcomes(junit)
+    assert [(t["test"], t["outcome"]) for t in tests] == [("test_ok", "passed"), ("test_bad", "failed"),
+                                                          ("test_absent", "skipped")]
+    assert "the gradients differ" in tests[1]["detail"] and tests[2]["detail"] == "liger-kernel is not installed"
+    report = {"machine": {"date": "2026-12-01", "gpu": "NVIDIA H200", "gpus": 1, "memory_gib": 139.8, "cuda": "12.8",
+                          "versions": {"torch": "2.13.0", "transformers": "5.24.0", "peft": "0.21.2",
+                                       "cut-cross-entropy": "25.1.1", "liger-kernel": None, "flash-attn": "2.8.3",
+                                       "bitsandbytes": "0.50.2"}},
+              "parts": {"tests": {"exit_code": 1}, "bench": {"exit_code": 0}}, "tests": tests,
+              "bench": {"cases": {"packing": {"tokens_per_second": 12345.6, "peak_memory_gb": 31.25, "mfu": 0.412}},
+                        "ratios": {"chunked_vs_naive_loss_memory": 0.21},
+                        "targets": {"chunked_vs_naive_loss_memory": {"target": 0.3, "kind": "max", "met": True}}}}
+    figures = figures_markdown(report)
+    assert "Measured 2026-12-01 on 1 x NVIDIA H200 (139.8 GiB)" in figures and "liger-kernel not installed" in figures
+    assert "| `test_bad` | failed: " in figures and "| `test_absent` | skipped: liger-kernel is not installed |" in figures
+    assert "| packing | 12,346 tokens/s, MFU 0.412, peak 31.2 GiB |" in figures
+    assert "| chunked_vs_naive_loss_memory | 0.210 (target <= 0.3: met) |" in figures
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# top\n\n{README_BEGIN}\nnot measured yet\n{README_END}\n\n## after\n")
+    assert put_into_readme(readme, figures)
+    text = readme.read_text()
+    assert text.startswith("# top\n\n" + README_BEGIN + "\nMeasured 2026-12-01") and text.endswith(README_END + "\n\n## after\n")
+    assert "not measured yet" not in text
+    assert not put_into_readme(tmp_path / "test_three.py", figures)  # no markers: left alone
