@@ -4,7 +4,12 @@ Trains the same model on the same rows in the same order for `bench.steps` optim
 - `hf`: a plain `transformers.Trainer` with `DataCollatorForSeq2Seq` and the model's own loss;
 - `ce`, `hard_sample`: this project (`sft.train.build`, guard and clip policy included) with that loss;
 - `packing`: `hard_sample` with `data.packing=true`;
-and times the loss alone, forward and backward, on `bench.loss_batch x bench.loss_seq` tokens at
+- `trl`, `trl_padding_free`: TRL's `SFTTrainer` (padded, and its padding-free mode) on `sft`'s own tokenised
+  rows and labels, so it trains on the same tokens with the same loss (tested); skipped with one line when
+  TRL is not installed (`pip install -e '.[bench]'`);
+each at every micro-batch size of `bench.batch_sizes` (64, then the training default of 16: `ce_b16` ...);
+times `Trainer.evaluate()` on the eval rows, a plain Trainer's (`eval_hf`) against this project's
+(`eval_sft`), per 1,000 rows; and times the loss alone, forward and backward, on `bench.loss_batch x bench.loss_seq` tokens at
 `bench.loss_vocab x bench.loss_hidden` (Qwen2.5's vocabulary) with
 - `loss_naive` (the full logits, then the cross entropy) and `loss_chunked` (`loss.impl=chunked`).
 Each case runs in a fresh process, so peak memory is its own; the rounds interleave the cases and
