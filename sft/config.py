@@ -15,6 +15,7 @@ This module imports neither torch nor transformers so that `--cfg job` and `--he
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 import re
@@ -481,7 +482,7 @@ class TrainerConfig(Schema):
         "eval_on_start": "set by the recipe: an evaluation at step 0 whenever data.eval_file is set and the run "
                          "does not resume",
         "include_num_input_tokens_seen": "always non_padding (the throughput figures count real tokens)",
-        "deepspeed": "the deepspeed group: deepspeed=zero2, zero3 or zero3_offload (and deepspeed.<key>=...)",
+        "deepspeed": "the deepspeed group: deepspeed=zero2, zero3, zero3_offload, or file deepspeed.path=ds.json (and deepspeed.<key>=...)",
         "gradient_checkpointing": "use trainer.activation_checkpointing=true (its kwargs set by the recipe)",
         "activation_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",
     }
@@ -713,7 +714,32 @@ def check(cfg: DictConfig) -> None:
         except ConfigError as e:
             raise e.within(path) if path else e
     if cfg.deepspeed is not None:
+        load_deepspeed_file(cfg)
         _check_deepspeed(cfg)
+
+
+def load_deepspeed_file(cfg: DictConfig) -> None:
+    """`deepspeed=file deepspeed.path=ds.json`: replace the node by the file's JSON object, with the keys set
+    beside `path` on top, so that everything after the check (and the resume comparison) sees one dict."""
+    if "path" not in cfg.deepspeed.keys():  # (`in` on the node itself is False for a missing value)
+        return
+    if OmegaConf.is_missing(cfg.deepspeed, "path"):
+        raise ConfigError("deepspeed.path", None, "missing: deepspeed=file takes deepspeed.path=<your DeepSpeed JSON>")
+    path = Path(str(cfg.deepspeed.path)).expanduser()
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError("deepspeed.path", str(path), f"cannot be read ({e.strerror or e})") from None
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError("deepspeed.path", str(path),
+                          f"not JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError("deepspeed.path", str(path), f"must hold a JSON object, not {type(loaded).__name__}")
+    beside = {k: v for k, v in OmegaConf.to_container(cfg.deepspeed, resolve=True).items() if k != "path"}
+    with open_dict(cfg):
+        cfg.deepspeed = OmegaConf.merge(OmegaConf.create(loaded), OmegaConf.create(beside))
 
 
 def _nodes(cfg: DictConfig, path: str = ""):

@@ -157,3 +157,45 @@ def test_help_lists_the_choices_and_the_composed_config_and_falls_back_to_hydra(
     assert "\nloss: ce, dft, focal, hard_sample, keywords, length, mine\n" in own.stdout
     bad = help_of("loss=nope")
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def test_a_deepspeed_json_file_is_taken_unchanged_with_keys_beside_path_on_top(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 0.7,'
+                  ' "zero_optimization": {"stage": 2, "overlap_comm": false}}')
+    cfg = composed("deepspeed=file", f"deepspeed.path={ds}", "+deepspeed.zero_optimization.overlap_comm=true")
+    check(cfg)
+    assert OmegaConf.to_container(cfg.deepspeed) == {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 0.7,
+                                                     "zero_optimization": {"stage": 2, "overlap_comm": True}}
+
+
+@pytest.mark.parametrize("content, reason", [
+    (None, "deepspeed.path='{path}': cannot be read (No such file or directory)"),
+    ('{"zero_optimization": {"stage": 3,}}', "deepspeed.path='{path}': not JSON: line 1 column 35: Expecting "
+                                             "property name enclosed in double quotes"),
+    ('[1, 2]', "deepspeed.path='{path}': must hold a JSON object, not list"),
+    ('{"zero_optimization": {"stage": 3}}', "deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save: "
+                                            "must be true with ZeRO-3"),
+    ('{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}',
+     "deepspeed.zero_optimization.offload_param={'device': 'cpu'}: parameter offload needs ZeRO stage 3"),
+])
+def test_a_bad_deepspeed_json_file_is_one_config_error_naming_it(tmp_path, content, reason):
+    path = tmp_path / "ds.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        check(composed("deepspeed=file", f"deepspeed.path={path}"))
+    assert str(e.value).startswith(reason.replace("{path}", str(path)))
+
+
+def test_deepspeed_file_without_a_path_names_the_knob():
+    with pytest.raises(ConfigError, match=r"deepspeed.path: missing: deepspeed=file takes deepspeed.path="):
+        check(composed("deepspeed=file"))
+
+
+def test_cli_deepspeed_file_that_is_not_json_exits_2_naming_the_position(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text('{\n  "zero_optimization": {"stage": 2\n}\n')
+    proc = run_train("deepspeed=file", f"deepspeed.path={bad}", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"error: config: deepspeed.path='{bad}': not JSON: line 4 column 1: Expecting ',' delimiter" in proc.stderr

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import REPO, SMALL_EVAL, free_port, launch, run_train, step_losses
@@ -130,8 +131,11 @@ print(json.dumps(trainer.evaluate()))
 
 @pytest.mark.slow
 def test_zero3_lora_two_processes_save_a_full_adapter_that_reloads_and_resumes(tmp_path):
+    """ZeRO-3 from a DeepSpeed JSON file of the user's (`deepspeed=file`): the zero3 preset, written as JSON."""
     run = tmp_path / "run"
-    common = ["deepspeed=zero3", "lora=default", "trainer.learning_rate=1e-2", "trainer.save_steps=4",
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text(json.dumps(OmegaConf.to_container(OmegaConf.load(REPO / "conf/deepspeed/zero3.yaml")), indent=2))
+    common = ["deepspeed=file", f"deepspeed.path={ds_json}", "lora=default", "trainer.learning_rate=1e-2", "trainer.save_steps=4",
               f"data.eval_file={SMALL_EVAL}",
               "trainer.eval_steps=100", "trainer.logging_steps=1", f"hydra.run.dir={run}"]
     first = launch("--nproc", "2", *common, "trainer.max_steps=4")
@@ -213,17 +217,28 @@ def test_rank_0_decides_the_run_dir_for_every_rank(monkeypatch):
 
 
 @pytest.mark.slow
-def test_deepspeed_presets_are_accepted_by_training_arguments():
+def test_deepspeed_presets_are_accepted_by_training_arguments(tmp_path):
     script = """
 from sft.config import check, compose
 from sft.train import training_arguments
-for preset in ("zero2", "zero3", "zero3_offload"):
-    cfg = compose("train", [f"deepspeed={preset}"])
+import json, sys
+from omegaconf import OmegaConf
+final = {}
+for preset in ("zero2", "zero3", "zero3_offload", "file"):
+    extra = [f"deepspeed.path={sys.argv[1]}"] if preset == "file" else []
+    cfg = compose("train", [f"deepspeed={preset}", *extra])
     check(cfg)
     args = training_arguments(cfg, "/tmp/unused", resuming=False, max_grad_norm=1.0)
-    stage = args.hf_deepspeed_config.config["zero_optimization"]["stage"]
-    print(preset, stage, args.hf_deepspeed_config.config["train_micro_batch_size_per_gpu"])
+    final[preset] = args.hf_deepspeed_config.config
+    stage = final[preset]["zero_optimization"]["stage"]
+    print(preset, stage, final[preset]["train_micro_batch_size_per_gpu"])
+print("file equals zero3:", final["file"] == final["zero3"])
 """
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    # A user's DeepSpeed JSON with the zero3 preset's content, "auto" values included, becomes the same config.
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps(OmegaConf.to_container(OmegaConf.load(REPO / "conf/deepspeed/zero3.yaml"))))
+    proc = subprocess.run([sys.executable, "-c", script, str(ds_json)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[-4:-1] == ["zero2 2 16", "zero3 3 16", "zero3_offload 3 16"]
+    assert proc.stdout.split("\n")[-6:-1] == ["zero2 2 16", "zero3 3 16", "zero3_offload 3 16", "file 3 16",
+                                              "file equals zero3: True"]
