@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sft.config import CONF_DIR, ConfigError, check, register
+from sft.config import CONF_DIR, ConfigError, check, owned_field_override, register
 from sft.distributed import (end_process_group, process_fields, rank_overrides, refuse_multirun_in_launch,
                              set_cpu_threads, share_run_dir, slurm_distributed_env)
 from sft.results import RunResults
@@ -512,6 +512,9 @@ def cli() -> None:
         if text is not None:  # else Hydra's own --help (a pkg:// search path, or an error to report)
             print(text, end="")
             return
+    if owned := owned_field_override(sys.argv[1:]):  # before Hydra, whose error would not name the knob
+        print(f"error: config: {owned}", file=sys.stderr)
+        sys.exit(2)
     refuse_multirun_in_launch(sys.argv[1:])
     share_run_dir()
     sys.argv.extend(rank_overrides())

@@ -199,3 +199,47 @@ def test_cli_deepspeed_file_that_is_not_json_exits_2_naming_the_position(tmp_pat
     proc = run_train("deepspeed=file", f"deepspeed.path={bad}", f"hydra.run.dir={tmp_path}/run")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"error: config: deepspeed.path='{bad}': not JSON: line 4 column 1: Expecting ',' delimiter" in proc.stderr
+
+
+def test_the_trainer_schema_is_every_training_arguments_field_of_the_installed_transformers():
+    """sft/trainer_fields.py is generated from TrainingArguments; when transformers adds, removes or changes a
+    field this fails until `python -m sft.config` writes it again. Each field is either in the schema or owned."""
+    import dataclasses
+    from pathlib import Path
+
+    from transformers import TrainingArguments
+
+    import sft.config
+    from sft.config import TrainerConfig, trainer_fields_source
+
+    committed = Path(sft.config.__file__).with_name("trainer_fields.py").read_text()
+    assert committed == trainer_fields_source(), "sft/trainer_fields.py is stale: run python -m sft.config"
+    theirs = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    ours = {f.name for f in dataclasses.fields(TrainerConfig)}
+    assert ours | set(TrainerConfig.owned_fields) == theirs and not ours & set(TrainerConfig.owned_fields)
+
+
+def test_any_training_arguments_field_is_set_without_plus_and_reaches_training_arguments():
+    from sft.train import training_arguments
+
+    cfg = composed("trainer.lr_scheduler_kwargs={min_lr:1e-5}", "trainer.lr_scheduler_type=cosine_with_min_lr",
+                   "trainer.neftune_noise_alpha=5", "trainer.optim_args='betas=0.9'", "trainer.push_to_hub=false",
+                   "trainer.dataloader_drop_last=true", "trainer.label_smoothing_factor=0.1")
+    check(cfg)
+    args = training_arguments(cfg, "/tmp/unused", resuming=False, max_grad_norm=1.0)
+    assert args.lr_scheduler_kwargs == {"min_lr": 1e-5} and args.lr_scheduler_type == "cosine_with_min_lr"
+    assert args.neftune_noise_alpha == 5.0 and args.optim_args == "betas=0.9" and args.dataloader_drop_last
+    assert args.label_smoothing_factor == 0.1
+    default = training_arguments(composed(), "/tmp/unused", resuming=False, max_grad_norm=1.0)
+    assert default.learning_rate == 2e-3 and default.adam_beta2 == 0.98  # this project's defaults stand
+
+
+@pytest.mark.parametrize("override", ["trainer.max_grad_norm=0.5", "+trainer.max_grad_norm=0.5",
+                                      "trainer.remove_unused_columns=true"])
+def test_cli_a_field_the_recipe_owns_names_the_knob_that_replaces_it(override):
+    proc = run_train(override)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    key = override.lstrip("+").split("=")[0]
+    from sft.config import TrainerConfig
+
+    assert f"error: config: {key}: {TrainerConfig.owned_fields[key.split('.')[1]]}" in proc.stderr
