@@ -27,8 +27,9 @@ How the cross entropy is computed (`impl`) changes memory and speed, not values:
 - `chunked`: from the final hidden states and the output projection, a chunk of assistant tokens at a
   time (`chunked_linear_cross_entropy`); the full logits never exist;
 - `cce`: Apple's cut-cross-entropy kernel (GPU), which returns per-token losses we weight;
-- `liger`: Liger's fused linear cross entropy; no released version takes per-token weights, so it falls
-  back to `chunked` with the reason logged;
+- `liger`: Liger's fused linear cross entropy with `reduction="none"` (liger-kernel 0.8.2 and later: per-token
+  losses with a per-token gradient, which we weight), on a GPU; elsewhere, or with an older liger-kernel,
+  `chunked` with the reason logged;
 - `auto`: `cce` where usable on a GPU, else `chunked` on CPU or at vocabularies of 32k and
   more, else `naive`. `choose_impl` logs why a requested kernel is not used.
 """
@@ -254,8 +255,18 @@ class WeightedTokenLoss(LossConfig):
                                       softcap=transform.softcap, reduction="none").float()
             coef = coef if factor is None else coef * factor(ce.detach())
             loss_sum = (coef * ce).sum()
+        elif impl == "liger":
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+            transform = transform or LogitTransform()
+            h = hidden[t.rows, t.cols]
+            ce = liger_fused_linear_cross_entropy(h * transform.scale if transform.scale != 1.0 else h, lm_head,
+                                                  t.labels, reduction="none", softcap=transform.softcap)
+            ce = (ce[0] if isinstance(ce, tuple) else ce).float()  # some versions return (loss, z_loss)
+            coef = coef if factor is None else coef * factor(ce.detach())
+            loss_sum = (coef * ce).sum()
         else:
-            raise ValueError(f"loss impl {impl!r}: terms() takes naive, chunked or cce (see choose_impl)")
+            raise ValueError(f"loss impl {impl!r}: terms() takes naive, chunked, cce or liger (see choose_impl)")
 
         def per_sample(values):
             return torch.zeros(t.num_samples, dtype=values.dtype, device=values.device).index_add_(0, t.sample, values)
@@ -520,7 +531,11 @@ def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainabl
             log.warning("loss.impl=cce: %s; using %s", problem, lean)
             return lean
     if requested == "liger":
-        log.warning("loss.impl=liger: %s; using %s", _liger_problem(), lean)
+        problem = ("needs a CUDA GPU" if not on_gpu else "the lm_head is trainable and sharded by ZeRO-3"
+                   if zero3_trainable_head else _liger_problem())
+        if problem is None:
+            return "liger"
+        log.warning("loss.impl=liger: %s; using %s", problem, lean)
         return lean
     if requested == "chunked" and zero3_trainable_head:
         log.warning("loss.impl=chunked: the lm_head is trainable and sharded by ZeRO-3, which updates it only "
@@ -541,13 +556,27 @@ def _cce_problem() -> str | None:
     return None
 
 
-def _liger_problem() -> str:
-    """Why Liger's fused linear cross entropy cannot take per-token weights (checked up to liger-kernel 0.6)."""
+LIGER_PER_TOKEN = (0, 8, 2)  # the first liger-kernel whose reduction="none" has a per-token gradient
+
+
+def _liger_problem() -> str | None:
+    """Why Liger's fused linear cross entropy cannot give weighted per-token losses here, or None if it can.
+    Before 0.8.2 its backward scaled a gradient computed in the forward by one scalar, which per-token
+    weights would make wrong."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        found = f"liger-kernel {version('liger-kernel')}"
+        found = version("liger-kernel")
     except PackageNotFoundError:
-        return "liger-kernel is not installed (and its fused linear cross entropy takes no per-token weights)"
-    return (f"{found}: its fused linear cross entropy weights classes (ce_weight), not tokens, and scales the "
-            "gradient it computes in the forward by one scalar, so per-token weights would get a wrong gradient")
+        return "liger-kernel is not installed (pip install 'liger-kernel>=0.8.2')"
+    numbers = tuple(int(part) for part in re.findall(r"\d+", found)[:3])
+    if numbers < LIGER_PER_TOKEN:
+        return (f"liger-kernel {found} scales the gradient it computes in the forward by one scalar, so per-token "
+                "weights would get a wrong gradient (0.8.2 and later compute a per-token one)")
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception as e:  # it fails to import (no triton ...)
+        return f"liger-kernel {found} is not usable ({type(e).__name__}: {e})"
+    if "reduction" not in inspect.signature(liger_fused_linear_cross_entropy).parameters:
+        return f"liger-kernel {found} has no reduction='none' (per-token losses)"
+    return None

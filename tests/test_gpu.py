@@ -86,8 +86,8 @@ def test_cce_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradien
 
 def test_liger_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradients():
     """Liger's fused linear cross entropy with `reduction="none"`: per-token losses and a per-token gradient.
-    liger-kernel 0.8.2 and later computes them (issue 16 wires `loss.impl=liger` to it); older versions scale the
-    gradient by one scalar in the forward, which this test shows as a gradient mismatch."""
+    liger-kernel 0.8.2 and later computes them, and `loss.impl=liger` uses it; older versions scale the gradient
+    by one scalar in the forward, which this test shows as a gradient mismatch."""
     pytest.importorskip("liger_kernel", reason="liger-kernel is not installed (pip install -e '.[gpu]')")
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
@@ -101,6 +101,25 @@ def test_liger_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradi
     assert_close_rel(ce, expected_ce, 1e-2, "per-token cross entropy")
     assert_close_rel(hidden.grad, grad_h, 2e-2, "gradient of the hidden states")
     assert_close_rel(weight.grad, grad_w, 2e-2, "gradient of the projection")
+
+    # And `loss.impl=liger` as the trainer runs it, where this liger-kernel passes choose_impl's checks.
+    from sft.losses import HardSampleLoss, choose_impl
+
+    if choose_impl("liger", vocab_size=VOCAB, on_gpu=True) != "liger":
+        pytest.skip("this liger-kernel is older than 0.8.2: loss.impl=liger falls back to chunked")
+    loss = HardSampleLoss(alpha=1.0)
+    ids = labels[:1024].view(4, 256)
+    rows_weight = torch.tensor([0.5, 1.0, 2.0, 4.0], device="cuda").repeat_interleave(256).view(4, 256)
+    grads = {}
+    for impl in ("liger", "chunked"):
+        h = hidden.detach()[:1024].view(4, 256, HIDDEN).clone().requires_grad_()
+        w = weight.detach().clone().requires_grad_()
+        terms = loss.terms(ids, rows_weight, hidden=h, lm_head=w, impl=impl)
+        terms.loss_sum.backward()
+        grads[impl] = (terms.loss_sum.detach(), terms.numerator, h.grad, w.grad)
+    for what, a, b in zip(("loss_sum", "per-row numerators", "hidden grad", "lm_head grad"), grads["liger"],
+                          grads["chunked"]):
+        assert_close_rel(a, b, 2e-2, f"loss.terms(impl=liger): {what}")
 
 
 def test_flash_attention_varlen_packing_gives_each_sample_its_own_logits(tokenizer):

@@ -168,7 +168,7 @@ def test_choose_impl_falls_back_with_a_logged_reason(caplog):
         assert choose_impl("cce", vocab_size=151936, on_gpu=False) == "chunked"
         assert "loss.impl=cce: needs a CUDA GPU; using chunked" in caplog.text
         assert choose_impl("liger", vocab_size=151936, on_gpu=False) == "chunked"
-        assert "loss.impl=liger:" in caplog.text and "per-token weights" in caplog.text
+        assert "loss.impl=liger: needs a CUDA GPU; using chunked" in caplog.text
         assert choose_impl("chunked", vocab_size=320, on_gpu=False, zero3_trainable_head=True) == "naive"
         assert "sharded by ZeRO-3" in caplog.text
     assert choose_impl("auto", vocab_size=320, on_gpu=False) == "chunked"
@@ -220,3 +220,28 @@ def test_the_lean_loss_applies_the_models_own_logit_transform(model_type):
         plain = CrossEntropyLoss().terms(labels, (labels != -100).float(), hidden=hidden.detach(),
                                          lm_head=model.lm_head.weight.detach(), impl="chunked")
         assert abs((plain.loss_sum / plain.denominator.sum()).item() - own.loss.item()) > 1e-2
+
+
+@pytest.mark.parametrize("installed, reason", [
+    (None, "liger-kernel is not installed (pip install 'liger-kernel>=0.8.2')"),
+    ("0.6.4", "liger-kernel 0.6.4 scales the gradient it computes in the forward by one scalar"),
+    ("0.8.1", "liger-kernel 0.8.1 scales the gradient"),
+])
+def test_liger_on_a_gpu_needs_a_version_with_a_per_token_gradient(monkeypatch, caplog, installed, reason):
+    """Liger's reduction="none" got a per-token gradient in 0.8.2; before, weights would be applied to a wrong one,
+    so an older version (or none) falls back to chunked, saying why."""
+    import importlib.metadata
+
+    from sft.losses import choose_impl
+
+    def version(name):
+        if name != "liger-kernel" or installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with caplog.at_level("WARNING", logger="sft"):
+        assert choose_impl("liger", vocab_size=151936, on_gpu=True) == "chunked"
+    assert f"loss.impl=liger: {reason}" in caplog.text and "using chunked" in caplog.text
+    with caplog.at_level("WARNING", logger="sft"):
+        assert choose_impl("liger", vocab_size=151936, on_gpu=True, zero3_trainable_head=True) == "naive"
