@@ -9,8 +9,8 @@ Trains the same model on the same rows in the same order for `bench.steps` optim
   TRL is not installed (`pip install -e '.[bench]'`);
 each at every micro-batch size of `bench.batch_sizes` (64, then the training default of 16: `ce_b16` ...);
 times `Trainer.evaluate()` on the eval rows, a plain Trainer's (`eval_hf`) against this project's
-(`eval_sft`), per 1,000 rows; and times the loss alone, forward and backward, on `bench.loss_batch x bench.loss_seq` tokens at
-`bench.loss_vocab x bench.loss_hidden` (Qwen2.5's vocabulary) with
+(`eval_sft`), per 1,000 rows; and times the loss alone, forward and backward, on `bench.loss_batch x
+bench.loss_seq` tokens at `bench.loss_vocab x bench.loss_hidden` (Qwen2.5's vocabulary) with
 - `loss_naive` (the full logits, then the cross entropy) and `loss_chunked` (`loss.impl=chunked`).
 Each case runs in a fresh process, so peak memory is its own; the rounds interleave the cases and
 repeat `bench.repeats` times, and the medians are compared. Training cases are timed from the end of
@@ -419,7 +419,8 @@ def run_all(overrides: list[str]) -> dict:
     for size in batch_sizes:
         ratios.update(training_ratios(cases, case_id("", size, batch_sizes[0])))
     if all(case in cases for case in EVAL_CASES):
-        ratios["eval_vs_hf_time"] = cases["eval_sft"]["seconds_per_1000_rows"] / cases["eval_hf"]["seconds_per_1000_rows"]
+        ours, theirs = (cases[case]["seconds_per_1000_rows"] for case in ("eval_sft", "eval_hf"))
+        ratios["eval_vs_hf_time"] = ours / theirs
     if all(case in cases for case in LOSS_CASES):
         naive, chunked = cases["loss_naive"], cases["loss_chunked"]
         ratios["chunked_vs_naive_loss_memory"] = chunked["peak_memory_gb"] / naive["peak_memory_gb"]

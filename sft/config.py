@@ -485,7 +485,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         "eval_on_start": "set by the recipe: an evaluation at step 0 whenever data.eval_file is set and the run "
                          "does not resume",
         "include_num_input_tokens_seen": "always non_padding (the throughput figures count real tokens)",
-        "deepspeed": "the deepspeed group: deepspeed=zero2, zero3, zero3_offload, or file deepspeed.path=ds.json (and deepspeed.<key>=...)",
+        "deepspeed": "the deepspeed group: deepspeed=zero2, zero3, zero3_offload, or file deepspeed.path=ds.json "
+                     "(and deepspeed.<key>=...)",
         "gradient_checkpointing": "use trainer.activation_checkpointing=true (its kwargs set by the recipe)",
         "activation_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",
         "gradient_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",

@@ -103,7 +103,8 @@ def figures_markdown(report: dict) -> str:
         for case, c in bench["cases"].items():
             if "tokens_per_second" in c:
                 mfu = f", MFU {c['mfu']:.3f}" if "mfu" in c else ""
-                lines.append(f"| {case} | {c['tokens_per_second']:,.0f} tokens/s{mfu}, peak {c['peak_memory_gb']:.1f} GiB |")
+                lines.append(f"| {case} | {c['tokens_per_second']:,.0f} tokens/s{mfu}, "
+                             f"peak {c['peak_memory_gb']:.1f} GiB |")
         for key, value in bench["ratios"].items():
             target = bench["targets"].get(key)
             mark = "" if target is None else f" (target {'>=' if target['kind'] == 'min' else '<='} " \

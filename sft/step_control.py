@@ -11,7 +11,8 @@
    the step's loss and whether any rank asked to stop (`stop_requests`: a signal, `sft.preemption`), so
    the judges and preemption share a collective; every controller with a `judge_step` gives its
    verdict; a skipped step drops its gradients (parameters, optimizer state and schedule stay as they
-   are); otherwise the clip policy's threshold is applied; the policy observes the norm. A bad step's rows go to `<folder>/step-N.json` in the run dir and to the log.
+   are); otherwise the clip policy's threshold is applied; the policy observes the norm. A bad step's
+   rows go to `<folder>/step-N.json` in the run dir and to the log.
 
 Other libraries' private fields are touched here and nowhere else, each in one function with a test
 that fails if the library changes it (`tests/test_step_control.py`): accelerate's
