@@ -470,6 +470,12 @@ class SweepConfig(Schema):
     baseline: Optional[str] = None  # the report's reference setting, e.g. "loss.alpha=0"; null: the first
 
 
+# report_to entries and the module each needs ("module pip-name" where they differ)
+TRACKER_PACKAGES = {"mlflow": "mlflow mlflow-skinny", "wandb": "wandb", "tensorboard": "tensorboard",
+                    "comet_ml": "comet_ml comet-ml", "clearml": "clearml", "neptune": "neptune", "dvclive": "dvclive",
+                    "trackio": "trackio", "swanlab": "swanlab", "codecarbon": "codecarbon"}
+
+
 @dataclass
 class TrainerConfig(TrainingArgumentsFields, Schema):
     """Every field of `transformers.TrainingArguments` (`sft/trainer_fields.py`, generated from the installed
@@ -550,6 +556,10 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         self.require("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1,
                      "must be >= 1 (or null to keep every checkpoint)")
         self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
+        for tracker in [self.report_to] if isinstance(self.report_to, str) else (self.report_to or []):
+            package = TRACKER_PACKAGES.get(tracker)
+            self.require("report_to", package is None or _installed(package.split()[0]),
+                         f"{tracker} is not installed: pip install {(package or '').split()[-1]}")
 
 
 def owned_field_override(overrides: list[str]) -> ConfigError | None:

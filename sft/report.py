@@ -318,6 +318,9 @@ class SweepReport(Callback):
             print(f"error: {e}", file=sys.stderr)
             return
         if rows:
+            from sft.tracking import log_sweep_report
+
+            log_sweep_report(sweep_dir, config.get("trainer", {}).get("report_to"))
             print((sweep_dir / "sweep_summary.md").read_text())
 
 

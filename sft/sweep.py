@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     from sft.preemption import PREEMPTED_EXIT_CODE
     from sft.report import ReportError, write_report
     from sft.results import RunResults
+    from sft.tracking import log_sweep_report, sweep_experiment
 
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
@@ -98,7 +99,12 @@ def main(argv: list[str] | None = None) -> None:
             job = [*job, "resume=auto"]
         print(f"[sweep] #{number}: {' '.join(job)}", flush=True)
         started = time.time()
-        proc = subprocess.run([*launcher, *job, f"hydra.run.dir={run_dir}"], stderr=subprocess.PIPE, text=True)
+        # Each job is a run of its own (no Hydra multirun): the trackers group and name it as in one.
+        env = {**os.environ, "SFT_RUN_NAME": " ".join(job) or "defaults",
+               "WANDB_RUN_GROUP": os.environ.get("WANDB_RUN_GROUP", Path(sweep_dir).name),
+               "MLFLOW_EXPERIMENT_NAME": sweep_experiment(sweep_dir)}
+        proc = subprocess.run([*launcher, *job, f"hydra.run.dir={run_dir}"], stderr=subprocess.PIPE, text=True,
+                              env=env)
         sys.stderr.write(proc.stderr[-5000:])
         results = RunResults.read(run_dir)
         if results is not None and results.status == "preempted":  # the machine is going away: so is the sweep
@@ -113,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    log_sweep_report(sweep_dir, cfg.trainer.report_to)
     print((Path(sweep_dir) / "sweep_summary.md").read_text())
 
 

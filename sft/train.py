@@ -24,7 +24,8 @@ from sft.config import CONF_DIR, ConfigError, check, owned_field_override, regis
 from sft.distributed import (end_process_group, process_fields, rank_overrides, refuse_multirun_in_launch,
                              set_cpu_threads, share_run_dir, slurm_distributed_env)
 from sft.results import RunResults
-from sft.tracking import finish_trackers, in_sweep, job_overrides, log_hparams, name_the_run
+from sft.tracking import (finish_mlflow, finish_trackers, in_sweep, job_overrides, log_hparams, name_the_run,
+                          start_mlflow)
 
 if TYPE_CHECKING:
     from sft.data import SFTData
@@ -69,6 +70,7 @@ def train(cfg: DictConfig) -> RunResults:
         changes = continue_or_claim(cfg, output_dir, checkpoint)
         recipe = build(cfg, run_dir, checkpoint)
         track_checkpoints(recipe, cfg, checkpoint, changes)
+        start_mlflow(cfg, run_dir)
         preemption = Preemption(cfg.signal_grace_s, recipe.trainer.step_control)
         recipe.trainer.add_callback(preemption)
         preemption.install()
@@ -85,6 +87,12 @@ def train(cfg: DictConfig) -> RunResults:
         finish_trackers()
         if recipe.trainer.is_world_process_zero():
             results.write(run_dir)
+        finish_mlflow(run_dir, "FINISHED")
+    except BaseException as e:
+        from sft.preemption import Preempted
+
+        finish_mlflow(run_dir, "KILLED" if isinstance(e, Preempted) else "FAILED")
+        raise
     finally:
         for lock in locks:
             lock.release()

@@ -243,3 +243,14 @@ def test_cli_a_field_the_recipe_owns_names_the_knob_that_replaces_it(override):
     from sft.config import TrainerConfig
 
     assert f"error: config: {key}: {TrainerConfig.owned_fields[key.split('.')[1]]}" in proc.stderr
+
+
+def test_a_tracker_that_is_not_installed_is_one_config_error(monkeypatch):
+    import sft.config
+
+    monkeypatch.setattr(sft.config, "_installed", lambda module: module != "mlflow")
+    with pytest.raises(ConfigError) as e:
+        check(composed("trainer.report_to=[tensorboard,mlflow]"))
+    assert str(e.value) == ("trainer.report_to=['tensorboard', 'mlflow']: mlflow is not installed: "
+                            "pip install mlflow-skinny")
+    check(composed("trainer.report_to=[tensorboard]"))

@@ -149,14 +149,81 @@ def test_optuna_preset_minimises_the_returned_eval_ce(tmp_path):
     assert set(best["best_params"]) == {"loss.alpha", "clip.max_norm"}
 
 
+def mlflow_store(tmp_path) -> dict:
+    """A local MLflow file store for a run's environment (MLflow 3 refuses file stores unless allowed)."""
+    return {"MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}", "MLFLOW_ALLOW_FILE_STORE": "true"}
+
+
+def mlflow_runs(store: dict, experiment: str) -> dict:
+    """{run name: (run, {artifact name: text})} of an experiment, read back with MLflow's own client."""
+    import os
+
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    from mlflow.artifacts import download_artifacts
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store["MLFLOW_TRACKING_URI"])
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, [e.name for e in client.search_experiments()]
+    runs = {}
+    for run in client.search_runs([found.experiment_id]):
+        local = download_artifacts(run_id=run.info.run_id, tracking_uri=store["MLFLOW_TRACKING_URI"])
+        texts = {a.path: open(os.path.join(local, a.path), errors="replace").read()
+                 for a in client.list_artifacts(run.info.run_id)}
+        runs[run.info.run_name] = (run, texts)
+    return runs
+
+
+def job_run(runs: dict, alpha: str):
+    """The job's run: runs are named by their job's overrides, as W&B runs are."""
+    (name,) = [name for name in runs if f"loss.alpha={alpha}" in name.split()]
+    return runs[name]
+
+
+def assert_job_logged(run, texts, job_dir, alpha: str) -> None:
+    """A job's MLflow run: finished, the flattened config and Trainer's fields as params, the final eval metrics
+    of results.json, results.json itself as an artifact."""
+    results = json.loads((job_dir / "results.json").read_text())
+    assert run.info.status == "FINISHED"
+    assert float(run.data.params["loss.alpha"]) == float(alpha) and run.data.params["trainer.max_steps"] == "3"
+    assert run.data.params["max_steps"] == "3"  # Trainer's MLflowCallback logged into the same run
+    assert run.data.metrics["eval_loss"] == pytest.approx(results["eval_loss"], rel=1e-12)
+    assert json.loads(texts["results.json"]) == results and "eval_rows.jsonl" in texts
+
+
+@pytest.mark.slow
+def test_mlflow_logs_each_job_of_a_sweep_and_its_report_under_one_experiment(tmp_path):
+    pytest.importorskip("mlflow")
+    store = mlflow_store(tmp_path)
+    sweep_dir = tmp_path / "sweep"
+    proc = run_train("-m", *QUICK, "trainer.report_to=[mlflow]", "loss.alpha=0.5,1", f"hydra.sweep.dir={sweep_dir}",
+                     env=store)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = mlflow_runs(store, f"sweep {sweep_dir}")
+    assert len(runs) == 3 and "sweep report" in runs
+    for number, alpha in ((0, "0.5"), (1, "1")):
+        assert_job_logged(*job_run(runs, alpha), sweep_dir / str(number), alpha)
+    report_run, report = runs["sweep report"]
+    assert report["sweep_summary.md"] == (sweep_dir / "sweep_summary.md").read_text()
+    assert {"sweep_summary.csv", "sweep_jobs.csv", "sweep_summary.png"} <= set(report)
+
+
 @pytest.mark.slow
 def test_launch_sh_sweep_runs_each_job_through_accelerate_with_two_processes(tmp_path):
-    proc = launch("--nproc", "2", "-m", "loss.alpha=0.5,1", *QUICK, f"hydra.sweep.dir={tmp_path}")
+    """Also MLflow through ./launch.sh -m: each job a run of the sweep's experiment, named by its overrides."""
+    store = mlflow_store(tmp_path)
+    sweep_dir = tmp_path / "sweep"
+    proc = launch("--nproc", "2", "-m", "loss.alpha=0.5,1", *QUICK, "trainer.report_to=[mlflow]",
+                  f"hydra.sweep.dir={sweep_dir}", env=store)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = summary(tmp_path)
+    rows = summary(sweep_dir)
     assert [r["status"] for r in rows] == ["ok", "ok"] and [r["loss.alpha"] for r in rows] == ["0.5", "1"]
-    state = json.loads((tmp_path / "0" / "checkpoint-3" / "trainer_state.json").read_text())
+    state = json.loads((sweep_dir / "0" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["log_history"][-1]["num_input_tokens_seen"] > 3 * 2 * 8 * 20  # two ranks trained together
+    runs = mlflow_runs(store, f"sweep {sweep_dir}")
+    assert len(runs) == 3 and "sweep report" in runs  # rank 0 only: one run per job
+    for number, alpha in ((0, "0.5"), (1, "1")):
+        assert_job_logged(*job_run(runs, alpha), sweep_dir / str(number), alpha)
 
 
 @pytest.mark.slow
