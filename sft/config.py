@@ -453,6 +453,32 @@ class ExactMatchConfig(Schema):
 
 
 @dataclass
+class EvalGenerationConfig(Schema):
+    """Greedy answers to fixed eval prompts at evaluations, scored and logged (`sft.eval_generation`)."""
+
+    _target_: str = "sft.eval_generation.EvalGeneration"
+    prompts: int = 8  # chosen once from the eval file, spread over the difficulty buckets
+    every: int = 1  # at every k-th evaluation (the first included)
+    max_new_tokens: int = 64
+    # name -> import path of a function (answer, reference) -> float; logged as eval_gen/<name> (the mean)
+    metrics: Dict[str, str] = field(default_factory=lambda: {"exact_match": "sft.eval_generation.exact_match"})
+
+    def check(self, cfg=None):
+        for key in ("prompts", "every", "max_new_tokens"):
+            self.require(key, getattr(self, key) >= 1, "must be >= 1")
+        for name, path in self.metrics.items():
+            try:
+                scorer = _import_target(path)
+            except ConfigError as e:
+                raise ConfigError(f"metrics.{name}", path, e.reason) from None
+            if not callable(scorer):
+                raise ConfigError(f"metrics.{name}", path, "is not a function (answer, reference) -> float")
+        if cfg is not None:
+            self.require("prompts", cfg.data.eval_file is not None and cfg.trainer.eval_strategy != "no",
+                         "generation samples are taken at evaluations: set data.eval_file and an eval_strategy")
+
+
+@dataclass
 class ThroughputConfig(Schema):
     _target_: str = "sft.throughput.ThroughputMeter"
     peak_tflops: Optional[float] = None  # per device, for the MFU estimate; null: from the GPU's name (table)
@@ -654,6 +680,7 @@ class TrainConfig(Schema):
     collator: CollatorConfig = field(default_factory=CollatorConfig)
     eval_buckets: List[float] = field(default_factory=lambda: [1.0, 2.0, 3.0])  # difficulty bucket edges
     exact_match: Any = None
+    eval_generation: Any = None  # eval_generation=default: generation samples at evaluations
     sweep: SweepConfig = field(default_factory=SweepConfig)
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     bench: Any = None  # python -m sft.bench only: bench_schema (conf/bench.yaml)
@@ -697,6 +724,7 @@ SCHEMAS = {  # (group, name) -> schema; a YAML option of the group names its sch
     ("controllers", "guard_schema"): GuardConfig,
     ("controllers", "watchdog_schema"): WatchdogConfig,
     ("exact_match", "exact_match_schema"): ExactMatchConfig,
+    ("eval_generation", "eval_generation_schema"): EvalGenerationConfig,
 }
 
 

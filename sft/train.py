@@ -189,6 +189,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
         eval_buckets=cfg.eval_buckets,
         train_file=cfg.data.train_file,
         throughput=instantiate(cfg.throughput),
+        eval_generation=eval_generation(cfg),
     )
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
 
@@ -382,6 +383,18 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
             trainer, recipe.tokenizer, cfg.data.eval_file, list(cfg.eval_buckets), cfg.exact_match.max_rows,
             cfg.exact_match.max_new_tokens)
     return final_eval
+
+
+def eval_generation(cfg: DictConfig):
+    """`sft.eval_generation.EvalGeneration` with its prompts chosen, where `eval_generation` is set and the run
+    evaluates; else None."""
+    from hydra.utils import instantiate
+
+    if cfg.eval_generation is None or not evaluates(cfg):
+        return None
+    samples = instantiate(cfg.eval_generation, _convert_="all")
+    samples.choose(cfg.data.eval_file, list(cfg.eval_buckets))
+    return samples
 
 
 def evaluates(cfg: DictConfig) -> bool:

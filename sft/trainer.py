@@ -26,6 +26,8 @@ still has each one, with the same parameters):
 - `prediction_step` (public) runs `compute_loss` for the per-row sums and returns no loss, which spares
   two collectives per eval batch that Trainer would make for a loss nothing reads (`num_items_in_batch`
   over the ranks, the batch loss gathered);
+- with `eval_generation`, `evaluation_loop` also adds `eval_gen/<metric>` of greedy answers to fixed prompts
+  (`sft.eval_generation`), their samples going to TensorBoard and W&B;
 - `log` (public) adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`,
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
@@ -64,7 +66,8 @@ class WeightedLossTrainer(Trainer):
 
     def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
                  controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
-                 train_file: str | None = None, throughput: ThroughputMeter | None = None, **kwargs):
+                 train_file: str | None = None, throughput: ThroughputMeter | None = None, eval_generation=None,
+                 **kwargs):
         self.controllers = dict(controllers or {})
         self.throughput = throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
@@ -73,6 +76,7 @@ class WeightedLossTrainer(Trainer):
         self.clip_policy = clip_policy or GradClipPolicy()
         self.step_control = StepControl(self, self.clip_policy, self.controllers, train_file)
         self.eval_buckets = list(eval_buckets)
+        self.eval_generation = eval_generation  # sft.eval_generation.EvalGeneration: samples at evaluations
         self.eval_scores = {}
         if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
             self.eval_scores = row_scores(self.eval_dataset)
@@ -294,7 +298,20 @@ class WeightedLossTrainer(Trainer):
             self._eval_rows = None
         self.last_eval_rows = rows  # the latest evaluation row by row (sft.results.write_eval_rows)
         output.metrics.update(self._eval_metrics(rows, metric_key_prefix))
+        if self.eval_generation is not None and metric_key_prefix == "eval" and self.eval_generation.due():
+            output.metrics.update(self._generation_samples())
         return output
+
+    def _generation_samples(self) -> dict[str, float]:
+        """`eval_generation`'s greedy answers (every rank generates; synced under ZeRO-3), their metrics, and the
+        table to TensorBoard and W&B from rank 0."""
+        from sft.eval_generation import log_samples
+
+        model = self.accelerator.unwrap_model(self.model_wrapped if self.is_zero3 else self.model)
+        metrics, table = self.eval_generation.generate(model, self.processing_class, synced_gpus=self.is_zero3)
+        if self.is_world_process_zero():
+            log_samples(self.callback_handler.callbacks, self.state.global_step, table)
+        return metrics
 
     @override
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
