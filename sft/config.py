@@ -473,6 +473,8 @@ class EvalGenerationConfig(Schema):
                 raise ConfigError(f"metrics.{name}", path, e.reason) from None
             if not callable(scorer):
                 raise ConfigError(f"metrics.{name}", path, "is not a function (answer, reference) -> float")
+            if (needs := getattr(scorer, "requires", None)) and not _installed(needs.split()[0]):
+                raise ConfigError(f"metrics.{name}", path, f"needs {needs.split()[0]}: pip install {needs.split()[-1]}")
         if cfg is not None:
             self.require("prompts", cfg.data.eval_file is not None and cfg.trainer.eval_strategy != "no",
                          "generation samples are taken at evaluations: set data.eval_file and an eval_strategy")

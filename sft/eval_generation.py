@@ -34,6 +34,9 @@ def rouge_l(answer: str, reference: str) -> float:
     return rouge_scorer.RougeScorer(["rougeL"]).score(reference, answer)["rougeL"].fmeasure
 
 
+rouge_l.requires = "rouge_score rouge-score"  # checked with the config ("module pip-name"), not mid-training
+
+
 def spread_over_buckets(rows: list[dict], bucket_edges: list[float], n: int) -> list[dict]:
     """`n` rows taken in turn from each difficulty bucket (in file order within each), so every bucket is
     represented; rows without a score form a group of their own.

@@ -24,9 +24,14 @@ def test_prompts_are_taken_in_turn_from_every_bucket():
      "eval_generation.metrics.bleu='nowhere.bleu': cannot be imported (ModuleNotFoundError"),
     (["+eval_generation.metrics.pi=math.pi"], "eval_generation.metrics.pi='math.pi': is not a function"),
     (["eval_generation.prompts=0"], "eval_generation.prompts=0: must be >= 1"),
+    (["+eval_generation.metrics.rouge_l=sft.eval_generation.rouge_l"],
+     "eval_generation.metrics.rouge_l='sft.eval_generation.rouge_l': needs rouge_score: pip install rouge-score"),
     (["trainer.eval_strategy=no"], "eval_generation.prompts=8: generation samples are taken at evaluations"),
 ])
-def test_bad_generation_settings_are_one_config_error(overrides, message):
+def test_bad_generation_settings_are_one_config_error(monkeypatch, overrides, message):
+    import sft.config
+
+    monkeypatch.setattr(sft.config, "_installed", lambda module: module != "rouge_score")  # as on this machine
     with pytest.raises(ConfigError) as e:
         check(compose("train", ["eval_generation=default", *overrides]))
     assert str(e.value).startswith(message)
