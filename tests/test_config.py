@@ -103,12 +103,17 @@ def test_cli_unknown_key_fails_naming_it():
     assert proc.returncode != 0 and "nope" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def assert_cli_refuses(tmp_path, message: str, *overrides: str) -> None:
+    """`python -m sft.train overrides...` exits 2 with `message` and no traceback."""
+    proc = run_train(*overrides, f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr
+
+
 def test_cli_bad_data_names_file_line_and_field(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "q"}], "difficulty_score": 1}\n')
-    proc = run_train("data=jsonl", f"data.train_file={bad}", f"hydra.run.dir={tmp_path}/run")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"{bad}:1: messages: no assistant turn" in proc.stderr
+    assert_cli_refuses(tmp_path, f"{bad}:1: messages: no assistant turn", "data=jsonl", f"data.train_file={bad}")
 
 
 def test_gpu_7b_bench_preset_is_lora_on_qwen2_5_7b_shape_packed_bf16():
@@ -196,9 +201,8 @@ def test_deepspeed_file_without_a_path_names_the_knob():
 def test_cli_deepspeed_file_that_is_not_json_exits_2_naming_the_position(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text('{\n  "zero_optimization": {"stage": 2\n}\n')
-    proc = run_train("deepspeed=file", f"deepspeed.path={bad}", f"hydra.run.dir={tmp_path}/run")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"error: config: deepspeed.path='{bad}': not JSON: line 4 column 1: Expecting ',' delimiter" in proc.stderr
+    assert_cli_refuses(tmp_path, f"error: config: deepspeed.path='{bad}': not JSON: line 4 column 1: Expecting ',' "
+                                 "delimiter", "deepspeed=file", f"deepspeed.path={bad}")
 
 
 def test_the_trainer_schema_is_every_training_arguments_field_of_the_installed_transformers():
