@@ -8,6 +8,7 @@ collator and trainer (`build`, which `sft.bench` shares); restore the checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -91,7 +92,8 @@ def train(cfg: DictConfig) -> RunResults:
     except BaseException as e:
         from sft.preemption import Preempted
 
-        finish_mlflow(run_dir, "KILLED" if isinstance(e, Preempted) else "FAILED")
+        with contextlib.suppress(Exception):  # the run's own error is the one to report
+            finish_mlflow(run_dir, "KILLED" if isinstance(e, Preempted) else "FAILED")
         raise
     finally:
         for lock in locks:
