@@ -473,8 +473,8 @@ class EvalGenerationConfig(Schema):
                 raise ConfigError(f"metrics.{name}", path, e.reason) from None
             if not callable(scorer):
                 raise ConfigError(f"metrics.{name}", path, "is not a function (answer, reference) -> float")
-            if (needs := getattr(scorer, "requires", None)) and not _installed(needs.split()[0]):
-                raise ConfigError(f"metrics.{name}", path, f"needs {needs.split()[0]}: pip install {needs.split()[-1]}")
+            if (needs := getattr(scorer, "requires", None)) and (missing := _missing(needs)):
+                raise ConfigError(f"metrics.{name}", path, f"needs {missing[0]}: pip install {missing[1]}")
         if cfg is not None:
             self.require("prompts", cfg.data.eval_file is not None and cfg.trainer.eval_strategy != "no",
                          "generation samples are taken at evaluations: set data.eval_file and an eval_strategy")
@@ -585,9 +585,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
                      "must be >= 1 (or null to keep every checkpoint)")
         self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
         for tracker in [self.report_to] if isinstance(self.report_to, str) else (self.report_to or []):
-            package = TRACKER_PACKAGES.get(tracker)
-            self.require("report_to", package is None or _installed(package.split()[0]),
-                         f"{tracker} is not installed: pip install {(package or '').split()[-1]}")
+            missing = _missing(TRACKER_PACKAGES[tracker]) if tracker in TRACKER_PACKAGES else None
+            self.require("report_to", missing is None, f"{tracker} is not installed: pip install {(missing or '?')[-1]}")
 
 
 def owned_field_override(overrides: list[str]) -> ConfigError | None:
@@ -795,6 +794,12 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _missing(requirement: str) -> tuple[str, str] | None:
+    """For a requirement "module" or "module pip-name": None if the module is installed, else (module, pip name)."""
+    module, pip_name = requirement.split()[0], requirement.split()[-1]
+    return None if _installed(module) else (module, pip_name)
 
 
 def _installed(module: str) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -76,24 +77,11 @@ class EvalGeneration(EvalGenerationConfig):
 
     def generate(self, model, tokenizer, synced_gpus: bool) -> tuple[dict[str, float], list[list[str]]]:
         """The metrics (`eval_gen/<name>`, `eval_gen/seconds`) and the table rows (prompt, reference, answer)."""
-        import torch
+        from sft.generation import greedy_answers
 
         started = time.perf_counter()
-        was_training, side = model.training, tokenizer.padding_side
-        model.eval()
-        tokenizer.padding_side = "left"
-        try:
-            prompts = [tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True)
-                       for r in self.rows]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            with torch.no_grad():
-                out = model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                     synced_gpus=synced_gpus,
-                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        finally:
-            tokenizer.padding_side = side
-            model.train(was_training)
+        answers = greedy_answers(model, tokenizer, self.rows, self.max_new_tokens, batch_size=len(self.rows),
+                                 synced_gpus=synced_gpus)
         references = [r["messages"][-1]["content"] for r in self.rows]
         metrics = {f"eval_gen/{name}": sum(score(a, ref) for a, ref in zip(answers, references)) / len(answers)
                    for name, score in self.scorers.items()}
@@ -120,8 +108,6 @@ def log_samples(callbacks, step: int, table: list[list[str]]) -> None:
         if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
             callback.tb_writer.add_text("eval_gen/samples", markdown_table(step, table), step)
             callback.tb_writer.flush()
-    import sys
-
     if "wandb" in sys.modules:
         import wandb
 

@@ -25,26 +25,33 @@ def hardest_bucket_rows(eval_file: str, bucket_edges: list[float], max_rows: int
 
 
 @torch.no_grad()
-def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 32, batch_size: int = 32,
-                synced_gpus: bool = False) -> float:
-    """Fraction of rows whose greedy answer equals the reference answer."""
+def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 32,
+                   synced_gpus: bool = False) -> list[str]:
+    """Each row's greedy answer to its chat up to the last assistant turn (left-padded batches; the model's
+    train/eval mode and the tokenizer's padding side are restored)."""
     was_training = model.training
     model.eval()
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    hits = 0
+    answers = []
     try:
         for start in range(0, len(rows), batch_size):
-            chunk = rows[start:start + batch_size]
             prompts = [tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True)
-                       for r in chunk]
+                       for r in rows[start:start + batch_size]]
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, synced_gpus=synced_gpus,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            hits += sum(a.strip() == r["messages"][-1]["content"].strip() for a, r in zip(answers, chunk))
+            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
+    return answers
+
+
+def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 32, batch_size: int = 32,
+                synced_gpus: bool = False) -> float:
+    """Fraction of rows whose greedy answer equals the reference answer."""
+    answers = greedy_answers(model, tokenizer, rows, max_new_tokens, batch_size, synced_gpus)
+    hits = sum(a.strip() == r["messages"][-1]["content"].strip() for a, r in zip(answers, rows))
     return hits / max(len(rows), 1)
 
 
