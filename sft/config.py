@@ -273,6 +273,32 @@ class LoraConfig(Schema):
             "must be all-linear or a non-empty list of module names")
 
 
+@dataclass
+class FsdpConfig(Schema):
+    """FSDP2 (torch's `fully_shard`) through accelerate's plugin: parameters, gradients and optimizer states
+    sharded over the processes, one unit per decoder layer plus one for the rest (embeddings, norm, output
+    layer). The second engine beside DeepSpeed (`deepspeed=...`); one of the two per run."""
+
+    # true: a layer's full weights are freed after its forward and gathered again for its backward (ZeRO-3's
+    # memory); false: kept from forward to backward (less communication, ZeRO-2-like memory)
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False  # parameters, gradients and optimizer states in CPU memory between uses
+    # the module classes sharded as one unit each; null: the model's own `_no_split_modules` (its decoder layer)
+    layers: Optional[List[str]] = None
+
+    def check(self, cfg=None):
+        self.require("layers", self.layers is None or len(self.layers) > 0, "must be null or a non-empty list")
+        self.require("cpu_offload", not self.cpu_offload or _cuda_available(),
+                     "moves GPU memory to the CPU, and needs a CUDA GPU (torch pins the offloaded memory); this "
+                     "machine has none: use fsdp=full_shard")
+        if cfg is None:
+            return
+        self.require("", cfg.deepspeed is None, "FSDP and DeepSpeed are two engines for the same job: choose one "
+                     "(fsdp=none, or deepspeed=none)")
+        self.require("", cfg.model.quantization is None, "sft does not shard a 4-bit base model with FSDP (QLoRA "
+                     "trains on one GPU: lora=qlora without fsdp)")
+
+
 # --- gradient clipping policies (built as sft.clipping.*, which extend these) -------------------------
 
 
@@ -525,10 +551,10 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         "activation_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",
         "gradient_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",
         "resume_from_checkpoint": "use resume=auto (the newest complete checkpoint) or resume=<checkpoint dir>",
-        "fsdp": "not supported yet: DeepSpeed is the sharded engine (deepspeed=zero3)",
-        "fsdp_config": "not supported yet: DeepSpeed is the sharded engine (deepspeed=zero3)",
-        "parallelism_config": "an accelerate ParallelismConfig object, which a config cannot hold: DeepSpeed is "
-                              "the sharded engine (deepspeed=zero3)",
+        "fsdp": "the fsdp group: fsdp=full_shard or full_shard_offload (and fsdp.<key>=...)",
+        "fsdp_config": "the fsdp group: fsdp=full_shard or full_shard_offload (and fsdp.<key>=...)",
+        "parallelism_config": "an accelerate ParallelismConfig object, which a config cannot hold: fsdp=full_shard "
+                              "(or deepspeed=zero3) shards over all processes",
     }
 
     output_dir: Optional[str] = None  # None: the Hydra run dir
@@ -596,6 +622,33 @@ def owned_field_override(overrides: list[str]) -> ConfigError | None:
         key = override.lstrip("+~").split("=", 1)[0]
         if key.startswith("trainer.") and key[len("trainer."):] in TrainerConfig.owned_fields:
             return ConfigError(key, None, TrainerConfig.owned_fields[key[len("trainer."):]])
+    return None
+
+
+# The engine groups, which are off (null) by default, and the options that turn each on
+ENGINE_OPTIONS = {"fsdp": "fsdp=full_shard or fsdp=full_shard_offload",
+                  "deepspeed": "deepspeed=zero2, zero3, zero3_offload or file"}
+
+
+def key_of_engine_left_off(overrides: list[str]) -> ConfigError | None:
+    """A command-line key of an engine group (`fsdp.cpu_offload=true`) where the config, composed without it,
+    leaves that engine off (`fsdp: null`): the error naming the option that turns it on. Hydra would say only
+    that the key is not in the struct."""
+    keyed = [o for o in overrides if "=" in o and not o.startswith(("-", "~"))
+             and o.lstrip("+").split("=", 1)[0].split(".")[0] in ENGINE_OPTIONS and "." in o.split("=", 1)[0]]
+    if not keyed:
+        return None
+    rest = [o for o in overrides if o not in keyed and "=" in o and not o.startswith(("-", "hydra.", "hydra/"))]
+    try:
+        cfg = compose("train", rest)
+    except Exception:  # noqa: BLE001 - an error of the other overrides: Hydra reports it as it runs
+        return None
+    for override in keyed:
+        key = override.lstrip("+").split("=", 1)[0]
+        engine = key.split(".")[0]
+        if cfg.get(engine) is None:
+            return ConfigError(key, None, f"{engine} is off ({engine}=none in this config): turn it on with "
+                               f"{ENGINE_OPTIONS[engine]}, then set its keys")
     return None
 
 
@@ -673,6 +726,7 @@ class TrainConfig(Schema):
     loss: Any = MISSING
     lora: Any = None
     deepspeed: Any = None
+    fsdp: Any = None  # fsdp=full_shard: FsdpConfig (fsdp_schema)
     trainer: Any = MISSING  # typed by trainer_schema in the trainer group (nesting it here would copy it)
     clip: Any = MISSING
     # name -> a controller node (`_target_` + its knobs); `conf/controllers/`, `+controllers=<name>`
@@ -713,6 +767,7 @@ SCHEMAS = {  # (group, name) -> schema; a YAML option of the group names its sch
     ("loss", "dft_schema"): DFTLossConfig,
     ("loss", "length_schema"): LengthLossConfig,
     ("lora", "lora_schema"): LoraConfig,
+    ("fsdp", "fsdp_schema"): FsdpConfig,
     ("trainer", "trainer_schema"): TrainerConfig,
     ("clip", "none_schema"): NoClipConfig,
     ("clip", "static_schema"): StaticClipConfig,

@@ -5,6 +5,7 @@
 - `single_process_distributed_env`, `slurm_distributed_env`: the torch.distributed variables DeepSpeed
   needs without a launcher, and under SLURM tasks;
 - `gloo_deepspeed_state`: DeepSpeed with several processes on machines without GPUs;
+- `fsdp_without_gpus`: accelerate's FSDP2 plugin on a CPU (gloo) process group;
 - `process_fields`: the TrainingArguments fields these decide;
 - `refuse_multirun_in_launch`: `-m` cannot run inside a multi-process launch;
 - `set_cpu_threads`: on CPU, torch's threads shared out among the processes of the machine, and a warning
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -65,16 +67,40 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def process_fields(deepspeed: bool, on_gpu: bool) -> dict:
-    """TrainingArguments fields for this launch's processes (and the environment DeepSpeed needs)."""
+def process_fields(deepspeed: bool, fsdp: bool, on_gpu: bool) -> dict:
+    """TrainingArguments fields for this launch's processes (and the environment DeepSpeed and FSDP need)."""
     fields = {}
-    if not on_gpu and not deepspeed and world_size() > 1:
+    if deepspeed or fsdp:
+        single_process_distributed_env()  # both shard over a process group, of one process too
+    if not on_gpu and not deepspeed and (world_size() > 1 or fsdp):
         fields["use_cpu"] = True  # else accelerate sees no GPU and runs each rank alone; DeepSpeed inits gloo itself
-    if deepspeed:
-        single_process_distributed_env()
-        if not on_gpu:
-            fields["accelerator_config"] = gloo_deepspeed_state()
+    if deepspeed and not on_gpu:
+        fields["accelerator_config"] = gloo_deepspeed_state()
     return fields
+
+
+@contextlib.contextmanager
+def fsdp_without_gpus(fsdp: bool):
+    """While the Accelerator is created, let accelerate's FSDP plugin take a CPU (gloo) process group.
+
+    accelerate turns FSDP on only for a GPU-type process group (`AcceleratorState`, accelerate 1.15); on CPU
+    it would silently train with DDP instead. `fully_shard` itself runs on gloo, so while the Accelerator is
+    created the CPU group is presented as a GPU one; accelerate then records FSDP as the process state's type
+    (its own `AcceleratorState` does), or, where it did not, the CPU type is put back.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if not fsdp or state.distributed_type != DistributedType.MULTI_CPU:
+        yield
+        return
+    state.distributed_type = DistributedType.MULTI_GPU
+    try:
+        yield
+    finally:
+        if state.distributed_type == DistributedType.MULTI_GPU:
+            state.distributed_type = DistributedType.MULTI_CPU
 
 
 def refuse_multirun_in_launch(argv: list[str]) -> None:

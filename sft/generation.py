@@ -60,6 +60,6 @@ def hardest_bucket_exact_match(trainer, tokenizer, eval_file: str, bucket_edges:
     """Exact match of greedy answers on the hardest eval bucket (every rank generates; rank 0 reports)."""
     rows = hardest_bucket_rows(eval_file, bucket_edges, max_rows)
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped if trainer.is_zero3 else trainer.model)
-    score = exact_match(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.is_zero3)
+    score = exact_match(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.shards_parameters)
     log.info("exact match of greedy answers on the hardest eval bucket (%d rows): %.4f", len(rows), score)
     return score

@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sft.config import CONF_DIR, ConfigError, check, owned_field_override, register
+from sft.config import CONF_DIR, ConfigError, check, key_of_engine_left_off, owned_field_override, register
 from sft.distributed import (end_process_group, process_fields, rank_overrides, refuse_multirun_in_launch,
                              set_cpu_threads, share_run_dir, slurm_distributed_env)
 from sft.results import RunResults
@@ -177,6 +177,9 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
             rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0 else None)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
 
+    # Seeded again: tokenising (a cold data cache) draws random numbers and a warm one does not, which would
+    # give the LoRA adapters (or a random-init model) other initial weights on the second run of a config.
+    set_seed(args.seed)
     model = build_model(cfg, args.activation_checkpointing)
     trainer = WeightedLossTrainer(
         model=model,
@@ -212,7 +215,9 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_n
     has_eval = evaluates(cfg)
     if not has_eval:
         fields["eval_strategy"] = "no"
-    fields.update(process_fields(deepspeed=bool(cfg.deepspeed), on_gpu=on_gpu))
+    fields.update(process_fields(deepspeed=bool(cfg.deepspeed), fsdp=cfg.fsdp is not None, on_gpu=on_gpu))
+    if cfg.fsdp is not None:
+        fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"]))
     try:
         return TrainingArguments(
             **fields,
@@ -226,6 +231,16 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_n
         )
     except ValueError as e:
         raise ConfigError("trainer", None, str(e).splitlines()[0]) from e
+
+
+def fsdp_fields(fsdp: DictConfig, activation_checkpointing: bool) -> dict:
+    """TrainingArguments' FSDP2 fields for the `fsdp` node. Activation checkpointing becomes FSDP's own
+    (each layer wrapped before sharding): Trainer's would gather every layer's weights once more in backward."""
+    config = {"version": 2, "reshard_after_forward": fsdp.reshard_after_forward, "cpu_offload": fsdp.cpu_offload,
+              "activation_checkpointing": activation_checkpointing, "state_dict_type": "FULL_STATE_DICT"}
+    if fsdp.layers is not None:
+        config["transformer_layer_cls_to_wrap"] = list(fsdp.layers)
+    return {"fsdp": True, "fsdp_config": config, "activation_checkpointing": False}
 
 
 def build_model(cfg: DictConfig, activation_checkpointing: bool):
@@ -319,12 +334,14 @@ def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
         in_use = (f"trainer.per_device_train_batch_size={t.per_device_train_batch_size}, "
                   f"data.max_length={cfg.data.max_length}, trainer.activation_checkpointing={t.activation_checkpointing}, "
                   f"lora={'on' if cfg.lora is not None else 'off'}, "
-                  f"deepspeed stage={(cfg.deepspeed or {}).get('zero_optimization', {}).get('stage', 'none')}")
+                  f"deepspeed stage={(cfg.deepspeed or {}).get('zero_optimization', {}).get('stage', 'none')}, "
+                  f"fsdp={'off' if cfg.fsdp is None else 'offload' if cfg.fsdp.cpu_offload else 'on'}")
         raise torch.OutOfMemoryError(
             f"CUDA out of memory with {in_use}. To lower memory, in this order: "
             "1) a smaller trainer.per_device_train_batch_size with a larger trainer.gradient_accumulation_steps "
             "(the loss is unchanged); 2) a smaller data.max_length; 3) trainer.activation_checkpointing=true; "
-            "4) lora=default instead of full fine-tuning; 5) deepspeed=zero3, then deepspeed=zero3_offload. "
+            "4) lora=default instead of full fine-tuning; 5) deepspeed=zero3 (or fsdp=full_shard), then "
+            "deepspeed=zero3_offload (or fsdp=full_shard_offload). "
             f"Original error: {str(e).splitlines()[0]}") from e
     except (OSError, RuntimeError) as e:
         if checkpoint and "size mismatch" in str(e):  # the config matched (or resume_force), the weights do not
@@ -535,8 +552,9 @@ def cli() -> None:
         if text is not None:  # else Hydra's own --help (a pkg:// search path, or an error to report)
             print(text, end="")
             return
-    if owned := owned_field_override(sys.argv[1:]):  # before Hydra, whose error would not name the knob
-        print(f"error: config: {owned}", file=sys.stderr)
+    # before Hydra, whose errors would not name the knob
+    if refused := owned_field_override(sys.argv[1:]) or key_of_engine_left_off(sys.argv[1:]):
+        print(f"error: config: {refused}", file=sys.stderr)
         sys.exit(2)
     refuse_multirun_in_launch(sys.argv[1:])
     share_run_dir()

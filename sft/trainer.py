@@ -28,6 +28,10 @@ still has each one, with the same parameters):
   over the ranks, the batch loss gathered);
 - with `eval_generation`, `evaluation_loop` also adds `eval_gen/<metric>` of greedy answers to fixed prompts
   (`sft.eval_generation`), their samples going to TensorBoard and W&B;
+- `create_accelerator_and_postprocess` (public) lets accelerate's FSDP2 plugin take a CPU process group too
+  (`sft.distributed.fsdp_without_gpus`), and refuses to go on where FSDP was asked for and is not on;
+- `_save` (private: the one place every engine's state dict reaches `save_pretrained`) leaves out the tied
+  copies (a tied lm_head) that a gathered FSDP state dict carries as separate tensors;
 - `log` (public) adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`,
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
@@ -53,6 +57,7 @@ from sft.clipping import GradClipPolicy
 from sft.config import ConfigError
 from sft.controllers import Controller
 from sft.data import row_scores
+from sft.distributed import fsdp_without_gpus
 from sft.losses import AuxBatch, LogitTransform, WeightedTokenLoss, choose_impl, router_aux_loss_coef
 from sft.step_control import StepControl
 from sft.throughput import ThroughputMeter
@@ -130,10 +135,35 @@ class WeightedLossTrainer(Trainer):
         log.warning("loss.impl=auto: %s; using naive", reason)
         self.loss_impl = "naive"
 
+    @override
+    def create_accelerator_and_postprocess(self):
+        """Trainer's, with FSDP2 also on a CPU process group (`fsdp_without_gpus`); asked for and not on is an error,
+        never a run with DDP in its place."""
+        with fsdp_without_gpus(bool(self.args.fsdp)):
+            super().create_accelerator_and_postprocess()
+        if self.args.fsdp and not self.is_fsdp_enabled:
+            raise RuntimeError(f"fsdp: asked for, but accelerate set up {self.accelerator.distributed_type}")
+
     @property
     def is_zero3(self) -> bool:
         """DeepSpeed ZeRO stage 3: parameters are sharded and gathered only around their use."""
         return self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+
+    @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3 or FSDP: each rank holds a shard of every weight, and each forward gathers them on all ranks
+        together, so generation runs in step on every rank (`synced_gpus`)."""
+        return self.is_zero3 or self.is_fsdp_enabled
+
+    @override
+    def _save(self, output_dir=None, state_dict=None):
+        """Trainer's, without the tied copies in a gathered (FSDP) state dict: `save_pretrained` leaves out a
+        tied weight (Qwen2.5-0.5B's lm_head) only where it shares storage with its source, and gathered
+        tensors are separate copies; the model would be saved one embedding matrix larger."""
+        tied = getattr(self.accelerator.unwrap_model(self.model), "all_tied_weights_keys", None) or {}
+        if state_dict is not None and tied:
+            state_dict = {k: v for k, v in state_dict.items() if not (k in tied and tied[k] in state_dict)}
+        super()._save(output_dir, state_dict=state_dict)
 
     # Summed since the last log: ce, weights and count of assistant tokens, samples, input tokens (not
     # padding), positions, and the router aux loss times the input tokens it was computed on.
@@ -303,12 +333,13 @@ class WeightedLossTrainer(Trainer):
         return output
 
     def _generation_samples(self) -> dict[str, float]:
-        """`eval_generation`'s greedy answers (every rank generates; synced under ZeRO-3), their metrics, and the
+        """`eval_generation`'s greedy answers (every rank generates; synced under ZeRO-3/FSDP), their metrics, and the
         table to TensorBoard and W&B from rank 0."""
         from sft.eval_generation import log_samples
 
         model = self.accelerator.unwrap_model(self.model_wrapped if self.is_zero3 else self.model)
-        metrics, table = self.eval_generation.generate(model, self.processing_class, synced_gpus=self.is_zero3)
+        metrics, table = self.eval_generation.generate(model, self.processing_class,
+                                                       synced_gpus=self.shards_parameters)
         if self.is_world_process_zero():
             log_samples(self.callback_handler.callbacks, self.state.global_step, table)
         return metrics

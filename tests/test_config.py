@@ -55,6 +55,9 @@ def test_unknown_keys_and_bad_types_are_rejected_naming_them(override, key):
         (["deepspeed=zero2", "+deepspeed.zero_optimization.offload_param={device: cpu}"],
          "deepspeed.zero_optimization.offload_param"),
         (["deepspeed=zero2", "deepspeed.zero_optimization.stage=4"], "deepspeed.zero_optimization.stage"),
+        (["fsdp=full_shard", "deepspeed=zero3"], "fsdp"),
+        (["fsdp=full_shard", "deepspeed=zero2"], "fsdp"),
+        (["fsdp=full_shard", "fsdp.layers=[]"], "fsdp.layers"),
         (["clip=autoclip", "clip.percentile=0"], "clip.percentile"),
         (["clip=zclip", "clip.alpha=1.5"], "clip.alpha"),
         (["clip=zclip", "clip.warmup_steps=0"], "clip.warmup_steps"),
@@ -84,6 +87,7 @@ def test_bad_values_are_rejected_naming_the_field(overrides, key):
 
 
 @pytest.mark.parametrize("group", ["model=qwen2_5_7b", "model=qwen2_5_7b_random", "loss=ce", "data=jsonl", "lora=default", "lora=dora",
+                                   "fsdp=full_shard", "fsdp=full_shard_offload",
                                    "clip=none", "clip=autoclip", "clip=zclip", "~controllers.guard", "~controllers.watchdog",
                                    "+controllers=early_stopping", "+controllers=lr_plateau", "+controllers=adaptive_eval",
                                    "+controllers=curriculum"])
@@ -247,6 +251,46 @@ def test_cli_a_field_the_recipe_owns_names_the_knob_that_replaces_it(override):
     from sft.config import TrainerConfig
 
     assert f"error: config: {key}: {TrainerConfig.owned_fields[key.split('.')[1]]}" in proc.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["fsdp.cpu_offload=true"], "error: config: fsdp.cpu_offload: fsdp is off (fsdp=none in this config): turn it "
+                                "on with fsdp=full_shard or fsdp=full_shard_offload, then set its keys"),
+    (["deepspeed.zero_optimization.offload_param.device=cpu"], "error: config: deepspeed.zero_optimization."
+                                                              "offload_param.device: deepspeed is off"),
+    (["fsdp=full_shard", "deepspeed=zero3"], "error: config: fsdp: FSDP and DeepSpeed are two engines for the "
+                                             "same job: choose one (fsdp=none, or deepspeed=none)"),
+])
+def test_cli_an_engine_setting_without_its_engine_or_two_engines_is_one_line(tmp_path, overrides, message):
+    assert_cli_refuses(tmp_path, message, *overrides)
+
+
+def test_fsdp_offload_without_a_gpu_is_one_config_error(monkeypatch):
+    import sft.config
+
+    monkeypatch.setattr(sft.config, "_cuda_available", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        check(composed("fsdp=full_shard_offload"))
+    assert str(e.value).startswith("fsdp.cpu_offload=True: moves GPU memory to the CPU, and needs a CUDA GPU")
+    check(composed("fsdp=full_shard"))
+
+
+def test_the_fsdp_group_becomes_accelerates_fsdp2_plugin_with_fsdps_own_activation_checkpointing(tmp_path):
+    from transformers import TrainingArguments
+
+    from sft.train import fsdp_fields
+
+    cfg = composed("fsdp=full_shard_offload", "fsdp.layers=[Qwen2DecoderLayer]", "fsdp.reshard_after_forward=false")
+    fields = fsdp_fields(cfg.fsdp, activation_checkpointing=True)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **fields)
+    plugin = args.fsdp_plugin_args
+    assert plugin["fsdp_version"] == 2 and plugin["cpu_offload"] and not plugin["reshard_after_forward"]
+    assert plugin["transformer_cls_names_to_wrap"] == "Qwen2DecoderLayer" and plugin["activation_checkpointing"]
+    assert not args.activation_checkpointing  # Trainer's own would gather each layer once more in backward
+    default = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                **fsdp_fields(composed("fsdp=full_shard").fsdp, False)).fsdp_plugin_args
+    assert default["reshard_after_forward"] and not default.get("cpu_offload")
+    assert "transformer_cls_names_to_wrap" not in default  # the model's own _no_split_modules
 
 
 def test_a_tracker_that_is_not_installed_is_one_config_error(monkeypatch):

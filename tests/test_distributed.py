@@ -1,4 +1,4 @@
-"""Real multi-process runs on CPU (gloo): DDP and DeepSpeed ZeRO-3 through ./launch.sh, LoRA, one run dir."""
+"""Real multi-process runs on CPU (gloo): DDP, DeepSpeed ZeRO-3 and FSDP2 through ./launch.sh, LoRA, one run dir."""
 
 import json
 import os
@@ -103,8 +103,8 @@ def test_zero3_preempted_by_sigterm_then_resumed_equals_one_process(tmp_path, on
     assert_same_run(one_process, two)
 
 
-def eval_loss_without_deepspeed(adapter_dir):
-    """Eval loss of base + saved adapter in a fresh process, with plain PEFT and no DeepSpeed."""
+def eval_loss_in_a_plain_process(adapter_dir):
+    """Eval loss of base + saved adapter in a fresh process, with plain PEFT and no DeepSpeed or FSDP."""
     script = f"""
 import json, sys
 from peft import PeftModel
@@ -115,7 +115,7 @@ from sft.model import load_model, load_tokenizer
 from sft import sample_data
 from sft.trainer import WeightedLossTrainer
 tok = load_tokenizer("tiny")
-loss = HardSampleLoss(impl="naive")  # the run's own evaluation took the chunked path, under ZeRO-3
+loss = HardSampleLoss(impl="naive")  # the run's own evaluation took the chunked path, sharded
 data = load_sft_datasets(tok, loss, str(sample_data.TRAIN_FILE), {str(SMALL_EVAL)!r}, 256)
 model = PeftModel.from_pretrained(load_model("tiny"), {str(adapter_dir)!r})
 args = TrainingArguments(output_dir={str(adapter_dir / "eval")!r}, per_device_eval_batch_size=32, report_to=[],
@@ -140,21 +140,101 @@ def test_zero3_lora_two_processes_save_a_full_adapter_that_reloads_and_resumes(t
               "trainer.eval_steps=100", "trainer.logging_steps=1", f"hydra.run.dir={run}"]
     first = launch("--nproc", "2", *common, "trainer.max_steps=4")
     assert first.returncode == 0, first.stderr[-3000:]
-    adapter = load_file(run / "model" / "adapter_model.safetensors")
+    assert_whole_adapter(run / "model" / "adapter_model.safetensors")
+    results = json.loads((run / "results.json").read_text())
+    assert results["loss_impl"] == "chunked"  # LoRA leaves the lm_head frozen: gathered for the loss, not updated
+    assert eval_loss_in_a_plain_process(run / "model") == pytest.approx(results["eval_loss"], abs=1e-4)
+
+    second = launch("--nproc", "2", *common, "trainer.max_steps=6", "resume=auto")
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = json.loads((run / "results.json").read_text())
+    assert resumed["resumed_from"] == str(run / "checkpoint-4") and resumed["global_step"] == 6
+
+
+def assert_whole_adapter(adapter_file):
+    """Every projection's LoRA pair at its full shape (never one rank's shard), lora_B trained."""
+    adapter = load_file(adapter_file)
     lora_a = [k for k in adapter if "lora_A" in k]
     lora_b = [k for k in adapter if "lora_B" in k]
     assert len(lora_a) == len(lora_b) == 4 * 7  # every projection of the tiny model's 4 layers
     assert adapter["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (16, 384)
     assert adapter["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (64, 16)
     assert any(adapter[k].abs().sum() > 0 for k in lora_b), "lora_B stayed zero: no training reached the adapter"
-    results = json.loads((run / "results.json").read_text())
-    assert results["loss_impl"] == "chunked"  # LoRA leaves the lm_head frozen: gathered for the loss, not updated
-    assert eval_loss_without_deepspeed(run / "model") == pytest.approx(results["eval_loss"], abs=1e-4)
+    return adapter
 
-    second = launch("--nproc", "2", *common, "trainer.max_steps=6", "resume=auto")
-    assert second.returncode == 0, second.stderr[-3000:]
-    resumed = json.loads((run / "results.json").read_text())
-    assert resumed["resumed_from"] == str(run / "checkpoint-4") and resumed["global_step"] == 6
+
+@pytest.mark.slow
+def test_fsdp_with_activation_checkpointing_preempted_then_resumed_equals_one_process(tmp_path):
+    """FSDP2 (full fine-tuning: the tied lm_head sharded and trained, the lean loss on its gathered weight) with
+    FSDP's activation checkpointing, two processes, SIGTERM in step 1, `resume=auto`: the same step losses,
+    weights and eval losses as one plain process. SGD with momentum: torch cannot load a full optimizer state
+    dict that holds no tensor into FSDP (plain SGD's), so the momentum buffer is the state restored."""
+    momentum = ['trainer.optim_args="momentum=0.5"']
+    one = tmp_path / "one"
+    single = run_train(*EXACT, *WEIGHTED, *momentum, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={one}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    (tmp_path / "my_plugins.py").write_text(SIGTERM_AT)
+    two = tmp_path / "two"
+    args = ["--nproc", "2", *EXACT, *WEIGHTED, *momentum, "fsdp=full_shard", "trainer.activation_checkpointing=true",
+            "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}"]
+    preempted = launch(*args, "+controllers.sigterm={_target_:my_plugins.SigtermAt,step:1}",
+                       env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    assert preempted.returncode != 0, preempted.stderr[-3000:]
+    assert preempted.stderr.count("preempted: SIGTERM at step 1") == 2  # both ranks
+    assert (two / "checkpoint-1" / "sft_state.json").exists() and not (two / "checkpoint-2").exists()
+    resumed = launch(*args, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    results = json.loads((two / "results.json").read_text())
+    assert results["resumed_from"] == str(two / "checkpoint-1") and results["loss_impl"] == "chunked"
+    assert_same_run(one, two)
+
+
+# Kills its own process (every rank) as a step begins: no signal handler, no checkpoint, as a lost node would.
+SIGKILL_AT = """
+import os, signal
+from sft.controllers.base import Controller
+
+class SigkillAt(Controller):
+    name = "sigkill_at"
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_lora_saves_a_whole_adapter_that_reloads_and_resumes_exactly_after_a_kill(tmp_path):
+    """FSDP2 with LoRA (AdamW: optimizer state to restore), two processes. The adapter is whole
+    and gives the run's eval loss under plain PEFT; a run killed in step 3 resumes from checkpoint-2 and logs
+    the same losses and saves the same adapter as the uninterrupted run."""
+    (tmp_path / "my_plugins.py").write_text(SIGKILL_AT)
+    common = ["--nproc", "2", "fsdp=full_shard", "lora=default", "trainer.learning_rate=1e-2",
+              "trainer.max_steps=4", "trainer.save_steps=2", "trainer.logging_steps=1", "trainer.eval_steps=100",
+              "trainer.train_sampling_strategy=sequential", "trainer.report_to=[]", f"data.eval_file={SMALL_EVAL}"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    first = launch(*common, f"hydra.run.dir={whole}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    adapter = assert_whole_adapter(whole / "model" / "adapter_model.safetensors")
+    results = json.loads((whole / "results.json").read_text())
+    assert results["loss_impl"] == "chunked"  # the frozen lm_head gathered for the lean loss
+    assert eval_loss_in_a_plain_process(whole / "model") == pytest.approx(results["eval_loss"], abs=1e-4)
+
+    env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    lost = launch(*common, f"hydra.run.dir={killed}", "+controllers.kill={_target_:my_plugins.SigkillAt,step:3}",
+                  env=env)
+    assert lost.returncode != 0 and not (killed / "results.json").exists()
+    assert (killed / "checkpoint-2" / "sft_state.json").exists() and not (killed / "checkpoint-4").exists()
+    resumed = launch(*common, f"hydra.run.dir={killed}", "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((killed / "results.json").read_text())["resumed_from"] == str(killed / "checkpoint-2")
+    assert step_losses(killed, 4) == pytest.approx(step_losses(whole, 4), abs=1e-5)
+    again = load_file(killed / "model" / "adapter_model.safetensors")
+    for key in adapter:
+        torch.testing.assert_close(again[key], adapter[key], atol=1e-5, rtol=0, msg=key)
 
 
 @pytest.mark.slow

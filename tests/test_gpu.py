@@ -180,6 +180,25 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_merges(tmp_path):
     assert (b - base).abs().max() > 1e-3, "the adapter changed nothing: the test would not see a failed merge"
 
 
+def test_fsdp_offload_on_one_gpu_equals_fsdp_without_offload(tmp_path):
+    """FSDP2 with CPU offload (which needs a GPU: torch pins the offloaded memory) on one process: the same
+    step losses and a whole adapter as FSDP without offload."""
+    from safetensors.torch import load_file
+
+    losses = {}
+    for group in ("full_shard", "full_shard_offload"):
+        run = tmp_path / group
+        proc = run_train(f"fsdp={group}", "lora=default", "trainer.max_steps=4", "trainer.logging_steps=1",
+                         "trainer.eval_steps=100", "trainer.save_steps=100", "trainer.report_to=[]",
+                         "trainer.train_sampling_strategy=sequential", f"hydra.run.dir={run}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
+        losses[group] = [e["loss"] for e in state["log_history"] if "loss" in e]
+        adapter = load_file(run / "model" / "adapter_model.safetensors")
+        assert adapter["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (64, 16)
+    assert losses["full_shard_offload"] == pytest.approx(losses["full_shard"], abs=1e-4)
+
+
 def test_bf16_training_follows_fp32_step_losses(tmp_path):
     losses = {}
     for precision, extra in (("fp32", []), ("bf16", ["trainer.bf16=true"])):

@@ -93,13 +93,14 @@ assert set_deepspeed_clip(engine, float("inf")) == float("inf") and engine.gradi
 
 
 def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parameters():
-    # Two of them are private hooks of transformers (_clip_grad_norm, _get_train_sampler): a rename or a new
-    # parameter there would silently bypass sft.step_control or the curriculum's sampler.
+    # Three of them are private hooks of transformers (_clip_grad_norm, _get_train_sampler, _save): a rename or a
+    # new parameter there would silently bypass sft.step_control, the curriculum's sampler or the tied-copy filter.
     from transformers import Trainer
 
     overrides = {name: f for name, f in vars(WeightedLossTrainer).items() if getattr(f, "__override__", False)}
     assert set(overrides) == {"get_batch_samples", "compute_loss", "_clip_grad_norm", "_get_train_sampler",
-                              "evaluation_loop", "prediction_step", "log"}
+                              "evaluation_loop", "prediction_step", "log", "create_accelerator_and_postprocess",
+                              "_save"}
     for name, ours in overrides.items():
         theirs = getattr(Trainer, name, None)
         assert theirs is not None, f"transformers.Trainer has no {name} any more"

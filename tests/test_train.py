@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import SMALL_EVAL, run_train
 
@@ -56,3 +57,21 @@ def test_wandb_offline_logging(tmp_path):
                      env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(Path(tmp_path).glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_a_cold_and_a_warm_data_cache_give_the_same_initial_adapter(tmp_path):
+    """Tokenising (the first run of a data config) draws random numbers, loading the cache does not: the model
+    and its LoRA adapters are initialised after a fresh seed, so both runs start from the same weights."""
+    from safetensors.torch import load_file
+
+    common = ["lora=default", "trainer.max_steps=1", "trainer.learning_rate=1e-12", "trainer.eval_strategy=no",
+              "trainer.report_to=[]", "trainer.save_strategy=no"]
+    env = {"SFT_CACHE": str(tmp_path / "cache")}
+    cold = run_train(*common, f"hydra.run.dir={tmp_path}/cold", env=env)
+    warm = run_train(*common, f"hydra.run.dir={tmp_path}/warm", env=env)
+    assert cold.returncode == 0 and warm.returncode == 0, (cold.stderr + warm.stderr)[-3000:]
+    assert "from cache" not in (tmp_path / "cold/train.log").read_text()
+    assert "from cache" in (tmp_path / "warm/train.log").read_text()
+    a, b = (load_file(tmp_path / run / "model/adapter_model.safetensors") for run in ("cold", "warm"))
+    lora_a = [k for k in a if "lora_A" in k]
+    assert lora_a and all(torch.equal(a[k], b[k]) for k in lora_a)
