@@ -208,19 +208,23 @@ class SigkillAt(Controller):
 
 @pytest.mark.slow
 def test_fsdp_lora_saves_a_whole_adapter_that_reloads_and_resumes_exactly_after_a_kill(tmp_path):
-    """FSDP2 with LoRA (AdamW: optimizer state to restore), two processes. The adapter is whole
+    """FSDP2 with LoRA (AdamW: optimizer state to restore) and generation samples, two processes. The adapter is whole
     and gives the run's eval loss under plain PEFT; a run killed in step 3 resumes from checkpoint-2 and logs
     the same losses and saves the same adapter as the uninterrupted run."""
     (tmp_path / "my_plugins.py").write_text(SIGKILL_AT)
     common = ["--nproc", "2", "fsdp=full_shard", "lora=default", "trainer.learning_rate=1e-2",
               "trainer.max_steps=4", "trainer.save_steps=2", "trainer.logging_steps=1", "trainer.eval_steps=100",
-              "trainer.train_sampling_strategy=sequential", "trainer.report_to=[]", f"data.eval_file={SMALL_EVAL}"]
+              "trainer.train_sampling_strategy=sequential", "trainer.report_to=[]", f"data.eval_file={SMALL_EVAL}",
+              "eval_generation=default"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     first = launch(*common, f"hydra.run.dir={whole}")
     assert first.returncode == 0, first.stderr[-3000:]
     adapter = assert_whole_adapter(whole / "model" / "adapter_model.safetensors")
     results = json.loads((whole / "results.json").read_text())
     assert results["loss_impl"] == "chunked"  # the frozen lm_head gathered for the lean loss
+    history = json.loads((whole / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    # synced generation on both ranks, at the first evaluation and the last step's
+    assert [e["step"] for e in history if "eval_gen/exact_match" in e] == [0, 4]
     assert eval_loss_in_a_plain_process(whole / "model") == pytest.approx(results["eval_loss"], abs=1e-4)
 
     env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
