@@ -111,6 +111,23 @@ class TokenizerConfig(Schema):
 
 
 @dataclass
+class ColumnsConfig(Schema):
+    """The file's column for a field of its format (`sft.formats.FIELDS`) where the names differ: null is the
+    field's own name (`score`: `difficulty_score`). `data.columns.messages=convs data.columns.score=difficulty`"""
+
+    messages: Optional[str] = None
+    conversations: Optional[str] = None
+    instruction: Optional[str] = None
+    input: Optional[str] = None
+    output: Optional[str] = None
+    system: Optional[str] = None
+    history: Optional[str] = None
+    prompt: Optional[str] = None
+    completion: Optional[str] = None
+    score: Optional[str] = None
+
+
+@dataclass
 class DataConfig(Schema):
     _target_: str = "sft.data.load_sft_datasets"
     train_file: str = MISSING
@@ -124,8 +141,17 @@ class DataConfig(Schema):
     # A turn the chat template renders differently once later turns follow (Qwen3 drops earlier reasoning):
     # split (trained from the chat up to it, a sequence of its own) | skip (left untrained) | refuse (row refused)
     rewritten_turns: str = "split"
+    # The files' row format (sft.formats): auto (from the first row's columns) | messages | sharegpt | alpaca |
+    # prompt_completion; columns maps a format's field to the file's: data.columns.score=difficulty
+    format: str = "auto"
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    train_on: str = "all"  # all assistant turns | last (the last assistant turn of each chat only)
 
     def check(self, cfg=None):
+        from sft.formats import FORMATS
+
+        self.require("format", self.format in FORMATS, f"must be one of {', '.join(FORMATS)}")
+        self.require("train_on", self.train_on in ("all", "last"), "must be all or last")
         self.require("max_length", self.max_length >= 8, "must be >= 8")
         self.require("on_error", self.on_error in ("raise", "skip"), "must be raise or skip")
         self.require("overlong", self.overlong in ("truncate", "drop", "error"), "must be truncate, drop or error")

@@ -31,6 +31,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from sft.batch import IGNORE_INDEX
 from sft.cache import building, cache_dir
+from sft.formats import FormatError, RowFormat
 
 if TYPE_CHECKING:
     import datasets
@@ -90,10 +91,16 @@ def _check_row(row, default_score: float | None, score_required: bool = True) ->
         reasoning = m.get("reasoning_content")
         if reasoning is not None and (m["role"] != "assistant" or not isinstance(reasoning, str)):
             return f"{where}.reasoning_content", "only an assistant turn has reasoning, as a string"
+        if "weight" in m and not _finite_number(m["weight"], nonnegative=True):
+            return f"{where}.weight", f"must be a finite number >= 0, got {m['weight']!r}"
+        if "train" in m and not isinstance(m["train"], bool):
+            return f"{where}.train", f"must be true or false, got {m['train']!r}"
     if messages[0]["role"] == "assistant":
         return "messages[0].role", "a chat must start with a system or user turn"
     if not any(m["role"] == "assistant" for m in messages):
         return "messages", "no assistant turn (nothing to train on)"
+    if not any(turn_weight(m) > 0 for m in messages if m["role"] == "assistant"):
+        return "messages", "every assistant turn has weight 0 or train false (nothing to train on)"
     score = row.get("difficulty_score")
     if score is None:
         if default_score is None and score_required:
@@ -104,6 +111,25 @@ def _check_row(row, default_score: float | None, score_required: bool = True) ->
     elif not _finite_number(score, nonnegative=True):
         return "difficulty_score", f"must be a finite number >= 0, got {score!r}"
     return None
+
+
+def turn_weight(message: dict) -> float:
+    """A message's own weight: its `weight` (default 1), 0 with `train: false`."""
+    return 0.0 if message.get("train") is False else float(message.get("weight", 1.0))
+
+
+def turn_weights(messages: list[dict], train_on: str = "all") -> list[float]:
+    """Each message's weight in training: assistant turns their `turn_weight` (`train_on=last`: the last
+    assistant turn only), every other turn 0 (context, never trained: system, user, tool results).
+
+        [user, assistant weight 2, user, assistant], train_on=all  ->  [0, 2, 0, 1]
+        the same, train_on=last  ->  [0, 0, 0, 1]
+    """
+    weights = [turn_weight(m) if m["role"] == "assistant" else 0.0 for m in messages]
+    if train_on == "last":
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        weights = [w if i == last else 0.0 for i, w in enumerate(weights)]
+    return weights
 
 
 def _lone_surrogate(text) -> int | None:
@@ -137,15 +163,18 @@ class Rejected:
         return re.sub(r"\[\d+\]", "[]", self.field) + ": " + re.split(r" \(|, got", self.reason)[0]
 
 
-def scan_jsonl(path: str | os.PathLike, default_score: float | None = None,
-               score_required: bool = True) -> tuple[list[dict], list[Rejected]]:
+def scan_jsonl(path: str | os.PathLike, default_score: float | None = None, score_required: bool = True,
+               row_format: RowFormat | None = None, train_on: str = "all") -> tuple[list[dict], list[Rejected]]:
     """Read a chat JSONL file: the valid rows (each with `source_line`, and its other fields as a JSON
     object in `extra`, for the loss's hooks) and the rejected ones. Without `score_required`, a row with no
-    `difficulty_score` (and no `default_score`) gets NaN: no score.
+    `difficulty_score` (and no `default_score`) gets NaN: no score. `row_format` turns each row into
+    messages first (`sft.formats`; default: auto-detected); each message gets its `weight` in training
+    (`turn_weights`, by `train_on`).
 
     A UTF-8 BOM, CRLF line ends and blank lines are accepted.
     """
     path = Path(path)
+    row_format = row_format or RowFormat()
     rows, rejected = [], []
     try:
         f = open(path, "rb")
@@ -167,12 +196,15 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None,
             if not text:
                 continue
             try:
-                row = json.loads(text)
+                row = row_format(json.loads(text))
             except json.JSONDecodeError as e:
                 reject("row", f"invalid JSON ({e.msg} at column {e.colno})")
                 continue
             except RecursionError:
                 reject("row", "nested too deeply to be a chat (JSON arrays or objects inside each other)")
+                continue
+            except FormatError as e:
+                reject(e.field, e.reason)
                 continue
             problem = _check_row(row, default_score, score_required)
             if problem:
@@ -180,9 +212,11 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None,
                 continue
             score = row.get("difficulty_score")
             extra = {k: v for k, v in row.items() if k not in ("messages", "difficulty_score")}
+            weights = turn_weights(row["messages"], train_on)
             rows.append({
                 "messages": [{"role": m["role"], "content": m["content"],
-                              "reasoning_content": m.get("reasoning_content")} for m in row["messages"]],
+                              "reasoning_content": m.get("reasoning_content"), "weight": w}
+                             for m, w in zip(row["messages"], weights)],
                 "difficulty_score": float(math.nan if score is None and default_score is None
                                           else default_score if score is None else score),
                 "source_line": lineno,
@@ -190,6 +224,8 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None,
             })
     if not rows and not rejected:
         raise DataError([f"{path}: file: no rows (the file is empty)"])
+    if row_format.fmt == "auto" and row_format.chosen not in (None, "messages"):
+        log.info("data: %s: format %s (data.format=auto, from the columns of its first row)", path, row_format.chosen)
     return rows, rejected
 
 
@@ -200,9 +236,10 @@ def _raw_lines(path: str, lines: set[int]) -> dict[int, str]:
                 if n in lines}
 
 
-def read_jsonl(path: str | os.PathLike, default_score: float | None = None) -> list[dict]:
+def read_jsonl(path: str | os.PathLike, default_score: float | None = None, fmt: str = "auto",
+               columns: dict | None = None) -> list[dict]:
     """Read and validate a chat JSONL file; raise `DataError` naming file, line and field of bad rows."""
-    rows, rejected = scan_jsonl(path, default_score)
+    rows, rejected = scan_jsonl(path, default_score, row_format=RowFormat(fmt, columns))
     if rejected:
         raise DataError([str(r) for r in rejected])
     return rows
@@ -247,8 +284,9 @@ def _end_in_whole_chat(turn: str, full: str, eos: str | None) -> int | None:
 
 
 def chat_views(tokenizer, messages: list[dict],
-               rewritten_turns: str = "split") -> list[tuple[str, list[tuple[int, int]]]]:
-    """The texts a chat trains as, each with the character spans of its trained assistant turns.
+               rewritten_turns: str = "split") -> list[tuple[str, list[tuple[int, int, float]]]]:
+    """The texts a chat trains as, each with the character spans of its trained assistant turns and their
+    weights (a message's `weight`, as `scan_jsonl` sets it: 0 leaves the turn untrained; default 1).
 
     An assistant turn is trained as the model generates it: after the rendering of the chat before it with
     the generation prompt, through its end-of-turn token (the rendering of the chat ending with it,
@@ -256,7 +294,7 @@ def chat_views(tokenizer, messages: list[dict],
 
         [user "1+1?", assistant "2", user "2+2?", assistant "4"], ChatML  ->
             [("<|im_start|>system ... assistant\n2<|im_end|>\n<|im_start|>user ... assistant\n4<|im_end|>\n",
-              [(start of "2", end of its <|im_end|>), (start of "4", end of its <|im_end|>)])]
+              [(start of "2", end of its <|im_end|>, 1.0), (start of "4", end of its <|im_end|>, 1.0)])]
 
     Some templates render a turn differently once later turns follow (Qwen3 drops the reasoning of earlier
     answers). Such a turn, by `rewritten_turns`: `split` trains it in a text of its own, the chat up to
@@ -264,11 +302,12 @@ def chat_views(tokenizer, messages: list[dict],
     `refuse` raises `Refused`. A chat's final `eos_token` that a template adds (Phi-3) does not count as a
     rewrite. A message without `reasoning_content` reaches the template without the key.
     """
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
+    messages = [{k: v for k, v in m.items() if v is not None and k != "weight"} for m in messages]
     full = render(tokenizer, messages)
     whole_chat, own_texts = [], []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if weights[i] == 0:  # context: not trained
             continue
         prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
         through = render(tokenizer, messages[: i + 1])
@@ -279,13 +318,13 @@ def chat_views(tokenizer, messages: list[dict],
                           "located; set tokenizer.chat_template to a template that keeps earlier text unchanged")
         end_in_full = _end_in_whole_chat(through[:end], full, tokenizer.eos_token)
         if end_in_full is not None:
-            whole_chat.append((len(prompt), end_in_full))
+            whole_chat.append((len(prompt), end_in_full, weights[i]))
         elif rewritten_turns == "refuse":
             raise Refused(f"messages[{i}]", "the chat template renders this turn differently once later turns "
                           f"follow ({_divergence(through, full)}); data.rewritten_turns=split trains it from its "
                           "own rendering, skip leaves it untrained")
         elif rewritten_turns == "split":
-            own_texts.append((through, [(len(prompt), end)]))
+            own_texts.append((through, [(len(prompt), end, weights[i])]))
     return ([(full, whole_chat)] if whole_chat else []) + own_texts
 
 
@@ -337,7 +376,8 @@ def row_fields(score: float, extra: str) -> dict:
 
 
 def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate",
-                   rewritten_turns: str = "split", token_weights: Callable | None = None) -> dict:
+                   rewritten_turns: str = "split", token_weights: Callable | None = None,
+                   turn_weighted: bool = False) -> dict:
     """`datasets.map` function: input_ids and assistant-only labels of each text a chat trains as
     (`chat_views`; `view` 0 is the whole chat, 1... turns a template rewrites later), fitted to `max_length`.
 
@@ -346,11 +386,13 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
     are dropped. A chat the template cannot label (`Refused`) becomes one empty row whose `refused` says
     why, for the caller to report with its line. `token_weights` (a loss's static per-token weights,
     `WeightedTokenLoss.token_weights`) adds a `token_weights` column; weights that are not finite numbers
-    >= 0, one per token, refuse the row.
+    >= 0, one per token, refuse the row. `turn_weighted` (some message has a weight other than 1) puts
+    each turn's weight on its tokens, in `token_weights` too (times the loss's, where it has them).
     """
     out = {"input_ids": [], "labels": [], "difficulty_score": [], "source_line": [], "extra": [], "view": [],
            "truncated": [], "overlong": [], "refused": []}
-    if token_weights is not None:
+    weighted = token_weights is not None or turn_weighted
+    if weighted:
         out["token_weights"] = []
     extras = batch.get("extra") or [""] * len(batch["messages"])
 
@@ -359,7 +401,7 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
                            ("source_line", batch["source_line"][k]), ("extra", extras[k]), ("view", view),
                            ("truncated", truncated), ("overlong", too_long), ("refused", refused)):
             out[key].append(value)
-        if token_weights is not None:
+        if weighted:
             out["token_weights"].append(np.ones(len(ids), dtype=np.float32) if weights is None else weights)
 
     texts, pieces, where = [], [], []  # every text of the batch, the part of it tokenised, its row and spans
@@ -384,9 +426,13 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
         offsets = np.asarray(enc["offset_mapping"][n], dtype=np.int64).reshape(-1, 2) + lo  # into the whole text
         starts = offsets[:, 0]
         trained = np.zeros(len(ids), dtype=bool)
-        for a, b in spans:
-            trained |= (starts >= a) & (starts < b)
-        weights = None
+        turn = np.ones(len(ids), dtype=np.float32) if turn_weighted else None
+        for a, b, w in spans:
+            in_turn = (starts >= a) & (starts < b)
+            trained |= in_turn
+            if turn is not None:
+                turn[in_turn] = w
+        weights = turn
         if token_weights is not None:
             weights = token_weights(texts[n], offsets, row_fields(batch["difficulty_score"][k], extras[k]))
             weights = np.ones(len(ids), dtype=np.float32) if weights is None else weights
@@ -395,7 +441,7 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
                 refused_rows.add(k)
                 emit(k, [], [], 0, refused=f"loss.token_weights\t{problem}")
                 continue
-            weights = np.asarray(weights, dtype=np.float32)
+            weights = np.asarray(weights, dtype=np.float32) * (1.0 if turn is None else turn)
         too_long = len(ids) > max_length
         if too_long and overlong == "drop":
             continue
@@ -475,7 +521,8 @@ class SplitSummary:
 
 
 def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_proc, key: str,
-                     on_error: str, overlong: str, rewritten_turns: str, token_weights: Callable | None = None):
+                     on_error: str, overlong: str, rewritten_turns: str, token_weights: Callable | None = None,
+                     row_format: RowFormat | None = None, train_on: str = "all"):
     """Tokenise one file, or load it from the cache an earlier run wrote with the same key.
 
     Returns the dataset, the rejected rows and the `SplitSummary` (all three kept in the cache, so every
@@ -493,7 +540,7 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
         return load_from_disk(str(target / "rows")), rejected, summary
     # Rows without a score are kept (NaN), for every run to share the cache: `_require_scores` refuses them
     # where the run uses scores.
-    rows, rejected = scan_jsonl(path, default_score, score_required=False)
+    rows, rejected = scan_jsonl(path, default_score, score_required=False, row_format=row_format, train_on=train_on)
     if rejected and on_error == "raise":
         raise DataError([str(r) for r in rejected])
     if not rows:
@@ -507,7 +554,8 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
         num_proc=num_proc if num_proc and num_proc > 1 else None,
         remove_columns=["messages"],
         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong,
-                   "rewritten_turns": rewritten_turns, "token_weights": token_weights},
+                   "rewritten_turns": rewritten_turns, "token_weights": token_weights,
+                   "turn_weighted": any(m["weight"] not in (0.0, 1.0) for r in rows for m in r["messages"])},
         keep_in_memory=True,
         desc=f"tokenising {Path(path).name}",
     )
@@ -651,6 +699,9 @@ def load_sft_datasets(
     packing: bool = False,
     rewritten_turns: str = "split",
     scores_needed_by: list[str] | None = None,
+    format: str = "auto",  # noqa: A002 - the config's name (data.format)
+    columns: dict | None = None,
+    train_on: str = "all",
 ) -> SFTData:
     """Validated, tokenised train and eval splits with the loss's static weights: a per-row `loss_weight`
     (`loss.sample_weight`), per-token `token_weights` when the loss has them, and an `aux_<name>` value
@@ -660,13 +711,18 @@ def load_sft_datasets(
     and reports the others (`report_rejected`). `overlong` and `rewritten_turns`: see `tokenize_batch`
     and `chat_views`. `packing` changes only how batches are formed (`WeightedDataCollator`); it is kept
     with the data settings it describes. `scores_needed_by`: what in the run uses `difficulty_score` (by
-    default the loss, if its `alpha` is not 0); a row without a score is refused only then.
+    default the loss, if its `alpha` is not 0); a row without a score is refused only then. `format` and
+    `columns`: the files' row format (`sft.formats`); `train_on`: `all` assistant turns or the `last` only
+    (`turn_weights`).
     """
     if scores_needed_by is None:
         scores_needed_by = scores_used_by(loss)
     token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
     identity = data_identity(train_file, eval_file, tokenizer, max_length, default_score)
     identity.update(overlong=overlong, rewritten_turns=rewritten_turns)
+    columns = {k: v for k, v in dict(columns or {}).items() if v is not None}
+    if (format, columns, train_on) != ("auto", {}, "all"):  # (else as before: caches of earlier versions stand)
+        identity.update(format=format, columns=dict(sorted(columns.items())), train_on=train_on)
     if token_weights is not None:
         identity["token_weights"] = loss.token_weight_identity()
     key = data_hash(identity)
@@ -677,7 +733,8 @@ def load_sft_datasets(
             splits.append(None)
             continue
         ds, bad, summaries[name] = _tokenized_split(path, tokenizer, max_length, default_score, num_proc, key,
-                                                    on_error, overlong, rewritten_turns, token_weights)
+                                                    on_error, overlong, rewritten_turns, token_weights,
+                                                    RowFormat(format, columns), train_on)
         ds, unscored = _require_scores(ds, path, scores_needed_by, on_error)
         rejected += bad + unscored
         summaries[name].rejected += len(unscored)

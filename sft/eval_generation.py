@@ -64,11 +64,13 @@ class EvalGeneration(EvalGenerationConfig):
         self.rows: list[dict] = []
         self.evaluations = 0
 
-    def choose(self, eval_file: str, bucket_edges: list[float]) -> None:
-        """Fix the prompts for the whole run (a resumed run chooses the same ones)."""
+    def choose(self, eval_file: str, bucket_edges: list[float], fmt: str = "auto", columns: dict | None = None) -> None:
+        """Fix the prompts for the whole run (a resumed run chooses the same ones); `fmt`, `columns`: the eval
+        file's row format (`data.format`, `data.columns`)."""
         from sft.data import read_jsonl
 
-        self.rows = spread_over_buckets(read_jsonl(eval_file, default_score=None), bucket_edges, self.prompts)
+        rows = read_jsonl(eval_file, default_score=None, fmt=fmt, columns=columns)
+        self.rows = spread_over_buckets(rows, bucket_edges, self.prompts)
 
     def due(self) -> bool:
         """Counts an evaluation; whether this one generates."""

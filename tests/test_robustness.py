@@ -165,7 +165,8 @@ GOOD = json.dumps(chat("What is 1 + 1?", "1 + 1 = 2", 1.0))
 CORPUS = {
     "invalid_json": ([GOOD, '{"messages": [}'], 2, "row: invalid JSON"),
     "not_object": ([GOOD, GOOD, "42"], 3, "row: must be a JSON object"),
-    "no_messages": (['{"difficulty_score": 1}'], 1, "messages: missing"),
+    "no_messages": (['{"difficulty_score": 1}'], 1, "row: no column of a known format: expected one of messages "
+                                                    "(messages), conversations (sharegpt)"),
     "messages_not_list": (['{"messages": "hi", "difficulty_score": 1}'], 1, "messages: must be a non-empty list"),
     "no_role": (['{"messages": [{"content": "q"}], "difficulty_score": 1}'], 1, "messages[0].role: missing"),
     "no_content": (['{"messages": [{"role": "user"}], "difficulty_score": 1}'], 1, "messages[0].content: missing"),
