@@ -146,6 +146,12 @@ class DataConfig(Schema):
     format: str = "auto"
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
     train_on: str = "all"  # all assistant turns | last (the last assistant turn of each chat only)
+    # Sources (sft.sources): train_file/eval_file may also be .json/.parquet/.csv/.arrow files, globs, a
+    # save_to_disk folder or hub:<dataset id>; the splits of hub datasets and DatasetDict folders
+    train_split: str = "train"
+    eval_split: str = "test"
+    hub_name: Optional[str] = None  # the hub dataset's config name
+    hub_revision: Optional[str] = None  # a commit, tag or branch: pin it for a reproducible run
 
     def check(self, cfg=None):
         from sft.formats import FORMATS
@@ -158,9 +164,18 @@ class DataConfig(Schema):
         self.require("rewritten_turns", self.rewritten_turns in ("split", "skip", "refuse"),
                      "must be split, skip or refuse")
         self.require("default_score", self.default_score is None or self.default_score >= 0, "must be >= 0")
+        from sft.sources import Source, SourceError
+
         for key in ("train_file", "eval_file"):
             path = getattr(self, key)
-            self.require(key, path is None or os.path.isfile(path), "no such file")
+            if path is None:
+                continue
+            try:
+                source = Source(path)
+            except SourceError as e:
+                raise ConfigError(key, path, str(e).split(": ", 1)[-1]) from None
+            self.require(key, source.kind in ("hub", "disk") or all(os.path.isfile(f) for f in source.files),
+                         "no such file")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 from sft.batch import IGNORE_INDEX
 from sft.cache import building, cache_dir
 from sft.formats import FormatError, RowFormat
+from sft.sources import Source, SourceError
 
 if TYPE_CHECKING:
     import datasets
@@ -47,11 +48,11 @@ PARALLEL_ROWS = 20000  # data.num_proc=null tokenises files of this many rows on
 class DataError(ValueError):
     """Bad rows in a data file; the message lists `file:line: field: reason` for the first ones."""
 
-    def __init__(self, problems: list[str], total: int | None = None):
+    def __init__(self, problems: list[str], total: int | None = None, header: str | None = None):
         total = len(problems) if total is None else total
         shown = "\n".join(f"  {p}" for p in problems[:MAX_ERRORS_SHOWN])
         more = f"\n  ... and {total - MAX_ERRORS_SHOWN} more" if total > MAX_ERRORS_SHOWN else ""
-        super().__init__(f"{total} bad row(s) in the data:\n{shown}{more}")
+        super().__init__(f"{header or f'{total} bad row(s) in the data'}:\n{shown}{more}")
         self.problems, self.total = problems, total
 
 
@@ -196,37 +197,93 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None, scor
             if not text:
                 continue
             try:
-                row = row_format(json.loads(text))
+                parsed = json.loads(text)
             except json.JSONDecodeError as e:
                 reject("row", f"invalid JSON ({e.msg} at column {e.colno})")
                 continue
             except RecursionError:
                 reject("row", "nested too deeply to be a chat (JSON arrays or objects inside each other)")
                 continue
-            except FormatError as e:
-                reject(e.field, e.reason)
-                continue
-            problem = _check_row(row, default_score, score_required)
-            if problem:
-                reject(*problem)
-                continue
-            score = row.get("difficulty_score")
-            extra = {k: v for k, v in row.items() if k not in ("messages", "difficulty_score")}
-            weights = turn_weights(row["messages"], train_on)
-            rows.append({
-                "messages": [{"role": m["role"], "content": m["content"],
-                              "reasoning_content": m.get("reasoning_content"), "weight": w}
-                             for m, w in zip(row["messages"], weights)],
-                "difficulty_score": float(math.nan if score is None and default_score is None
-                                          else default_score if score is None else score),
-                "source_line": lineno,
-                "extra": json.dumps(extra) if extra else "",  # ASCII: a lone surrogate stays an escape
-            })
+            accepted = _accept(parsed, lineno, reject, default_score, score_required, row_format, train_on)
+            if accepted is not None:
+                rows.append(accepted)
     if not rows and not rejected:
         raise DataError([f"{path}: file: no rows (the file is empty)"])
-    if row_format.fmt == "auto" and row_format.chosen not in (None, "messages"):
-        log.info("data: %s: format %s (data.format=auto, from the columns of its first row)", path, row_format.chosen)
+    _log_format(path, row_format)
     return rows, rejected
+
+
+def scan_table(source: Source, default_score: float | None = None, score_required: bool = True,
+               row_format: RowFormat | None = None, train_on: str = "all") -> tuple[list[dict], list[Rejected]]:
+    """`scan_jsonl` for a source `datasets` reads (Parquet, CSV, JSON, Arrow, a save_to_disk folder, the hub):
+    rows are named by their number from 1. A column a row lacks (Arrow gives it as null) counts as absent."""
+    row_format = row_format or RowFormat()
+    try:
+        table = source.table()
+    except SourceError as e:
+        raise DataError([str(e)], header="the data cannot be read") from None
+    rows, rejected = [], []
+    for number, row in enumerate(table, start=1):
+        def reject(field: str, reason: str) -> None:
+            rejected.append(Rejected(str(source), number, field, reason, json.dumps(row, ensure_ascii=False,
+                                                                                     default=str)))
+
+        accepted = _accept(_without_nulls(row), number, reject, default_score, score_required, row_format, train_on)
+        if accepted is not None:
+            rows.append(accepted)
+    if not rows and not rejected:
+        raise DataError([f"{source}: source: no rows"])
+    _log_format(str(source), row_format)
+    return rows, rejected
+
+
+def _without_nulls(value):
+    """A table row without its null values, at any depth (Arrow fills a struct's missing keys with null)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _accept(parsed, number: int, reject: Callable, default_score, score_required: bool, row_format: RowFormat,
+            train_on: str) -> dict | None:
+    """One parsed row as a row of the split (or None, rejected through `reject(field, reason)`)."""
+    try:
+        row = row_format(parsed)
+    except FormatError as e:
+        reject(e.field, e.reason)
+        return None
+    problem = _check_row(row, default_score, score_required)
+    if problem:
+        reject(*problem)
+        return None
+    score = row.get("difficulty_score")
+    extra = {k: v for k, v in row.items() if k not in ("messages", "difficulty_score")}
+    weights = turn_weights(row["messages"], train_on)
+    return {
+        "messages": [{"role": m["role"], "content": m["content"], "reasoning_content": m.get("reasoning_content"),
+                      "weight": w} for m, w in zip(row["messages"], weights)],
+        "difficulty_score": float(math.nan if score is None and default_score is None
+                                  else default_score if score is None else score),
+        "source_line": number,
+        "extra": json.dumps(extra, default=str) if extra else "",  # ASCII: a lone surrogate stays an escape
+    }
+
+
+def _log_format(name: str, row_format: RowFormat) -> None:
+    if row_format.fmt == "auto" and row_format.chosen not in (None, "messages"):
+        log.info("data: %s: format %s (data.format=auto, from the columns of its first row)", name, row_format.chosen)
+
+
+def scan_source(source: Source, *args, **kwargs) -> tuple[list[dict], list[Rejected]]:
+    """The valid and rejected rows of a source: `scan_jsonl` for a JSONL file, else `scan_table`."""
+    return scan_jsonl(source.spec, *args, **kwargs) if source.kind == "jsonl" else scan_table(source, *args, **kwargs)
+
+
+def raw_rows(source: Source, numbers: set[int]) -> dict[int, str]:
+    """Rows of a source by line (JSONL) or number, as `Rejected.raw` holds them."""
+    return _raw_lines(source.spec, numbers) if source.kind == "jsonl" else source.raw(numbers)
 
 
 def _raw_lines(path: str, lines: set[int]) -> dict[int, str]:
@@ -237,9 +294,15 @@ def _raw_lines(path: str, lines: set[int]) -> dict[int, str]:
 
 
 def read_jsonl(path: str | os.PathLike, default_score: float | None = None, fmt: str = "auto",
-               columns: dict | None = None) -> list[dict]:
-    """Read and validate a chat JSONL file; raise `DataError` naming file, line and field of bad rows."""
-    rows, rejected = scan_jsonl(path, default_score, row_format=RowFormat(fmt, columns))
+               columns: dict | None = None, split: str | None = None, hub_name: str | None = None,
+               hub_revision: str | None = None) -> list[dict]:
+    """Read and validate a chat source (a JSONL file, or any `sft.sources.Source`, of any row format); raise
+    `DataError` naming source, line (row) and field of bad rows."""
+    try:
+        source = Source(str(path), split, hub_name, hub_revision)
+    except SourceError as e:
+        raise DataError([str(e)], header="the data cannot be read") from None
+    rows, rejected = scan_source(source, default_score, row_format=RowFormat(fmt, columns))
     if rejected:
         raise DataError([str(r) for r in rejected])
     return rows
@@ -484,15 +547,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def data_identity(train_file: str, eval_file: str | None, tokenizer, max_length: int,
+def data_identity(train: Source, eval: Source | None, tokenizer, max_length: int,
                   default_score: float | None) -> dict:
-    """What decides the preprocessed data, part by part: file contents, preprocessing settings, tokenizer."""
-    def file_hash(path):
-        return None if path is None else hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
+    """What decides the preprocessed data, part by part: the sources' contents, preprocessing settings, tokenizer."""
     return {
-        "train_file": file_hash(train_file),
-        "eval_file": file_hash(eval_file),
+        "train_file": train.fingerprint(),
+        "eval_file": None if eval is None else eval.fingerprint(),
         "max_length": max_length,
         "default_score": default_score,
         "tokenizer": tokenizer_fingerprint(tokenizer)[:16],
@@ -520,7 +580,7 @@ class SplitSummary:
     reweighted_tokens: int = 0  # trained tokens whose static token weight (the loss's token_weights) is not 1
 
 
-def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_proc, key: str,
+def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, num_proc, key: str,
                      on_error: str, overlong: str, rewritten_turns: str, token_weights: Callable | None = None,
                      row_format: RowFormat | None = None, train_on: str = "all"):
     """Tokenise one file, or load it from the cache an earlier run wrote with the same key.
@@ -530,7 +590,9 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
     """
     from datasets import Dataset, load_from_disk
 
-    target = cache_dir() / "datasets" / f"{key}-{Path(path).stem}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+    path = str(source)
+    stem = re.sub(r"[^\w.-]", "_", Path(path).stem)  # (a glob's or a hub id's too)
+    target = cache_dir() / "datasets" / f"{key}-{stem}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
     if target.exists():
         log.info("data: %s from cache %s", path, target)
         rejected = [Rejected(**r) for r in json.loads((target / "rejected.json").read_text())]
@@ -540,7 +602,8 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
         return load_from_disk(str(target / "rows")), rejected, summary
     # Rows without a score are kept (NaN), for every run to share the cache: `_require_scores` refuses them
     # where the run uses scores.
-    rows, rejected = scan_jsonl(path, default_score, score_required=False, row_format=row_format, train_on=train_on)
+    rows, rejected = scan_source(source, default_score, score_required=False, row_format=row_format,
+                                 train_on=train_on)
     if rejected and on_error == "raise":
         raise DataError([str(r) for r in rejected])
     if not rows:
@@ -565,7 +628,7 @@ def _tokenized_split(path: str, tokenizer, max_length: int, default_score, num_p
     refused = [(i, line, why.split("\t", 1)) for i, (line, why)
                in enumerate(zip(column(ds, "source_line"), column(ds, "refused"))) if why]
     if refused:
-        raw = _raw_lines(path, {line for _, line, _ in refused})
+        raw = raw_rows(source, {line for _, line, _ in refused})
         by_template = [Rejected(path, line, field, reason, raw[line]) for _, line, (field, reason) in refused]
         if on_error == "raise":
             raise DataError([str(r) for r in by_template])
@@ -628,7 +691,7 @@ def scores_used_by(loss, controllers: dict | None = None) -> list[str]:
                     if getattr(c, "needs_difficulty_score", False)]
 
 
-def _require_scores(ds: datasets.Dataset, path: str, needed_by: list[str],
+def _require_scores(ds: datasets.Dataset, source: Source, needed_by: list[str],
                     on_error: str) -> tuple[datasets.Dataset, list[Rejected]]:
     """Where the run uses difficulty scores (`needed_by` names what does), a row without one is refused
     (`on_error=raise`) or left out and reported (`skip`); elsewhere it trains with no score.
@@ -636,6 +699,7 @@ def _require_scores(ds: datasets.Dataset, path: str, needed_by: list[str],
         needed_by=["loss.alpha=1"], a row of line 7 without a score  ->
             DataError "train.jsonl:7: difficulty_score: missing (used by loss.alpha=1; ...)"
     """
+    path = str(source)
     lines = column(ds, "source_line")
     unscored = sorted({line for line, score in zip(lines, column(ds, "difficulty_score")) if math.isnan(score)})
     if not unscored:
@@ -644,7 +708,7 @@ def _require_scores(ds: datasets.Dataset, path: str, needed_by: list[str],
         log.info("data: %s: %d row(s) without difficulty_score, which this run does not use", path, len(unscored))
         return ds, []
     reason = f"missing (used by {', '.join(needed_by)}; set data.default_score to use a default)"
-    raw = _raw_lines(path, set(unscored))
+    raw = raw_rows(source, set(unscored))
     missing = [Rejected(path, line, "difficulty_score", reason, raw[line]) for line in unscored]
     if on_error == "raise":
         raise DataError([str(r) for r in missing])
@@ -702,6 +766,10 @@ def load_sft_datasets(
     format: str = "auto",  # noqa: A002 - the config's name (data.format)
     columns: dict | None = None,
     train_on: str = "all",
+    train_split: str = "train",
+    eval_split: str = "test",
+    hub_name: str | None = None,
+    hub_revision: str | None = None,
 ) -> SFTData:
     """Validated, tokenised train and eval splits with the loss's static weights: a per-row `loss_weight`
     (`loss.sample_weight`), per-token `token_weights` when the loss has them, and an `aux_<name>` value
@@ -713,12 +781,18 @@ def load_sft_datasets(
     with the data settings it describes. `scores_needed_by`: what in the run uses `difficulty_score` (by
     default the loss, if its `alpha` is not 0); a row without a score is refused only then. `format` and
     `columns`: the files' row format (`sft.formats`); `train_on`: `all` assistant turns or the `last` only
-    (`turn_weights`).
+    (`turn_weights`). `train_file`/`eval_file` are sources (`sft.sources`: JSONL and other files, globs,
+    save_to_disk folders, `hub:<id>`), the splits and hub settings for those that have them.
     """
     if scores_needed_by is None:
         scores_needed_by = scores_used_by(loss)
     token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
-    identity = data_identity(train_file, eval_file, tokenizer, max_length, default_score)
+    try:
+        sources = {name: None if spec is None else Source(spec, split, hub_name, hub_revision)
+                   for name, spec, split in (("train", train_file, train_split), ("eval", eval_file, eval_split))}
+        identity = data_identity(sources["train"], sources["eval"], tokenizer, max_length, default_score)
+    except SourceError as e:
+        raise DataError([str(e)], header="the data cannot be read") from None
     identity.update(overlong=overlong, rewritten_turns=rewritten_turns)
     columns = {k: v for k, v in dict(columns or {}).items() if v is not None}
     if (format, columns, train_on) != ("auto", {}, "all"):  # (else as before: caches of earlier versions stand)
@@ -728,14 +802,15 @@ def load_sft_datasets(
     key = data_hash(identity)
 
     splits, rejected, summaries = [], [], {}
-    for name, path in (("train", train_file), ("eval", eval_file)):
-        if path is None:
+    for name, source in sources.items():
+        if source is None:
             splits.append(None)
             continue
-        ds, bad, summaries[name] = _tokenized_split(path, tokenizer, max_length, default_score, num_proc, key,
+        path = str(source)
+        ds, bad, summaries[name] = _tokenized_split(source, tokenizer, max_length, default_score, num_proc, key,
                                                     on_error, overlong, rewritten_turns, token_weights,
                                                     RowFormat(format, columns), train_on)
-        ds, unscored = _require_scores(ds, path, scores_needed_by, on_error)
+        ds, unscored = _require_scores(ds, source, scores_needed_by, on_error)
         rejected += bad + unscored
         summaries[name].rejected += len(unscored)
         if token_weights is not None and name == "train" and not summaries[name].reweighted_tokens:

@@ -64,12 +64,12 @@ class EvalGeneration(EvalGenerationConfig):
         self.rows: list[dict] = []
         self.evaluations = 0
 
-    def choose(self, eval_file: str, bucket_edges: list[float], fmt: str = "auto", columns: dict | None = None) -> None:
-        """Fix the prompts for the whole run (a resumed run chooses the same ones); `fmt`, `columns`: the eval
-        file's row format (`data.format`, `data.columns`)."""
+    def choose(self, eval_file: str, bucket_edges: list[float], **source) -> None:
+        """Fix the prompts for the whole run (a resumed run chooses the same ones); `source`: how the eval source
+        is read (`sft.data.read_jsonl`'s format, columns, split and hub settings)."""
         from sft.data import read_jsonl
 
-        rows = read_jsonl(eval_file, default_score=None, fmt=fmt, columns=columns)
+        rows = read_jsonl(eval_file, default_score=None, **source)
         self.rows = spread_over_buckets(rows, bucket_edges, self.prompts)
 
     def due(self) -> bool:

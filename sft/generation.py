@@ -16,10 +16,10 @@ from sft.data import read_jsonl
 log = logging.getLogger("sft")
 
 
-def hardest_bucket_rows(eval_file: str, bucket_edges: list[float], max_rows: int, fmt: str = "auto",
-                        columns: dict | None = None) -> list[dict]:
-    """The eval rows of the highest non-empty difficulty bucket, in file order, at most `max_rows`."""
-    rows = read_jsonl(eval_file, default_score=0.0, fmt=fmt, columns=columns)
+def hardest_bucket_rows(eval_file: str, bucket_edges: list[float], max_rows: int, **source) -> list[dict]:
+    """The eval rows of the highest non-empty difficulty bucket, in file order, at most `max_rows`; `source`:
+    how the eval source is read (`read_jsonl`'s format, columns, split and hub settings)."""
+    rows = read_jsonl(eval_file, default_score=0.0, **source)
     bucket = [bisect.bisect_right(bucket_edges, r["difficulty_score"]) for r in rows]
     hardest = max(bucket)
     return [r for r, b in zip(rows, bucket) if b == hardest][:max_rows]
@@ -57,9 +57,9 @@ def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 32, ba
 
 
 def hardest_bucket_exact_match(trainer, tokenizer, eval_file: str, bucket_edges: list[float], max_rows: int,
-                               max_new_tokens: int, fmt: str = "auto", columns: dict | None = None) -> float:
+                               max_new_tokens: int, **source) -> float:
     """Exact match of greedy answers on the hardest eval bucket (every rank generates; rank 0 reports)."""
-    rows = hardest_bucket_rows(eval_file, bucket_edges, max_rows, fmt, columns)
+    rows = hardest_bucket_rows(eval_file, bucket_edges, max_rows, **source)
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped if trainer.is_zero3 else trainer.model)
     score = exact_match(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.shards_parameters)
     log.info("exact match of greedy answers on the hardest eval bucket (%d rows): %.4f", len(rows), score)

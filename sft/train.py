@@ -400,7 +400,7 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     if cfg.exact_match is not None and recipe.data.eval is not None:
         final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
             trainer, recipe.tokenizer, cfg.data.eval_file, list(cfg.eval_buckets), cfg.exact_match.max_rows,
-            cfg.exact_match.max_new_tokens, cfg.data.format, data_columns(cfg))
+            cfg.exact_match.max_new_tokens, **eval_source(cfg))
     return final_eval
 
 
@@ -412,13 +412,15 @@ def eval_generation(cfg: DictConfig):
     if cfg.eval_generation is None or not evaluates(cfg):
         return None
     samples = instantiate(cfg.eval_generation, _convert_="all")
-    samples.choose(cfg.data.eval_file, list(cfg.eval_buckets), cfg.data.format, data_columns(cfg))
+    samples.choose(cfg.data.eval_file, list(cfg.eval_buckets), **eval_source(cfg))
     return samples
 
 
-def data_columns(cfg: DictConfig) -> dict:
-    """`data.columns` as `sft.formats.RowFormat` takes it: the fields whose column is named."""
-    return {k: v for k, v in cfg.data.columns.items() if v is not None}
+def eval_source(cfg: DictConfig) -> dict:
+    """How `sft.data.read_jsonl` reads the eval source as training does: format, columns, split, hub settings."""
+    d = cfg.data
+    return {"fmt": d.format, "columns": {k: v for k, v in d.columns.items() if v is not None}, "split": d.eval_split,
+            "hub_name": d.hub_name, "hub_revision": d.hub_revision}
 
 
 def evaluates(cfg: DictConfig) -> bool:

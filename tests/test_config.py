@@ -68,7 +68,7 @@ def test_unknown_keys_and_bad_types_are_rejected_naming_them(override, key):
         (["+controllers=curriculum", "controllers.curriculum.factor=1"], "controllers.curriculum.factor"),
         (["+controllers=adaptive_eval", "controllers.adaptive_eval.min_steps=900"], "controllers.adaptive_eval.min_steps"),
         (["+controllers=adaptive_eval", "controllers.adaptive_eval.slow=0.5"], "controllers.adaptive_eval.slow"),
-        (["+controllers=curriculum", "data=jsonl", "data.train_file=README.md"], "controllers.curriculum"),
+        (["+controllers=curriculum", "data=jsonl", "data.train_file=sft/sample_data/train.jsonl"], "controllers.curriculum"),
         (["+controllers=early_stopping", "trainer.eval_strategy=no"], "controllers.early_stopping"),
         (["controllers.guard.max_consecutive=0"], "controllers.guard.max_consecutive"),
         (["controllers.guard.spike_factor=0.5"], "controllers.guard.spike_factor"),
@@ -92,7 +92,7 @@ def test_bad_values_are_rejected_naming_the_field(overrides, key):
                                    "+controllers=early_stopping", "+controllers=lr_plateau", "+controllers=adaptive_eval",
                                    "+controllers=curriculum"])
 def test_presets_compose(group):
-    cfg = composed(group, "data.train_file=README.md") if group == "data=jsonl" else composed(group)
+    cfg = composed(group, "data.train_file=sft/sample_data/train.jsonl") if group == "data=jsonl" else composed(group)
     assert cfg is not None
 
 
