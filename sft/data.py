@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 PREPROCESS_VERSION = 3  # bump when tokenisation or labelling changes, to invalidate caches
 MAX_ERRORS_SHOWN = 10
 PARALLEL_ROWS = 20000  # data.num_proc=null tokenises files of this many rows on every core
@@ -69,12 +69,18 @@ def _check_row(row, default_score: float | None, score_required: bool = True) ->
         return "messages", "missing"
     if not isinstance(messages, list) or not messages:
         return "messages", "must be a non-empty list of {role, content} objects"
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return "tools", "must be a list of tool definitions (JSON objects), as the chat template takes them"
+    pending = None  # the ids and function names of the tool calls whose results may follow
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             return where, "must be an object with role and content"
         if "role" not in m:
             return f"{where}.role", "missing"
+        if m.get("tool_calls") and m.get("content") is None:  # OpenAI's form of a turn that only calls tools
+            m["content"] = ""
         if m["role"] not in ROLES:
             return f"{where}.role", f"unknown role {m['role']!r} (expected one of {', '.join(ROLES)})"
         if "content" not in m:
@@ -86,8 +92,17 @@ def _check_row(row, default_score: float | None, score_required: bool = True) ->
             if surrogate is not None:
                 return f"{where}.{key}", f"not valid Unicode (a lone surrogate at character {surrogate})"
         if m.get("tool_calls") is not None:
-            return f"{where}.tool_calls", "tool calls are not trained yet (the row would train without them)"
-        if m["role"] == "assistant" and not m["content"].strip():
+            problem = _check_tool_calls(m, where)
+            if problem:
+                return problem
+            pending = {c.get("id") for c in m["tool_calls"]}, {c["function"]["name"] for c in m["tool_calls"]}
+        if m["role"] == "tool":
+            problem = _check_tool_result(m, where, pending)
+            if problem:
+                return problem
+        elif m["role"] != "assistant" or not m.get("tool_calls"):
+            pending = None  # a call's results follow it directly
+        if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls"):
             return f"{where}.content", "empty assistant content"
         reasoning = m.get("reasoning_content")
         if reasoning is not None and (m["role"] != "assistant" or not isinstance(reasoning, str)):
@@ -111,6 +126,47 @@ def _check_row(row, default_score: float | None, score_required: bool = True) ->
                                     f"({len(str(abs(score)))} digits)")
     elif not _finite_number(score, nonnegative=True):
         return "difficulty_score", f"must be a finite number >= 0, got {score!r}"
+    return None
+
+
+def _check_tool_calls(message: dict, where: str) -> tuple[str, str] | None:
+    """An assistant turn's `tool_calls`: OpenAI's form, [{"id"?, "type": "function", "function": {"name",
+    "arguments": an object or its JSON}}]."""
+    calls = message["tool_calls"]
+    if message["role"] != "assistant":
+        return f"{where}.tool_calls", "only an assistant turn calls tools"
+    if not isinstance(calls, list) or not calls:
+        return f"{where}.tool_calls", "must be a non-empty list of {type, function: {name, arguments}} objects"
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            return f"{at}.function", "missing (a call is {type: function, function: {name, arguments}})"
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            return f"{at}.function.name", "must be a non-empty string"
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                return f"{at}.function.arguments", f"not JSON ({e.msg} at column {e.colno})"
+        if not isinstance(arguments, dict):
+            return f"{at}.function.arguments", "must be a JSON object (or its text)"
+        if call.get("type", "function") != "function":
+            return f"{at}.type", f"must be function, got {call['type']!r}"
+    return None
+
+
+def _check_tool_result(message: dict, where: str, pending) -> tuple[str, str] | None:
+    """A `tool` turn: the result of a call of the assistant turn before it (by `tool_call_id` or `name`)."""
+    if pending is None:
+        return f"{where}.role", "a tool result without a tool call before it (an assistant turn with tool_calls)"
+    ids, names = pending
+    call_id, name = message.get("tool_call_id"), message.get("name")
+    if call_id is not None and ids - {None} and call_id not in ids:
+        return f"{where}.tool_call_id", f"{call_id!r} names no call of the assistant turn before it"
+    if name is not None and name not in names:
+        return f"{where}.name", f"{name!r} is no function called by the assistant turn before it"
     return None
 
 
@@ -259,16 +315,31 @@ def _accept(parsed, number: int, reject: Callable, default_score, score_required
         reject(*problem)
         return None
     score = row.get("difficulty_score")
-    extra = {k: v for k, v in row.items() if k not in ("messages", "difficulty_score")}
+    extra = {k: v for k, v in row.items() if k not in ("messages", "difficulty_score", "tools")}
     weights = turn_weights(row["messages"], train_on)
     return {
+        # tool calls and definitions as JSON text: Arrow would unify their argument objects' keys over all rows
         "messages": [{"role": m["role"], "content": m["content"], "reasoning_content": m.get("reasoning_content"),
-                      "weight": w} for m, w in zip(row["messages"], weights)],
+                      "tool_calls": None if m.get("tool_calls") is None else json.dumps(_openai_calls(m["tool_calls"])),
+                      "tool_call_id": m.get("tool_call_id"), "name": m.get("name"), "weight": w}
+                     for m, w in zip(row["messages"], weights)],
+        "tools": "" if row.get("tools") is None else json.dumps(row["tools"]),
         "difficulty_score": float(math.nan if score is None and default_score is None
                                   else default_score if score is None else score),
         "source_line": number,
         "extra": json.dumps(extra, default=str) if extra else "",  # ASCII: a lone surrogate stays an escape
     }
+
+
+def _openai_calls(calls: list[dict]) -> list[dict]:
+    """Tool calls as chat templates take them: `type` function, `arguments` an object (JSON text parsed)."""
+    out = []
+    for call in calls:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            function["arguments"] = json.loads(function["arguments"])
+        out.append({**call, "type": "function", "function": function})
+    return out
 
 
 def _log_format(name: str, row_format: RowFormat) -> None:
@@ -346,8 +417,8 @@ def _end_in_whole_chat(turn: str, full: str, eos: str | None) -> int | None:
     return None
 
 
-def chat_views(tokenizer, messages: list[dict],
-               rewritten_turns: str = "split") -> list[tuple[str, list[tuple[int, int, float]]]]:
+def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
+               tools: list[dict] | None = None) -> list[tuple[str, list[tuple[int, int, float]]]]:
     """The texts a chat trains as, each with the character spans of its trained assistant turns and their
     weights (a message's `weight`, as `scan_jsonl` sets it: 0 leaves the turn untrained; default 1).
 
@@ -364,21 +435,36 @@ def chat_views(tokenizer, messages: list[dict],
     and including it (as the model saw it when answering); `skip` trains it not at all (it stays context);
     `refuse` raises `Refused`. A chat's final `eos_token` that a template adds (Phi-3) does not count as a
     rewrite. A message without `reasoning_content` reaches the template without the key.
+
+    Tool calls (`tool_calls`, stored as JSON text) are part of their assistant turn and train with it; `tool`
+    results are context. `tools` (the row's definitions) go to the template. A template that renders
+    neither a turn's calls nor the tools (`Refused`) would train the turn without what it is for.
     """
     weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
-    messages = [{k: v for k, v in m.items() if v is not None and k != "weight"} for m in messages]
-    full = render(tokenizer, messages)
+    messages = [{k: json.loads(v) if k == "tool_calls" and isinstance(v, str) else v for k, v in m.items()
+                 if v is not None and k != "weight"} for m in messages]
+    full = render(tokenizer, messages, tools=tools)
+    missing = [t for t in tools or [] if _tool_name(t) and _tool_name(t) not in full]
+    if missing:
+        raise Refused("tools", f"the chat template does not render the tool definitions ({_tool_name(missing[0])!r} "
+                      "is not in the chat's text): the model would learn to call tools it is never shown; set "
+                      "tokenizer.chat_template to one that renders tools")
     whole_chat, own_texts = [], []
     for i, m in enumerate(messages):
         if weights[i] == 0:  # context: not trained
             continue
-        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = render(tokenizer, messages[: i + 1])
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        through = render(tokenizer, messages[: i + 1], tools=tools)
         end = len(through.rstrip())
         if not through.startswith(prompt) or end <= len(prompt):
             raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently "
                           f"once the turn is added ({_divergence(prompt, through)}), so the turn cannot be "
                           "located; set tokenizer.chat_template to a template that keeps earlier text unchanged")
+        for call in m.get("tool_calls") or []:
+            if call["function"]["name"] not in through[len(prompt):end]:
+                raise Refused(f"messages[{i}].tool_calls", "the chat template does not render this turn's tool call "
+                              f"({call['function']['name']!r}): the turn would train without it; set "
+                              "tokenizer.chat_template to one that renders tool calls")
         end_in_full = _end_in_whole_chat(through[:end], full, tokenizer.eos_token)
         if end_in_full is not None:
             whole_chat.append((len(prompt), end_in_full, weights[i]))
@@ -389,6 +475,12 @@ def chat_views(tokenizer, messages: list[dict],
         elif rewritten_turns == "split":
             own_texts.append((through, [(len(prompt), end, weights[i])]))
     return ([(full, whole_chat)] if whole_chat else []) + own_texts
+
+
+def _tool_name(tool: dict) -> str | None:
+    """A tool definition's name: OpenAI's {"type": "function", "function": {"name"}} or a bare {"name"}."""
+    function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    return function.get("name") if isinstance(function.get("name"), str) else None
 
 
 def fit_window(n_tokens: int, answer_start: int, max_length: int) -> tuple[int, int]:
@@ -469,9 +561,10 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
 
     texts, pieces, where = [], [], []  # every text of the batch, the part of it tokenised, its row and spans
     reach = token_reach(tokenizer, max_length)
+    all_tools = batch.get("tools") or [""] * len(batch["messages"])
     for k, messages in enumerate(batch["messages"]):
         try:
-            views = chat_views(tokenizer, messages, rewritten_turns)
+            views = chat_views(tokenizer, messages, rewritten_turns, json.loads(all_tools[k]) if all_tools[k] else None)
         except Refused as e:
             emit(k, [], [], 0, refused=f"{e.field}\t{e.reason}")
             continue
@@ -615,7 +708,7 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
         batched=True,
         batch_size=256,
         num_proc=num_proc if num_proc and num_proc > 1 else None,
-        remove_columns=["messages"],
+        remove_columns=["messages", "tools"],
         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong,
                    "rewritten_turns": rewritten_turns, "token_weights": token_weights,
                    "turn_weighted": any(m["weight"] not in (0.0, 1.0) for r in rows for m in r["messages"])},

@@ -3,7 +3,8 @@
 
 - `messages`: `{"messages": [{"role", "content"}, ...]}` (OpenAI / TRL conversational), as is;
 - `sharegpt`: `{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", ...}]}`, roles
-  human/user, gpt/assistant/model, system mapped (function_call/observation: tool calls are not trained yet);
+  human/user, gpt/assistant/model, system mapped; `function_call` (its value the call's JSON) becomes an
+  assistant turn with `tool_calls`, `observation` a `tool` result; `tools` may be JSON text;
 - `alpaca`: `{"instruction", "input", "output", "system", "history": [[q, a], ...]}`, the user turn being
   the instruction and the input joined by a blank line;
 - `prompt_completion`: `{"prompt", "completion"}`, each a string (a user turn, an assistant turn) or a
@@ -19,6 +20,8 @@ looks like another format is refused, naming it. `data.columns` maps a format's 
 """
 
 from __future__ import annotations
+
+import json
 
 FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt_completion")
 # each format's fields (the first: the one that must be there), as `data.columns` names them
@@ -75,6 +78,11 @@ class RowFormat:
                                      "format")
         own = {self.name(f) for f in FIELDS[self.chosen]} | {self.name("score")}
         out = {k: v for k, v in row.items() if k not in own}
+        if isinstance(out.get("tools"), str):  # LLaMA-Factory keeps the definitions as JSON text
+            try:
+                out["tools"] = json.loads(out["tools"]) if out["tools"].strip() else None
+            except json.JSONDecodeError as e:
+                raise FormatError("tools", f"not JSON ({e.msg} at column {e.colno})") from None
         out["messages"] = getattr(self, f"_{self.chosen}")(row)
         score = self.name("score")
         if score in row:
@@ -98,9 +106,18 @@ class RowFormat:
                 if key not in turn:
                     raise FormatError(f"{where}.{key}", "missing")
             who = turn["from"]
-            if who in ("function_call", "observation", "tool", "function"):
-                raise FormatError(f"{where}.from", f"{who!r}: tool calls are not trained yet (the row would train "
-                                                   "without them)")
+            if who == "function_call":  # LLaMA-Factory's: the value is the call, {"name", "arguments"}, as JSON
+                try:
+                    call = json.loads(turn["value"]) if isinstance(turn["value"], str) else turn["value"]
+                except json.JSONDecodeError as e:
+                    raise FormatError(f"{where}.value", f"a function_call's value is not JSON ({e.msg})") from None
+                calls = call if isinstance(call, list) else [call]
+                messages.append({"role": "assistant", "content": "", **{k: turn[k] for k in TURN_KEYS if k in turn},
+                                 "tool_calls": [{"type": "function", "function": c} for c in calls]})
+                continue
+            if who in ("observation", "tool", "function"):
+                messages.append({"role": "tool", "content": turn["value"]})
+                continue
             if who not in SHAREGPT_ROLES:
                 raise FormatError(f"{where}.from", f"cannot map {who!r} to a role (known: "
                                                    f"{', '.join(SHAREGPT_ROLES)})")

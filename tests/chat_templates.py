@@ -95,6 +95,31 @@ PHI3 = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
+# Qwen2.5 with tools: the definitions in the system turn, each call a <tool_call> JSON block in its assistant
+# turn, consecutive tool results one user turn of <tool_response> blocks.
+QWEN25_TOOLS = (
+    "{%- if tools %}{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- else %}{{- 'You are a helpful assistant.' }}"
+    "{%- endif %}{{- '\n\n# Tools\n\n<tools>' }}{%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools><|im_end|>\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + call.function.arguments | tojson"
+    " + '}\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 FAMILIES = {
     "chatml": dict(template=CHATML_TEMPLATE, special=[], bos=None, eos="<|im_end|>",
                    answer="{a}<|im_end|>"),
@@ -106,6 +131,7 @@ FAMILIES = {
     "gemma": dict(template=GEMMA, special=["<bos>", "<start_of_turn>", "<end_of_turn>"], bos="<bos>",
                   eos="<end_of_turn>", answer="{a}<end_of_turn>"),
     "mistral": dict(template=MISTRAL, special=["<s>", "</s>"], bos="<s>", eos="</s>", answer=" {a}</s>"),
+    "qwen25_tools": dict(template=QWEN25_TOOLS, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
     "phi3": dict(template=PHI3, special=["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|eos|>"],
                  bos=None, eos="<|eos|>", answer="{a}<|end|>", last_answer="{a}<|end|>\n<|eos|>"),
 }

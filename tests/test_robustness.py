@@ -194,7 +194,8 @@ CORPUS = {
                        "messages[0].content: not valid Unicode (a lone surrogate at character 5)"),
     "nested_too_deep": (['[' * 100000 + ']' * 100000], 1, "row: nested too deeply"),
     "tool_calls": ([GOOD.replace('"1 + 1 = 2"}', '"1 + 1 = 2", "tool_calls": [{"name": "f"}]}')], 1,
-                   "messages[1].tool_calls: tool calls are not trained yet (the row would train without them)"),
+                   "messages[1].tool_calls[0].function: missing (a call is {type: function, function: {name, "
+                   "arguments}})"),
 }
 
 
