@@ -44,22 +44,25 @@ def one_process(tmp_path_factory):
 WEIGHTED = ["loss=keywords", "loss.alpha=1"]
 
 
-# A controller of the user's kind (sft.controllers.base.Controller) that sends its own process SIGTERM when
-# a step begins: on every rank, as SLURM signals every process of a job step.
-SIGTERM_AT = """
+# A controller of the user's kind (sft.controllers.base.Controller) that sends its own process a signal when
+# a step begins: on every rank, as SLURM signals every process of a job step. SIGTERM lets the run save and
+# stop; SIGKILL ends it with no handler and no checkpoint, as a lost node would.
+SIGNAL_AT = """
 import os, signal
 from sft.controllers.base import Controller
 
-class SigtermAt(Controller):
-    name = "sigterm_at"
+class {cls}(Controller):
+    name = "{name}"
 
     def __init__(self, step: int):
         self.step = step
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step + 1 == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.{signal})
 """
+SIGTERM_AT = SIGNAL_AT.format(cls="SigtermAt", name="sigterm_at", signal="SIGTERM")
+SIGKILL_AT = SIGNAL_AT.format(cls="SigkillAt", name="sigkill_at", signal="SIGKILL")
 
 
 @pytest.mark.slow
@@ -187,23 +190,6 @@ def test_fsdp_with_activation_checkpointing_preempted_then_resumed_equals_one_pr
     results = json.loads((two / "results.json").read_text())
     assert results["resumed_from"] == str(two / "checkpoint-1") and results["loss_impl"] == "chunked"
     assert_same_run(one, two)
-
-
-# Kills its own process (every rank) as a step begins: no signal handler, no checkpoint, as a lost node would.
-SIGKILL_AT = """
-import os, signal
-from sft.controllers.base import Controller
-
-class SigkillAt(Controller):
-    name = "sigkill_at"
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step + 1 == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-"""
 
 
 @pytest.mark.slow
