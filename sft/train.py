@@ -68,6 +68,7 @@ def train(cfg: DictConfig) -> RunResults:
     locks = lock_run_dirs(run_dir, output_dir)
     try:
         checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force)
+        check_fsdp_resume(cfg, checkpoint)
         changes = continue_or_claim(cfg, output_dir, checkpoint)
         recipe = build(cfg, run_dir, checkpoint)
         track_checkpoints(recipe, cfg, checkpoint, changes)
@@ -133,6 +134,22 @@ def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) 
     if checkpoint is None:
         return []
     return check_resume_config(checkpoint, OmegaConf.to_container(cfg, resolve=True), cfg.resume_force)
+
+
+def check_fsdp_resume(cfg: DictConfig, checkpoint: str | None) -> None:
+    """Refuse, before any model is built, an FSDP resume that torch cannot load: `set_optimizer_state_dict`
+    needs a tensor in the saved optimizer state, and plain SGD (no momentum) keeps none (torch 2.13)."""
+    if checkpoint is None or cfg.fsdp is None or cfg.trainer.optim != "sgd":
+        return
+    args = dict(kv.split("=", 1) for kv in (cfg.trainer.optim_args or "").replace(" ", "").split(",") if "=" in kv)
+    try:
+        momentum = float(args.get("momentum", 0))
+    except ValueError:
+        return  # transformers reports a bad value itself
+    if momentum == 0:
+        raise ConfigError("resume", checkpoint, "FSDP cannot reload plain SGD's optimizer state, which holds no "
+                          "tensor (torch's set_optimizer_state_dict needs one), so this run cannot be resumed; "
+                          'train FSDP runs with momentum (trainer.optim_args="momentum=0.9") or another optimizer')
 
 
 def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
