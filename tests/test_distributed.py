@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,15 +35,31 @@ def assert_same_run(one, two):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The reference for both engines: one plain process, batch 4, with static token weights on top of the
-    difficulty weights (keywords: the sums after "=" weigh 3x)."""
+    """The reference for DDP and ZeRO-3: one plain process, batch 4, with static token weights (keywords: the
+    sums after "=" weigh 3x) and per-turn weights on top of the difficulty weights."""
     run = tmp_path_factory.mktemp("one") / "run"
     single = run_train(*EXACT, *WEIGHTED, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={run}")
     assert single.returncode == 0, single.stderr[-3000:]
     return run
 
 
-WEIGHTED = ["loss=keywords", "loss.alpha=1"]
+def _turn_weighted_train_file():
+    """Two-turn chats from the bundled rows, each turn with a weight of its own (0.5, 2, or untrained; then 1
+    or 3): per-turn weights on top of the difficulty and keyword weights."""
+    path = Path(tempfile.mkdtemp(prefix="sft-test-turns-")) / "train_turns.jsonl"
+    rows = [json.loads(line) for line in (REPO / "sft/sample_data/train.jsonl").read_text().splitlines()[:64]]
+    with path.open("w") as f:
+        for k, (a, b) in enumerate(zip(rows[::2], rows[1::2])):
+            first, second = dict(a["messages"][-1]), dict(b["messages"][-1])
+            first.update([{"weight": 0.5}, {"weight": 2.0}, {"train": False}][k % 3])
+            second["weight"] = [1.0, 3.0][k % 2]
+            chat = [*a["messages"][:-1], first, *[m for m in b["messages"][:-1] if m["role"] != "system"], second]
+            f.write(json.dumps({"messages": chat, "difficulty_score": a["difficulty_score"]}) + "\n")
+    return path
+
+
+# Difficulty weights, keyword token weights and per-turn weights, all at once.
+WEIGHTED = ["loss=keywords", "loss.alpha=1", f"data.train_file={_turn_weighted_train_file()}"]
 
 
 # A controller of the user's kind (sft.controllers.base.Controller) that sends its own process a signal when
