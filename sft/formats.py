@@ -90,7 +90,9 @@ class RowFormat:
         return out
 
     def _messages(self, row: dict):
-        return row.get(self.name("messages"))  # validated as messages by sft.data
+        if self.name("messages") not in row:
+            raise FormatError(self.name("messages"), "missing")
+        return row[self.name("messages")]  # validated as messages by sft.data
 
     def _sharegpt(self, row: dict) -> list[dict]:
         field = self.name("conversations")

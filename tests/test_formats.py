@@ -72,6 +72,7 @@ def test_mapped_columns_name_the_files_fields(tmp_path, tokenizer):
     ([{"text": "no chat here"}], {}, "rows.jsonl:1: row: no column of a known format: expected one of messages"),
     ([chat("1?", "1")], {"columns": {"messages": "convs"}}, "rows.jsonl:1: row: no column of a known format"),
     ([{"instruction": "Add 1 and 1."}], {"format": "alpaca"}, "rows.jsonl:1: output: missing"),
+    ([chat("1?", "1")], {"format": "messages", "columns": {"messages": "convs"}}, "rows.jsonl:1: convs: missing"),
     ([{"prompt": "1?", "completion": 2}], {}, "rows.jsonl:1: completion: must be a string or a non-empty list"),
     ([{"messages": [{"role": "user", "content": "1?"}, {"role": "assistant", "content": "1", "weight": -1}]}], {},
      "rows.jsonl:1: messages[1].weight: must be a finite number >= 0, got -1"),
