@@ -444,9 +444,9 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
     messages = [{k: json.loads(v) if k == "tool_calls" and isinstance(v, str) else v for k, v in m.items()
                  if v is not None and k != "weight"} for m in messages]
     full = render(tokenizer, messages, tools=tools)
-    missing = [t for t in tools or [] if _tool_name(t) and _tool_name(t) not in full]
+    missing = [name for name in map(_tool_name, tools or []) if name and name not in full]
     if missing:
-        raise Refused("tools", f"the chat template does not render the tool definitions ({_tool_name(missing[0])!r} "
+        raise Refused("tools", f"the chat template does not render the tool definitions ({missing[0]!r} "
                       "is not in the chat's text): the model would learn to call tools it is never shown; set "
                       "tokenizer.chat_template to one that renders tools")
     whole_chat, own_texts = [], []
@@ -887,7 +887,7 @@ def load_sft_datasets(
     except SourceError as e:
         raise DataError([str(e)], header="the data cannot be read") from None
     identity.update(overlong=overlong, rewritten_turns=rewritten_turns)
-    columns = {k: v for k, v in dict(columns or {}).items() if v is not None}
+    columns = RowFormat(format, columns).columns
     if (format, columns, train_on) != ("auto", {}, "all"):  # (else as before: caches of earlier versions stand)
         identity.update(format=format, columns=dict(sorted(columns.items())), train_on=train_on)
     if token_weights is not None:

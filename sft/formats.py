@@ -56,7 +56,8 @@ class RowFormat:
     def __init__(self, fmt: str = "auto", columns: dict | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
-        self.fmt, self.columns = fmt, dict(columns or {})
+        # the fields whose column is named (a null in `data.columns`: the field's own name)
+        self.fmt, self.columns = fmt, {k: v for k, v in dict(columns or {}).items() if v is not None}
         self.chosen = None if fmt == "auto" else fmt  # auto: the first row's format, for the whole file
 
     def name(self, field: str) -> str:
@@ -107,14 +108,14 @@ class RowFormat:
             for key in ("from", "value"):
                 if key not in turn:
                     raise FormatError(f"{where}.{key}", "missing")
-            who = turn["from"]
+            who, control = turn["from"], {k: turn[k] for k in TURN_KEYS if k in turn}
             if who == "function_call":  # LLaMA-Factory's: the value is the call, {"name", "arguments"}, as JSON
                 try:
                     call = json.loads(turn["value"]) if isinstance(turn["value"], str) else turn["value"]
                 except json.JSONDecodeError as e:
                     raise FormatError(f"{where}.value", f"a function_call's value is not JSON ({e.msg})") from None
                 calls = call if isinstance(call, list) else [call]
-                messages.append({"role": "assistant", "content": "", **{k: turn[k] for k in TURN_KEYS if k in turn},
+                messages.append({"role": "assistant", "content": "", **control,
                                  "tool_calls": [{"type": "function", "function": c} for c in calls]})
                 continue
             if who in ("observation", "tool", "function"):
@@ -123,9 +124,7 @@ class RowFormat:
             if who not in SHAREGPT_ROLES:
                 raise FormatError(f"{where}.from", f"cannot map {who!r} to a role (known: "
                                                    f"{', '.join(SHAREGPT_ROLES)})")
-            message = {"role": SHAREGPT_ROLES[who], "content": turn["value"]}
-            message.update({k: turn[k] for k in TURN_KEYS if k in turn})
-            messages.append(message)
+            messages.append({"role": SHAREGPT_ROLES[who], "content": turn["value"], **control})
         return messages
 
     def _alpaca(self, row: dict) -> list[dict]:
@@ -138,8 +137,8 @@ class RowFormat:
                                   f"must be a string, got {type(value).__name__}")
             return value
 
-        instruction, extra_input = text("instruction", required=True), text("input")
-        messages = [{"role": "system", "content": text("system")}] if text("system") else []
+        instruction, extra_input, system = text("instruction", required=True), text("input"), text("system")
+        messages = [{"role": "system", "content": system}] if system else []
         history = row.get(self.name("history")) or []
         if not isinstance(history, list):
             raise FormatError(self.name("history"), "must be a list of [instruction, answer] pairs")
@@ -163,9 +162,7 @@ class RowFormat:
                 raise FormatError(self.name(field), "missing" if value is None else
                                   "must be a string or a non-empty list of messages")
         prompt, completion = parts
-        if any(isinstance(m, dict) and m.get("role") == "assistant" for m in prompt) and isinstance(
-                row.get(self.name("prompt")), list):
-            # TRL trains the completion only: earlier assistant turns of a conversational prompt are context
-            prompt = [{**m, "train": False} if isinstance(m, dict) and m.get("role") == "assistant" else m
-                      for m in prompt]
+        # TRL trains the completion only: assistant turns of a conversational prompt are context
+        prompt = [{**m, "train": False} if isinstance(m, dict) and m.get("role") == "assistant" else m
+                  for m in prompt]
         return prompt + completion

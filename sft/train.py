@@ -436,8 +436,8 @@ def eval_generation(cfg: DictConfig):
 def eval_source(cfg: DictConfig) -> dict:
     """How `sft.data.read_jsonl` reads the eval source as training does: format, columns, split, hub settings."""
     d = cfg.data
-    return {"fmt": d.format, "columns": {k: v for k, v in d.columns.items() if v is not None}, "split": d.eval_split,
-            "hub_name": d.hub_name, "hub_revision": d.hub_revision}
+    return {"fmt": d.format, "columns": dict(d.columns), "split": d.eval_split, "hub_name": d.hub_name,
+            "hub_revision": d.hub_revision}
 
 
 def evaluates(cfg: DictConfig) -> bool:
