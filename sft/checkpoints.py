@@ -106,10 +106,23 @@ def verify(checkpoint: str | os.PathLike) -> str | None:
     return None
 
 
-def data_changes(saved: dict, current: dict) -> list[str]:
-    """What differs between the data identity a checkpoint was trained on and the current one."""
-    return [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
-            for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+def data_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """What differs between the data identity a checkpoint was trained on and the current one, down to the
+    field of a mixture's source: `mixture[1].ratio: 0.3 -> 0.5`."""
+    changes = []
+    for key in sorted(set(saved) | set(current)):
+        old, new = saved.get(key), current.get(key)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += data_changes(old, new, f"{prefix}{key}.")
+        elif (isinstance(old, list) and isinstance(new, list) and len(old) == len(new)
+              and all(isinstance(x, dict) for x in old + new)):
+            for i, (a, b) in enumerate(zip(old, new)):
+                changes += data_changes(a, b, f"{prefix}{key}[{i}].")
+        else:
+            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changes
 
 
 def set_aside_after(output_dir: str | os.PathLike, step: int, damaged: dict[Path, str]) -> None:

@@ -127,10 +127,67 @@ class ColumnsConfig(Schema):
     score: Optional[str] = None
 
 
+TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # it becomes part of metric names: eval_ce_task_<name>
+
+
+@dataclass
+class MixtureSourceConfig(Schema):
+    """One source of a multi-task mixture (`data.mixture`): its files, how it is read, how much of it is drawn,
+    its task and the task's loss weight. A null field is the `data` node's (format, columns, splits, hub)."""
+
+    train_file: str = MISSING  # a source as data.train_file takes it (file, glob, save_to_disk folder, hub:<id>)
+    eval_file: Optional[str] = None  # its eval rows: eval_loss_task_<task>, eval_ce_task_<task>
+    task: Optional[str] = None  # the name in the eval metrics; null: the source is in no task metric
+    # How much of it the mixture draws, one of the two (every source of a mixture the same one):
+    # ratio: its share of the mixture's rows (normalised over the sources; the mixture has as many rows as
+    # its sources together); epochs: times its rows (2: each row twice; 0.5: half of them, drawn at random)
+    ratio: Optional[float] = None
+    epochs: Optional[float] = None
+    loss_weight: float = 1.0  # multiplies the sample weight of the source's rows (training and evaluation)
+    format: Optional[str] = None  # null: data.format
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)  # over data.columns
+    train_split: Optional[str] = None
+    eval_split: Optional[str] = None
+    hub_name: Optional[str] = None
+    hub_revision: Optional[str] = None
+
+    def check(self, cfg=None):
+        from sft.formats import FORMATS
+
+        self.require("ratio", self.ratio is None or self.epochs is None, "give ratio or epochs, not both")
+        self.require("ratio", self.ratio is None or (math.isfinite(self.ratio) and self.ratio > 0),
+                     "must be a finite number > 0")
+        self.require("epochs", self.epochs is None or (math.isfinite(self.epochs) and self.epochs > 0),
+                     "must be a finite number > 0")
+        self.require("loss_weight", math.isfinite(self.loss_weight) and self.loss_weight >= 0,
+                     "must be a finite number >= 0")
+        self.require("task", self.task is None or bool(TASK_NAME.match(self.task)),
+                     "must be letters, digits, _ . - (it names metrics: eval_ce_task_<task>)")
+        self.require("format", self.format is None or self.format in FORMATS, f"must be one of {', '.join(FORMATS)}")
+        self.require("eval_file", self.eval_file is None or self.task is not None,
+                     "needs a task name (its eval rows are reported as eval_loss_task_<task>)")
+        for key in ("train_file", "eval_file"):
+            _check_source(self, key)
+
+
+def _check_source(node: Schema, key: str) -> None:
+    """`node.<key>` names a source that exists (`sft.sources.Source`: a file, glob, folder or hub id)."""
+    from sft.sources import Source, SourceError
+
+    path = getattr(node, key)
+    if path is None:
+        return
+    try:
+        source = Source(path)
+    except SourceError as e:
+        raise ConfigError(key, path, str(e).split(": ", 1)[-1]) from None
+    node.require(key, source.kind in ("hub", "disk") or all(os.path.isfile(f) for f in source.files), "no such file")
+
+
 @dataclass
 class DataConfig(Schema):
     _target_: str = "sft.data.load_sft_datasets"
-    train_file: str = MISSING
+    train_file: Optional[str] = MISSING  # null with a mixture
     eval_file: Optional[str] = None
     max_length: int = 2048
     default_score: Optional[float] = None
@@ -152,6 +209,10 @@ class DataConfig(Schema):
     eval_split: str = "test"
     hub_name: Optional[str] = None  # the hub dataset's config name
     hub_revision: Optional[str] = None  # a commit, tag or branch: pin it for a reproducible run
+    # Multi-task fine-tuning: several sources in place of train_file/eval_file (sft.mixture), each with its
+    # own format, columns, share (ratio or epochs), task name and loss weight; the draw is seeded by mixture_seed
+    mixture: List[MixtureSourceConfig] = field(default_factory=list)
+    mixture_seed: int = 0
 
     def check(self, cfg=None):
         from sft.formats import FORMATS
@@ -164,18 +225,34 @@ class DataConfig(Schema):
         self.require("rewritten_turns", self.rewritten_turns in ("split", "skip", "refuse"),
                      "must be split, skip or refuse")
         self.require("default_score", self.default_score is None or self.default_score >= 0, "must be >= 0")
-        from sft.sources import Source, SourceError
-
+        if self.mixture:
+            self._check_mixture(cfg)
+            return
+        self.require("train_file", self.train_file is not None, "missing: a source to train on (or data.mixture)")
         for key in ("train_file", "eval_file"):
-            path = getattr(self, key)
-            if path is None:
-                continue
+            _check_source(self, key)
+
+    def _check_mixture(self, cfg) -> None:
+        for key in ("train_file", "eval_file"):
+            self.require(key, getattr(self, key) is None, "must be null with data.mixture (each source of the "
+                         f"mixture names its own {key})")
+        tasks = set()
+        for i, entry in enumerate(self.mixture):
             try:
-                source = Source(path)
-            except SourceError as e:
-                raise ConfigError(key, path, str(e).split(": ", 1)[-1]) from None
-            self.require(key, source.kind in ("hub", "disk") or all(os.path.isfile(f) for f in source.files),
-                         "no such file")
+                if isinstance(entry, DictConfig) and OmegaConf.is_missing(entry, "train_file"):
+                    raise ConfigError("train_file", None, "missing: every source of a mixture names its train_file")
+                entry = entry if isinstance(entry, MixtureSourceConfig) else MixtureSourceConfig(**entry)
+                entry.check(cfg)
+                if entry.task is not None:
+                    entry.require("task", entry.task not in tasks, "names another source's task too: task "
+                                  "names are unique in a mixture")
+                    tasks.add(entry.task)
+            except ConfigError as e:
+                raise e.within(f"mixture[{i}]") from None
+        shares = {"ratio" if e.ratio is not None else "epochs" for e in self.mixture}
+        if len(shares) > 1:
+            raise ConfigError("mixture", None, "mixes ratio and epochs: give every source a ratio (shares of the "
+                              "mixture), or every source its epochs (null ratio and epochs: epochs 1)")
 
 
 @dataclass

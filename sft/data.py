@@ -32,6 +32,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 from sft.batch import IGNORE_INDEX
 from sft.cache import building, cache_dir
 from sft.formats import FormatError, RowFormat
+from sft.mixture import Part, draw_counts, drawn_sequences, log_mixture, parts_of
 from sft.sources import Source, SourceError
 
 if TYPE_CHECKING:
@@ -672,6 +673,10 @@ class SplitSummary:
     trained_tokens: int = 0  # tokens with a label
     reweighted_tokens: int = 0  # trained tokens whose static token weight (the loss's token_weights) is not 1
 
+    def __add__(self, other: SplitSummary) -> SplitSummary:
+        """Two sources' counts together (a mixture's, before its draw)."""
+        return SplitSummary(**{k: v + getattr(other, k) for k, v in vars(self).items()})
+
 
 def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, num_proc, key: str,
                      on_error: str, overlong: str, rewritten_turns: str, token_weights: Callable | None = None,
@@ -769,10 +774,17 @@ def column(ds: datasets.Dataset, name: str) -> list:
     return ds.with_format("arrow").select_columns([name])[:][name].to_pylist()
 
 
-def row_scores(dataset) -> dict[int, float]:
-    """`difficulty_score` by `source_line`, for the rows that have one: names a row's difficulty in reports
+def row_keys(dataset) -> list[tuple[int, int]]:
+    """Each sequence's row: (source number, source line); the source is 0 but in a mixture (`sft.mixture`)."""
+    lines = column(dataset, "source_line")
+    sources = column(dataset, "source") if "source" in dataset.column_names else [0] * len(lines)
+    return list(zip(sources, lines))
+
+
+def row_scores(dataset) -> dict[tuple[int, int], float]:
+    """`difficulty_score` by row (`row_keys`), for the rows that have one: names a row's difficulty in reports
     and eval buckets."""
-    return {line: score for line, score in zip(column(dataset, "source_line"), column(dataset, "difficulty_score"))
+    return {key: score for key, score in zip(row_keys(dataset), column(dataset, "difficulty_score"))
             if not math.isnan(score)}
 
 
@@ -836,16 +848,26 @@ class SFTData:
     identity: dict  # see data_identity
     packing: bool = False  # how the collator forms batches (data.packing)
     summary: dict[str, SplitSummary] = field(default_factory=dict)  # by split: train, eval
+    parts: list[Part] = field(default_factory=list)  # the sources, by the rows' `source` number (sft.mixture)
 
     @property
     def data_hash(self) -> str:
         return data_hash(self.identity)
 
+    @property
+    def tasks(self) -> dict[int, str]:
+        """The task of each source that has one, by source number (a mixture's; none without one)."""
+        return {i: p.task for i, p in enumerate(self.parts) if p.task is not None}
+
+    def source_name(self, split: str, number: int = 0) -> str:
+        """The train or eval source of a row's `source` number, as errors and reports name it."""
+        return str(getattr(self.parts[number], split)) if self.parts else "?"
+
 
 def load_sft_datasets(
     tokenizer,
     loss,
-    train_file: str,
+    train_file: str | None,
     eval_file: str | None = None,
     max_length: int = 2048,
     default_score: float | None = None,
@@ -863,6 +885,8 @@ def load_sft_datasets(
     eval_split: str = "test",
     hub_name: str | None = None,
     hub_revision: str | None = None,
+    mixture: list | None = None,
+    mixture_seed: int = 0,
 ) -> SFTData:
     """Validated, tokenised train and eval splits with the loss's static weights: a per-row `loss_weight`
     (`loss.sample_weight`), per-token `token_weights` when the loss has them, and an `aux_<name>` value
@@ -875,48 +899,106 @@ def load_sft_datasets(
     default the loss, if its `alpha` is not 0); a row without a score is refused only then. `format` and
     `columns`: the files' row format (`sft.formats`); `train_on`: `all` assistant turns or the `last` only
     (`turn_weights`). `train_file`/`eval_file` are sources (`sft.sources`: JSONL and other files, globs,
-    save_to_disk folders, `hub:<id>`), the splits and hub settings for those that have them.
+    save_to_disk folders, `hub:<id>`), the splits and hub settings for those that have them. `mixture`
+    (`data.mixture` entries) replaces them by several sources drawn into one training split (`sft.mixture`),
+    each row numbered by its source in a `source` column.
     """
     if scores_needed_by is None:
         scores_needed_by = scores_used_by(loss)
     token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
+    columns = RowFormat(format, columns).columns
     try:
-        sources = {name: None if spec is None else Source(spec, split, hub_name, hub_revision)
-                   for name, spec, split in (("train", train_file, train_split), ("eval", eval_file, eval_split))}
-        identity = data_identity(sources["train"], sources["eval"], tokenizer, max_length, default_score)
+        if mixture:
+            parts = parts_of(mixture, format, columns, train_split, eval_split, hub_name, hub_revision)
+        else:
+            parts = [Part(Source(train_file, train_split, hub_name, hub_revision),
+                          None if eval_file is None else Source(eval_file, eval_split, hub_name, hub_revision),
+                          format, columns)]
+        identity = data_identity(parts[0].train, parts[0].eval, tokenizer, max_length, default_score)
+        shared = {k: v for k, v in identity.items() if k not in ("train_file", "eval_file")}
+        shared.update(overlong=overlong, rewritten_turns=rewritten_turns)
+        if token_weights is not None:
+            shared["token_weights"] = loss.token_weight_identity()
+        if mixture:
+            identity = {**shared, "train_on": train_on, "mixture": [p.identity() for p in parts],
+                        "mixture_seed": mixture_seed}
+        else:
+            identity.update(shared)
+            if (format, columns, train_on) != ("auto", {}, "all"):  # (else as before: earlier caches stand)
+                identity.update(format=format, columns=dict(sorted(columns.items())), train_on=train_on)
     except SourceError as e:
         raise DataError([str(e)], header="the data cannot be read") from None
-    identity.update(overlong=overlong, rewritten_turns=rewritten_turns)
-    columns = RowFormat(format, columns).columns
-    if (format, columns, train_on) != ("auto", {}, "all"):  # (else as before: caches of earlier versions stand)
-        identity.update(format=format, columns=dict(sorted(columns.items())), train_on=train_on)
-    if token_weights is not None:
-        identity["token_weights"] = loss.token_weight_identity()
-    key = data_hash(identity)
 
-    splits, rejected, summaries = [], [], {}
-    for name, source in sources.items():
-        if source is None:
-            splits.append(None)
-            continue
-        path = str(source)
-        ds, bad, summaries[name] = _tokenized_split(source, tokenizer, max_length, default_score, num_proc, key,
-                                                    on_error, overlong, rewritten_turns, token_weights,
-                                                    RowFormat(format, columns), train_on)
-        ds, unscored = _require_scores(ds, source, scores_needed_by, on_error)
-        rejected += bad + unscored
-        summaries[name].rejected += len(unscored)
-        if token_weights is not None and name == "train" and not summaries[name].reweighted_tokens:
-            log.warning("loss: its token weights leave every one of the %d trained tokens of %s at 1 (for "
-                        "loss.phrases: no phrase occurs in an assistant turn)", summaries[name].trained_tokens, path)
-        splits.append(_with_static_weights(ds, loss, path))
+    splits, rejected, summaries = {"train": [], "eval": []}, [], {}
+    for number, part in enumerate(parts):
+        # the tokenised rows of a source are cached by what decides them, whatever mixture they are part of
+        key = data_hash(identity) if not mixture else data_hash(
+            {**shared, "train_on": train_on, **{k: v for k, v in part.identity().items()
+                                                if k in ("train_file", "eval_file", "format", "columns")}})
+        for name in ("train", "eval"):
+            source = getattr(part, name)
+            if source is None:
+                continue
+            ds, bad, summary = _tokenized_split(source, tokenizer, max_length, default_score, num_proc, key,
+                                                on_error, overlong, rewritten_turns, token_weights,
+                                                RowFormat(part.format, part.columns), train_on)
+            ds, unscored = _require_scores(ds, source, scores_needed_by, on_error)
+            rejected += bad + unscored
+            summary.rejected += len(unscored)
+            if token_weights is not None and name == "train" and not summary.reweighted_tokens:
+                log.warning("loss: its token weights leave every one of the %d trained tokens of %s at 1 (for "
+                            "loss.phrases: no phrase occurs in an assistant turn)", summary.trained_tokens, source)
+            summaries[name] = summary if name not in summaries else summaries[name] + summary
+            ds = _with_static_weights(ds, loss, str(source), part.loss_weight)
+            splits[name].append(ds if not mixture else _numbered(ds, number))
     report_rejected(rejected, rejected_file)
-    return SFTData(train=splits[0], eval=splits[1], identity=identity, packing=packing, summary=summaries)
+    if not mixture:
+        train, evaluation = splits["train"][0], (splits["eval"] or [None])[0]
+    else:
+        train, evaluation = _mixed(parts, splits["train"], mixture_seed), _concatenated(splits["eval"])
+    return SFTData(train=train, eval=evaluation, identity=identity, packing=packing, summary=summaries, parts=parts)
 
 
-def _with_static_weights(ds: datasets.Dataset, loss, path: str) -> datasets.Dataset:
-    """The split with `loss_weight` (the loss's sample weight of each row) and the auxiliary terms' row
-    values as columns. A weight that is not a finite number >= 0 is a `DataError` naming the row."""
+def _numbered(ds: datasets.Dataset, number: int) -> datasets.Dataset:
+    """The split with its source's number in a `source` column."""
+    fingerprint = hashlib.sha256(f"{ds._fingerprint}-source-{number}".encode()).hexdigest()[:16]
+    return ds.add_column("source", [number] * len(ds), new_fingerprint=fingerprint)
+
+
+def _mixed(parts: list[Part], splits: list[datasets.Dataset], seed: int) -> datasets.Dataset:
+    """The training split of a mixture: each source's rows drawn as its ratio or epochs say (`sft.mixture`)."""
+    lines = [np.asarray(column(ds, "source_line")) for ds in splits]
+    sizes = [len(np.unique(x)) for x in lines]
+    counts = draw_counts(sizes, [p.ratio for p in parts], [p.epochs for p in parts])
+    for i, (part, count) in enumerate(zip(parts, counts)):
+        if count == 0:
+            raise DataError([f"data.mixture[{i}] ({part.name}): its share draws no row of its {sizes[i]} (raise its "
+                             "ratio or epochs)"], header="the mixture cannot be drawn")
+    log_mixture(parts, sizes, counts)
+    drawn = [ds.select(drawn_sequences(x, count, np.random.default_rng([seed, i])))
+             for i, (ds, x, count) in enumerate(zip(splits, lines, counts))]
+    return _concatenated(drawn)
+
+
+def _concatenated(splits: list[datasets.Dataset]) -> datasets.Dataset | None:
+    """Splits of several sources as one; `token_weights` of 1 where a source has none and another has them."""
+    from datasets import concatenate_datasets
+
+    if not splits:
+        return None
+    if any("token_weights" in ds.column_names for ds in splits):
+        splits = [ds if "token_weights" in ds.column_names else ds.map(
+            lambda b: {"token_weights": [np.ones(len(ids), dtype=np.float32) for ids in b["input_ids"]]},
+            batched=True, keep_in_memory=True) for ds in splits]
+        features = next(ds for ds in splits if "token_weights" in ds.column_names).features
+        splits = [ds.cast(features) for ds in splits]
+    return concatenate_datasets(splits) if len(splits) > 1 else splits[0]
+
+
+def _with_static_weights(ds: datasets.Dataset, loss, path: str, scale: float = 1.0) -> datasets.Dataset:
+    """The split with `loss_weight` (the loss's sample weight of each row, times `scale`: a mixture source's
+    `loss_weight`) and the auxiliary terms' row values as columns. A weight that is not a finite number >= 0
+    is a `DataError` naming the row."""
     rows = [row_fields(score, extra) | {"assistant_tokens": n} for score, extra, n
             in zip(column(ds, "difficulty_score"), column(ds, "extra"), assistant_tokens(ds))]
     columns = {"loss_weight": [1.0] * len(rows) if loss is None else [loss.sample_weight(r) for r in rows]}
@@ -931,7 +1013,7 @@ def _with_static_weights(ds: datasets.Dataset, loss, path: str) -> datasets.Data
                           else (f"loss.aux.{name[4:]}: row_value", "a finite number"))
             raise DataError([f"{path}:{lines[i]}: {what} returned {values[i]!r} (must be {need})" for i in bad])
         # Fingerprinted by the values' bytes, which datasets would otherwise do by pickling the list.
-        array = np.asarray(values, dtype=np.float64)
+        array = np.asarray(values, dtype=np.float64) * (scale if is_weight else 1.0)
         fingerprint = hashlib.sha256(ds._fingerprint.encode() + name.encode() + array.tobytes()).hexdigest()[:16]
         ds = ds.add_column(name, array.tolist(), new_fingerprint=fingerprint)
     return ds.remove_columns(["truncated", "extra"])
@@ -976,8 +1058,9 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
     `sdpa_varlen` (`sft.attention`); there is no `attention_mask`.
 
     The batch holds what the model's forward takes plus `labels`, `loss_weights`, `source_lines`,
-    `source_views` (which text of its row a sequence is, see `chat_views`) and each auxiliary term's row
-    values `aux_<name>` ([rows]), which the trainer pops before the forward.
+    `source_views` (which text of its row a sequence is, see `chat_views`), a mixture's `source_ids` (the
+    rows' `source`, `sft.mixture`) and each auxiliary term's row values `aux_<name>` ([rows]), which the
+    trainer pops before the forward.
     """
 
     def __init__(self, tokenizer, pad_to_multiple_of: int | None = None, packing: bool = False):
@@ -994,6 +1077,8 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
                for k in features[0] if k.startswith("aux_")}
         token_weights = [torch.as_tensor(f["token_weights"], dtype=torch.float32) * w
                          for f, w in zip(features, weights)] if "token_weights" in features[0] else None
+        sources = (torch.as_tensor([f["source"] for f in features], dtype=torch.long) if "source" in features[0]
+                   else None)
         features = [{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features]
         if self.packing:
             batch = self.flatten(features)
@@ -1015,5 +1100,7 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
                         row_weights[i, :len(w)] = w
         batch["loss_weights"] = torch.where(batch["labels"] != IGNORE_INDEX, row_weights, 0.0)
         batch["source_lines"], batch["source_views"] = lines, views
+        if sources is not None:  # a mixture's: which source each row is of
+            batch["source_ids"] = sources
         batch.update(aux)
         return batch

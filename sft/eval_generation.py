@@ -64,12 +64,9 @@ class EvalGeneration(EvalGenerationConfig):
         self.rows: list[dict] = []
         self.evaluations = 0
 
-    def choose(self, eval_file: str, bucket_edges: list[float], **source) -> None:
-        """Fix the prompts for the whole run (a resumed run chooses the same ones); `source`: how the eval source
-        is read (`sft.data.read_jsonl`'s format, columns, split and hub settings)."""
-        from sft.data import read_jsonl
-
-        rows = read_jsonl(eval_file, default_score=None, **source)
+    def choose(self, rows: list[dict], bucket_edges: list[float]) -> None:
+        """Fix the prompts for the whole run (a resumed run chooses the same ones) among the eval rows (as
+        `sft.data.read_jsonl` reads them)."""
         self.rows = spread_over_buckets(rows, bucket_edges, self.prompts)
 
     def due(self) -> bool:

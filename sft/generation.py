@@ -11,16 +11,13 @@ import logging
 
 import torch
 
-from sft.data import read_jsonl
-
 log = logging.getLogger("sft")
 
 
-def hardest_bucket_rows(eval_file: str, bucket_edges: list[float], max_rows: int, **source) -> list[dict]:
-    """The eval rows of the highest non-empty difficulty bucket, in file order, at most `max_rows`; `source`:
-    how the eval source is read (`read_jsonl`'s format, columns, split and hub settings)."""
-    rows = read_jsonl(eval_file, default_score=0.0, **source)
-    bucket = [bisect.bisect_right(bucket_edges, r["difficulty_score"]) for r in rows]
+def hardest_bucket_rows(rows: list[dict], bucket_edges: list[float], max_rows: int) -> list[dict]:
+    """The eval rows (`sft.data.read_jsonl`'s) of the highest non-empty difficulty bucket, in their order, at
+    most `max_rows`; a row without a score counts as 0."""
+    bucket = [bisect.bisect_right(bucket_edges, r.get("difficulty_score") or 0.0) for r in rows]
     hardest = max(bucket)
     return [r for r, b in zip(rows, bucket) if b == hardest][:max_rows]
 
@@ -56,10 +53,10 @@ def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 32, ba
     return hits / max(len(rows), 1)
 
 
-def hardest_bucket_exact_match(trainer, tokenizer, eval_file: str, bucket_edges: list[float], max_rows: int,
-                               max_new_tokens: int, **source) -> float:
+def hardest_bucket_exact_match(trainer, tokenizer, eval_rows: list[dict], bucket_edges: list[float], max_rows: int,
+                               max_new_tokens: int) -> float:
     """Exact match of greedy answers on the hardest eval bucket (every rank generates; rank 0 reports)."""
-    rows = hardest_bucket_rows(eval_file, bucket_edges, max_rows, **source)
+    rows = hardest_bucket_rows(eval_rows, bucket_edges, max_rows)
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped if trainer.is_zero3 else trainer.model)
     score = exact_match(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.shards_parameters)
     log.info("exact match of greedy answers on the hardest eval bucket (%d rows): %.4f", len(rows), score)

@@ -83,14 +83,16 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
 
     cfg = compose("train", overrides)
     check(cfg)
-    file = cfg.data.train_file if split == "train" else cfg.data.eval_file
-    if file is None:
+    from sft.train import has_eval_data
+
+    if split == "eval" and not has_eval_data(cfg.data):
         raise ConfigError("data.eval_file", None, "no eval file to inspect (--split eval)")
     tokenizer = instantiate(cfg.tokenizer)
     loss = build_loss(cfg.loss)
     data = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer, loss=loss)
     dataset = data.train if split == "train" else data.eval
-    shown = [show(tokenizer, dataset[i], file, color) for i in range(min(rows, len(dataset)))]
+    shown = [show(tokenizer, row, data.source_name(split, row.get("source", 0)), color)
+             for row in (dataset[i] for i in range(min(rows, len(dataset))))]
     return "\n\n".join(shown + [totals(split, data.summary[split])]) + "\n"
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import yaml
 from hydra.experimental.callback import Callback
 
-from sft.results import BUCKET, RunResults, read_eval_rows
+from sft.results import BUCKET, TASK_METRICS, RunResults, read_eval_rows
 from sft.stats import EvalRows, Interval, bootstrap_interval, paired_bootstrap, t_interval
 
 # Overrides that only place or shape the run: never a swept parameter worth a column.
@@ -62,6 +62,7 @@ def job_row(job: Path) -> dict:
         "best_eval_loss": min(losses) if losses else results.eval_loss,
         "eval_ce": results.eval_ce,
         **{f"{BUCKET}{k}": v for k, v in results.eval_loss_buckets.items()},
+        **results.eval_tasks,
         "eval_token_accuracy": results.eval_token_accuracy,
         "train_loss": results.train_loss,
         "global_step": results.global_step,
@@ -224,7 +225,8 @@ def settings_markdown(rows: list[dict]) -> list[str]:
         return []
     params = list(rows[0])[:list(rows[0]).index("seeds")]
     shown = [m for m in dict.fromkeys(k for r in rows for k in r)
-             if (m in FIXED or m.startswith(BUCKET)) and not m.startswith("diff_") and not m.endswith("_std")]
+             if (m in FIXED or m.startswith((BUCKET, *TASK_METRICS))) and not m.startswith("diff_")
+             and not m.endswith("_std")]
     columns = params + ["seeds"]
     for metric in shown:
         columns.append(metric)

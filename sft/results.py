@@ -20,6 +20,7 @@ from typing import Optional
 FILE = "results.json"
 EVAL_ROWS = "eval_rows.jsonl"  # the final evaluation, one line per eval sequence (see write_eval_rows)
 BUCKET = "eval_loss_bucket_"
+TASK_METRICS = ("eval_loss_task_", "eval_ce_task_")  # a mixture's per-task eval metrics (sft.mixture)
 
 
 @dataclass
@@ -32,6 +33,7 @@ class RunResults:
     eval_ce: Optional[float] = None
     eval_token_accuracy: Optional[float] = None
     eval_loss_buckets: dict = field(default_factory=dict)  # bucket number -> unweighted eval loss
+    eval_tasks: dict = field(default_factory=dict)  # a mixture's eval_loss_task_<task> / eval_ce_task_<task> -> value
     train_loss: Optional[float] = None
     global_step: Optional[int] = None
     train_tokens_per_second: Optional[float] = None
@@ -59,6 +61,8 @@ class RunResults:
         for key, value in asdict(self).items():
             if key == "eval_loss_buckets":
                 out.update({f"{BUCKET}{k}": v for k, v in sorted(value.items(), key=lambda kv: int(kv[0]))})
+            elif key == "eval_tasks":
+                out.update(sorted(value.items()))
             elif key not in ("error", "checkpoint") or value is not None:
                 out[key] = value
         return out
@@ -68,10 +72,16 @@ class RunResults:
         """The `eval_loss_bucket_<k>` entries of metrics (or of the file) as {k: loss}."""
         return {k[len(BUCKET):]: v for k, v in metrics.items() if k.startswith(BUCKET)}
 
+    @staticmethod
+    def tasks(metrics: dict) -> dict:
+        """The per-task entries of metrics (or of the file), `eval_loss_task_<task>` and `eval_ce_task_<task>`."""
+        return {k: v for k, v in metrics.items() if k.startswith(TASK_METRICS)}
+
     @classmethod
     def from_json(cls, data: dict) -> RunResults:
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known}, eval_loss_buckets=cls.buckets(data))
+        return cls(**{k: v for k, v in data.items() if k in known}, eval_loss_buckets=cls.buckets(data),
+                   eval_tasks=cls.tasks(data))
 
     def write(self, run_dir: str | Path) -> None:
         run_dir = Path(run_dir)
@@ -85,19 +95,22 @@ class RunResults:
         return cls.from_json(json.loads(path.read_text())) if path.is_file() else None
 
 
-def write_eval_rows(run_dir: str | Path, rows: dict, scores: dict) -> None:
+def write_eval_rows(run_dir: str | Path, rows: dict, scores: dict, tasks: dict | None = None) -> None:
     """The final evaluation row by row, so that a report can pair two runs on the same rows.
 
-    `rows`: (source line, view) -> [numerator, denominator, ce sum, tokens, correct] (the trainer's);
-    `scores`: source line -> difficulty score. One JSON object per line:
+    `rows`: (source, line, view) -> [numerator, denominator, ce sum, tokens, correct] (the trainer's);
+    `scores`: (source, line) -> difficulty score; `tasks`: a mixture's source number -> task. One JSON object
+    per line (`source` and `task` only in a mixture):
     `{"line": 12, "view": 0, "ce_sum": 3.1, "tokens": 9, "loss_num": 6.2, "loss_den": 18.0, "correct": 7,
     "difficulty_score": 2.0}`.
     """
+    tasks = tasks or {}
     with open(Path(run_dir) / EVAL_ROWS, "w") as f:
-        for (line, view), (num, den, ce, tokens, correct) in sorted(rows.items()):
-            f.write(json.dumps({"line": line, "view": view, "ce_sum": ce, "tokens": int(tokens), "loss_num": num,
-                                "loss_den": den, "correct": int(correct),
-                                "difficulty_score": scores.get(line)}) + "\n")
+        for (source, line, view), (num, den, ce, tokens, correct) in sorted(rows.items()):
+            mixture = {"source": source, "task": tasks.get(source)} if tasks else {}
+            f.write(json.dumps({**mixture, "line": line, "view": view, "ce_sum": ce, "tokens": int(tokens),
+                                "loss_num": num, "loss_den": den, "correct": int(correct),
+                                "difficulty_score": scores.get((source, line))}) + "\n")
 
 
 def read_eval_rows(run_dir: str | Path) -> list[dict] | None:

@@ -50,16 +50,18 @@ def t_interval(values: list[float]) -> Interval:
 
 
 class EvalRows:
-    """A run's final evaluation row by row, as arrays keyed by (line, view), with ratio metrics on any
+    """A run's final evaluation row by row, as arrays keyed by (source, line, view), with ratio metrics on any
     resample of the rows.
 
     Metrics: `eval_ce` (sum ce / tokens), `eval_loss` (sum numerator / sum denominator),
     `eval_token_accuracy` (correct / tokens), `eval_loss_bucket_<k>` (ce / tokens over the rows of
-    difficulty bucket k, cut at `edges` as the trainer cuts them).
+    difficulty bucket k, cut at `edges` as the trainer cuts them), a mixture's `eval_ce_task_<task>` and
+    `eval_loss_task_<task>` (over the rows of that task).
     """
 
     def __init__(self, rows: list[dict], edges: list[float]):
-        self.keys = [(r["line"], r["view"]) for r in rows]
+        self.keys = [(r.get("source", 0), r["line"], r["view"]) for r in rows]
+        self.task = np.array([r.get("task") or "" for r in rows], dtype=object)
         self.columns = {name: np.array([float(r[name]) for r in rows])
                         for name in ("ce_sum", "tokens", "loss_num", "loss_den", "correct")}
         scores = [r.get("difficulty_score") for r in rows]
@@ -73,6 +75,7 @@ class EvalRows:
         out.keys = list(keys)
         out.columns = {name: col[index] for name, col in self.columns.items()}
         out.bucket = self.bucket[index]
+        out.task = self.task[index]
         return out
 
     def metric(self, name: str, index: np.ndarray | None = None) -> np.ndarray | None:
@@ -93,6 +96,11 @@ class EvalRows:
             if name.startswith(BUCKET):
                 mask = self.bucket[index] == int(name[len(BUCKET):])
                 return (c["ce_sum"] * mask).sum(-1) / (c["tokens"] * mask).sum(-1)
+            for metric, (num, den) in (("eval_ce_task_", ("ce_sum", "tokens")),
+                                       ("eval_loss_task_", ("loss_num", "loss_den"))):
+                if name.startswith(metric):
+                    mask = self.task[index] == name[len(metric):]
+                    return (c[num] * mask).sum(-1) / (c[den] * mask).sum(-1)
         return None
 
 

@@ -67,13 +67,15 @@ class StepControl:
     """Owns what happens to each optimizer step after its backward passes (see the module docstring)."""
 
     def __init__(self, trainer, clip_policy: GradClipPolicy, controllers: dict[str, Controller],
-                 train_file: str | None = None):
-        self.trainer, self.clip_policy, self.train_file = trainer, clip_policy, train_file
+                 train_files: list[str] | None = None):
+        # the train sources by the rows' source number (several in a mixture), to name a step's rows
+        self.trainer, self.clip_policy, self.train_files = trainer, clip_policy, list(train_files or ["?"])
         self.judges = [c for c in controllers.values() if implements(c, "judge_step")]
         self._deepspeed_threshold = math.inf
         self._step_loss: torch.Tensor | None = None
-        self._step_rows: list = []  # (source lines, per-row loss, (input_ids, attention_mask, position_ids))
-        self._train_scores: dict[int, float] = {}
+        # (source lines, source numbers, per-row loss, (input_ids, attention_mask, position_ids))
+        self._step_rows: list = []
+        self._train_scores: dict[tuple[int, int], float] = {}
         # Whether this rank wants the run to stop after the current step (`sft.preemption` adds its signal flag);
         # `stop_requested` is then any rank's answer, as of the last `finish`.
         self.stop_requests: list[Callable[[], bool]] = []
@@ -87,12 +89,14 @@ class StepControl:
         self._step_loss = torch.zeros((), dtype=torch.float64, device=device)
         self._step_rows = []
 
-    def add_micro_batch(self, loss: torch.Tensor, source_lines, per_row_loss: torch.Tensor, batch: list) -> None:
-        """Keep a micro-batch's share of the step loss and its rows, for the verdicts and the report (only
-        when some controller judges steps)."""
+    def add_micro_batch(self, loss: torch.Tensor, source_lines, source_ids, per_row_loss: torch.Tensor,
+                        batch: list) -> None:
+        """Keep a micro-batch's share of the step loss and its rows (`source_ids`: None but in a mixture), for
+        the verdicts and the report (only when some controller judges steps)."""
         if self.judges:
             self._step_loss += loss.detach().to(self._step_loss.dtype)
-            self._step_rows.append((source_lines, per_row_loss.detach(), batch))
+            sources = [0] * len(source_lines) if source_ids is None else source_ids.tolist()
+            self._step_rows.append((source_lines, sources, per_row_loss.detach(), batch))
 
     def finish(self, model) -> float:
         """Judge the finished step, then skip or clip it; return the pre-clip norm Trainer logs."""
@@ -150,11 +154,13 @@ class StepControl:
         if not self._train_scores:
             self._train_scores = row_scores(t.train_dataset)
         rows = []
-        for lines, per_row, batch in self._step_rows:
-            for line, row_loss, seq in zip(lines.tolist(), per_row.float().tolist(), split_samples(*batch)):
+        for lines, sources, per_row, batch in self._step_rows:
+            for line, source, row_loss, seq in zip(lines.tolist(), sources, per_row.float().tolist(),
+                                                   split_samples(*batch)):
                 rows.append({"source_line": line, "loss": row_loss if math.isfinite(row_loss) else str(row_loss),
-                             "difficulty_score": self._train_scores.get(line),
-                             "text": t.processing_class.decode(seq)})
+                             "difficulty_score": self._train_scores.get((source, line)),
+                             "text": t.processing_class.decode(seq),
+                             **({"source": self.train_files[source]} if len(self.train_files) > 1 else {})})
         if t.accelerator.num_processes > 1:
             rows = gather_object(rows)
         culprits = [r for r in rows if isinstance(r["loss"], str)] or sorted(rows, key=lambda r: -r["loss"])
@@ -163,9 +169,11 @@ class StepControl:
             folder = Path(t.args.output_dir) / verdict.folder
             folder.mkdir(parents=True, exist_ok=True)
             report = {"step": step, "verdict": verdict.kind, "loss": str(loss), "grad_norm": str(norm),
-                      "update_skipped": skipped, "train_file": self.train_file, "rows": culprits}
+                      "update_skipped": skipped, "rows": culprits,
+                      **({"train_file": self.train_files[0]} if len(self.train_files) == 1 else {})}
             (folder / f"step-{step}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
-            named = ", ".join(f"{self.train_file}:{r['source_line']} (loss {r['loss']})" for r in culprits[:5])
+            named = ", ".join(f"{r.get('source', self.train_files[0])}:{r['source_line']} (loss {r['loss']})"
+                              for r in culprits[:5])
             log.warning("step %d: %s (loss %s, grad norm %s): update %s; rows: %s; details in %s", step,
                         verdict.summary, loss, norm, "skipped" if skipped else "applied", named,
                         folder / f"step-{step}.json")

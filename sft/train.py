@@ -209,7 +209,8 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
         clip_policy=clip_policy,
         controllers=controllers,
         eval_buckets=cfg.eval_buckets,
-        train_file=cfg.data.train_file,
+        sources=[str(part.train) for part in data.parts],
+        tasks=data.tasks,
         throughput=instantiate(cfg.throughput),
         eval_generation=eval_generation(cfg),
     )
@@ -412,12 +413,12 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     trainer = recipe.trainer
     final_eval = final_evaluation(trainer) if evaluates(cfg) else {}
     if final_eval and trainer.is_world_process_zero():
-        write_eval_rows(run_dir, trainer.last_eval_rows, trainer.eval_scores)
+        write_eval_rows(run_dir, trainer.last_eval_rows, trainer.eval_scores, trainer.tasks)
     trainer.save_model(os.path.join(run_dir, "model"))
     if cfg.exact_match is not None and recipe.data.eval is not None:
         final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
-            trainer, recipe.tokenizer, cfg.data.eval_file, list(cfg.eval_buckets), cfg.exact_match.max_rows,
-            cfg.exact_match.max_new_tokens, **eval_source(cfg))
+            trainer, recipe.tokenizer, read_eval_rows(cfg), list(cfg.eval_buckets), cfg.exact_match.max_rows,
+            cfg.exact_match.max_new_tokens)
     return final_eval
 
 
@@ -429,20 +430,35 @@ def eval_generation(cfg: DictConfig):
     if cfg.eval_generation is None or not evaluates(cfg):
         return None
     samples = instantiate(cfg.eval_generation, _convert_="all")
-    samples.choose(cfg.data.eval_file, list(cfg.eval_buckets), **eval_source(cfg))
+    samples.choose(read_eval_rows(cfg), list(cfg.eval_buckets))
     return samples
 
 
-def eval_source(cfg: DictConfig) -> dict:
-    """How `sft.data.read_jsonl` reads the eval source as training does: format, columns, split, hub settings."""
+def read_eval_rows(cfg: DictConfig) -> list[dict]:
+    """The validated eval rows (`sft.data.read_jsonl`), read as training reads them: of `data.eval_file`, or of
+    every eval source of a mixture, in its order."""
+    from sft.data import read_jsonl
+    from sft.mixture import parts_of
+
     d = cfg.data
-    return {"fmt": d.format, "columns": dict(d.columns), "split": d.eval_split, "hub_name": d.hub_name,
-            "hub_revision": d.hub_revision}
+    if not d.mixture:
+        return read_jsonl(d.eval_file, fmt=d.format, columns=dict(d.columns), split=d.eval_split,
+                          hub_name=d.hub_name, hub_revision=d.hub_revision)
+    parts = parts_of(d.mixture, d.format, {k: v for k, v in dict(d.columns).items() if v is not None},
+                     d.train_split, d.eval_split, d.hub_name, d.hub_revision)
+    return [row for p in parts if p.eval is not None for row in read_jsonl(
+        p.eval.spec, fmt=p.format, columns=p.columns, split=p.eval.split, hub_name=p.eval.hub_name,
+        hub_revision=p.eval.hub_revision)]
 
 
 def evaluates(cfg: DictConfig) -> bool:
     """Whether the run evaluates at all: it has eval data and `trainer.eval_strategy` is not `no`."""
-    return cfg.data.eval_file is not None and cfg.trainer.eval_strategy != "no"
+    return has_eval_data(cfg.data) and cfg.trainer.eval_strategy != "no"
+
+
+def has_eval_data(data: DictConfig) -> bool:
+    """Whether the `data` node names eval rows: `eval_file`, or a mixture source's."""
+    return data.eval_file is not None or any(e.eval_file is not None for e in data.mixture)
 
 
 def final_evaluation(trainer) -> dict:
@@ -468,6 +484,7 @@ def collect_results(recipe: Recipe, final_eval: dict, train_output, run_dir: str
         eval_ce=final_eval.get("eval_ce"),
         eval_token_accuracy=final_eval.get("eval_token_accuracy"),
         eval_loss_buckets=RunResults.buckets(final_eval),
+        eval_tasks=RunResults.tasks(final_eval),
         train_loss=train_output.training_loss,
         global_step=trainer.state.global_step,
         train_tokens_per_second=trainer.throughput.tokens_per_second,

@@ -5,8 +5,8 @@ still has each one, with the same parameters):
 - `get_batch_samples` (public) sums the loss's denominator over the optimizer step's micro-batches and
   all ranks (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to
   `compute_loss`; it also opens the step in `sft.step_control` (DeepSpeed's clip threshold is set there);
-- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines`/`source_views`/`aux_*` (the model's forward
-  never sees them) and divides the micro-batch's numerator by that global denominator, times the world
+- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines`/`source_views`/`source_ids`/`aux_*` (the
+  model's forward never sees them) and divides the micro-batch's numerator by that global denominator, times the world
   size because DDP and DeepSpeed average gradients over ranks. A mixture of experts' router aux loss (when
   its config enables it, `sft.losses.router_aux_loss_coef`) is added with the model's coefficient, each
   micro-batch's weighted by its share of the step's tokens (so accumulation neither sums nor drops it).
@@ -39,7 +39,8 @@ still has each one, with the same parameters):
 
 Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
 difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`, and
-`eval_loss_hardest_bucket`.
+`eval_loss_hardest_bucket`; with a mixture (`sft.mixture`), `eval_loss_task_<task>` (the weighted loss) and
+`eval_ce_task_<task>` over the eval rows of each task.
 """
 
 from __future__ import annotations
@@ -71,24 +72,25 @@ class WeightedLossTrainer(Trainer):
 
     def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
                  controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
-                 train_file: str | None = None, throughput: ThroughputMeter | None = None, eval_generation=None,
-                 **kwargs):
+                 sources: list[str] | None = None, tasks: dict[int, str] | None = None,
+                 throughput: ThroughputMeter | None = None, eval_generation=None, **kwargs):
         self.controllers = dict(controllers or {})
         self.throughput = throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
         super().__init__(*args, callbacks=callbacks, **kwargs)
         self.loss = loss
         self.clip_policy = clip_policy or GradClipPolicy()
-        self.step_control = StepControl(self, self.clip_policy, self.controllers, train_file)
+        self.step_control = StepControl(self, self.clip_policy, self.controllers, sources)
         self.eval_buckets = list(eval_buckets)
         self.eval_generation = eval_generation  # sft.eval_generation.EvalGeneration: samples at evaluations
-        self.eval_scores = {}
+        self.eval_scores = {}  # (source, line) -> difficulty score
         if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
             self.eval_scores = row_scores(self.eval_dataset)
+        self.tasks = dict(tasks or {})  # a mixture's task of each source number: eval_loss_task_<task>
         self._train_stats = torch.zeros(len(self.TRAIN_STATS), dtype=torch.float64, device=self.args.device)
-        # (source line, view) -> numerator, denominator, ce, tokens, correct: each eval sequence counted once
-        self._eval_rows: dict[tuple[int, int], list[float]] | None = None
-        self.last_eval_rows: dict[tuple[int, int], list[float]] = {}
+        # (source, line, view) -> numerator, denominator, ce, tokens, correct: each eval sequence counted once
+        self._eval_rows: dict[tuple[int, int, int], list[float]] | None = None
+        self.last_eval_rows: dict[tuple[int, int, int], list[float]] = {}
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
         self._zero3_head = self.is_zero3 and hasattr(self._lm_head.weight, "ds_id")
@@ -229,6 +231,7 @@ class WeightedLossTrainer(Trainer):
         loss_weights = inputs.pop("loss_weights")
         source_lines = inputs.pop("source_lines", None)
         source_views = inputs.pop("source_views", None)
+        source_ids = inputs.pop("source_ids", None)
         aux_values = {k: inputs.pop(k) for k in [k for k in inputs if k.startswith("aux_")]}
         evaluating = not model.training and self._eval_rows is not None and source_lines is not None
         training = model.training and num_items_in_batch is not None
@@ -251,13 +254,16 @@ class WeightedLossTrainer(Trainer):
             self._train_stats += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self._train_stats.device)
                                               for v in stats])
             batch = [inputs.get(k) for k in ("input_ids", "attention_mask", "position_ids")]
-            self.step_control.add_micro_batch(loss, source_lines, terms.ce_sum / terms.tokens.clamp_min(1), batch)
+            self.step_control.add_micro_batch(loss, source_lines, source_ids, terms.ce_sum / terms.tokens.clamp_min(1),
+                                              batch)
         else:
             loss = terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
             if evaluating:
                 per_row = torch.stack([terms.numerator, terms.denominator, terms.ce_sum, terms.tokens, terms.correct], 1)
-                views = source_views.tolist() if source_views is not None else [0] * len(source_lines)
-                self._eval_rows.update(zip(zip(source_lines.tolist(), views), per_row.double().tolist()))
+                n = len(source_lines)
+                views = source_views.tolist() if source_views is not None else [0] * n
+                sources = source_ids.tolist() if source_ids is not None else [0] * n
+                self._eval_rows.update(zip(zip(sources, source_lines.tolist(), views), per_row.double().tolist()))
         return (loss, outputs) if return_outputs else loss
 
     def _aux_loss(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -365,12 +371,22 @@ class WeightedLossTrainer(Trainer):
             f"{prefix}_ce": ce_sum / max(tokens, 1),
             f"{prefix}_token_accuracy": correct / max(tokens, 1),
         }
+        if self.tasks:
+            by_task: dict[str, list[float]] = {}
+            for (source, _, _), (num, den, ce, n, _) in rows.items():
+                if source in self.tasks:
+                    acc = by_task.setdefault(self.tasks[source], [0.0] * 4)
+                    for i, v in enumerate((num, den, ce, n)):
+                        acc[i] += v
+            for task, (num, den, ce, n) in sorted(by_task.items()):
+                metrics[f"{prefix}_loss_task_{task}"] = num / max(den, 1e-12)
+                metrics[f"{prefix}_ce_task_{task}"] = ce / max(n, 1)
         if self.eval_scores:
             buckets: dict[int, list[float]] = {}
-            for (line, _), (_, _, ce, n, _) in rows.items():
-                if line not in self.eval_scores:  # a row without a score is in no bucket
+            for (source, line, _), (_, _, ce, n, _) in rows.items():
+                if (source, line) not in self.eval_scores:  # a row without a score is in no bucket
                     continue
-                k = bisect.bisect_right(self.eval_buckets, self.eval_scores[line])
+                k = bisect.bisect_right(self.eval_buckets, self.eval_scores[(source, line)])
                 acc = buckets.setdefault(k, [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + ce, acc[1] + n
             for k, (ce, n) in sorted(buckets.items()):

@@ -119,7 +119,7 @@ def test_a_score_is_required_only_where_the_run_uses_it(tokenizer, tmp_path):
     f = write_jsonl(tmp_path / "mixed.jsonl", [chat("What is 1 + 1?", "2", 3.0), unscored])
     plain = load_sft_datasets(tokenizer, CrossEntropyLoss(), str(f), max_length=64)  # alpha 0 reads no score
     assert sft_data.column(plain.train, "loss_weight") == [1.0, 1.0]
-    assert row_scores(plain.train) == {1: 3.0}  # the unscored row is in no difficulty bucket
+    assert row_scores(plain.train) == {(0, 1): 3.0}  # the unscored row is in no difficulty bucket
     missing = f"{f}:2: difficulty_score: missing (used by loss.alpha=1; set data.default_score to use a default)"
     with pytest.raises(DataError, match=missing.replace("(", r"\(").replace(")", r"\)")):
         load_sft_datasets(tokenizer, HardSampleLoss(), str(f), max_length=64)  # the same cached rows

@@ -24,8 +24,7 @@ def job(sweep, number, overrides, eval_ce=None, status="ok", rows=None):
     elif status == "failed":
         RunResults.failed("ValueError: boom", 1.0).write(d)
     if rows is not None:
-        write_eval_rows(d, rows, {line: score for (line, _), (_, _, _, _, _, score) in
-                                  ((k, (*v, k[0] % 4)) for k, v in rows.items())})
+        write_eval_rows(d, rows, {(0, line): line % 4 for (_, line, _) in rows})
 
 
 def settings(sweep):
@@ -70,8 +69,9 @@ def test_a_failed_seed_is_counted_never_averaged(tmp_path):
 
 
 def rows_of(ce_per_token: list[float], tokens: int = 10) -> dict:
-    """Eval rows: (line, view) -> [numerator, denominator, ce sum, tokens, correct]."""
-    return {(line, 0): [c * tokens, tokens, c * tokens, tokens, tokens // 2] for line, c in enumerate(ce_per_token, 1)}
+    """Eval rows: (source, line, view) -> [numerator, denominator, ce sum, tokens, correct]."""
+    return {(0, line, 0): [c * tokens, tokens, c * tokens, tokens, tokens // 2]
+            for line, c in enumerate(ce_per_token, 1)}
 
 
 def test_one_seed_gets_a_bootstrap_over_its_eval_rows_and_a_paired_one_against_the_baseline(tmp_path):

@@ -131,7 +131,7 @@ def test_the_step_loss_and_every_ranks_stop_flag_share_one_all_reduce(monkeypatc
     control = StepControl(trainer, StaticClip(max_norm=1.0), {"veto": SkipStep(step=99)})
     preemption = Preemption(step_control=control)
     control.begin("cpu")
-    control.add_micro_batch(torch.tensor(2.0), torch.tensor([0]), torch.tensor([2.0]), [None, None, None])
+    control.add_micro_batch(torch.tensor(2.0), torch.tensor([0]), None, torch.tensor([2.0]), [None, None, None])
     assert control._reduce_step() == 3.0
     assert len(reductions) == 1 and reductions[0].tolist() == [2.0, 0.0]  # this rank: no signal
     assert control.stop_requested
