@@ -17,7 +17,11 @@ repeat `bench.repeats` times, and the medians are compared. Training cases are t
 step `bench.warmup_steps` to the last step: input tokens (padding excluded) per second.
 
 Also: `preprocess`, tokenising `bench.preprocess_rows` rows into a fresh cache and then loading them
-from it; `startup`, the wall time of `python -m sft.train --cfg job` and `--help`, and of the default
+from it; `tokenize`, the same `bench.tokenize_rows` multi-turn rows (about 300 tokens each) tokenised in
+one process by `sft.data.tokenize_batch` and by sft 0.1's (`sft.bench_baseline`), interleaved, one core
+each, beside the tokenizer alone on the same texts (what no labelling can go below); `scale`, preprocessing
+`bench.scale_rows` such rows into a fresh cache on every core (rows/s, the peak resident memory of the
+process and of its largest worker), then loading them from the cache; `startup`, the wall time of `python -m sft.train --cfg job` and `--help`, and of the default
 run from the command to its first optimizer step (`startup_first_step_s`, warm caches).
 
 `preset=gpu_7b` is the GPU check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16,
@@ -52,6 +56,9 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "chunked_vs_naive_loss_memory": (0.3, "max"),
     "chunked_vs_naive_loss_time": (1.3, "max"),
     "preprocess_cached_speedup": (10.0, "min"),
+    "tokenize_vs_baseline": (3.0, "min"),
+    "scale_peak_rss_gb": (4.0, "max"),
+    "scale_cached_load_s": (10.0, "max"),
     "startup_cfg_job_s": (1.0, "max"),
     "startup_help_s": (1.0, "max"),
     "startup_first_step_s": (10.0, "max"),
@@ -236,6 +243,63 @@ def run_preprocess_case(case: str, cfg) -> dict:
     return {"seconds": time.perf_counter() - started, "rows": len(data.train)}
 
 
+def run_tokenize_case(case: str, cfg) -> dict:
+    """`data.train_file`'s rows tokenised side by side in this process, `bench.repeats` interleaved rounds: by
+    `sft.data.tokenize_batch`, by sft 0.1's (`sft.bench_baseline`), both through `datasets.map` as preprocessing
+    runs them, and the tokenizer alone on the same texts. Also how many chat-template renders a row costs."""
+    from datasets import Dataset, disable_progress_bars
+    from hydra.utils import instantiate
+
+    from sft import bench_baseline
+    from sft.data import ChatRenderer, chat_views, encode, iter_jsonl, tokenize_batch
+
+    disable_progress_bars()
+    tokenizer = instantiate(cfg.tokenizer)
+    rows = Dataset.from_list(list(iter_jsonl(cfg.data.train_file, [])))
+    kwargs = {"tokenizer": tokenizer, "max_length": cfg.data.max_length}
+    texts = [text for messages in rows["messages"] for text, _ in chat_views(tokenizer, messages)]
+    seconds: dict[str, list[float]] = {"baseline": [], "sft": [], "tokenizer": []}
+    for round_ in range(cfg.bench.repeats):
+        for name, function in (("baseline", bench_baseline.tokenize_batch), ("sft", tokenize_batch)):
+            started = time.perf_counter()
+            rows.map(function, batched=True, batch_size=256, remove_columns=["messages", "tools"], fn_kwargs=kwargs,
+                     keep_in_memory=True, new_fingerprint=f"{name}-{round_}")
+            seconds[name].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for i in range(0, len(texts), 256):
+            encode(tokenizer, texts[i:i + 256])
+        seconds["tokenizer"].append(time.perf_counter() - started)
+    renders = {"baseline": 0, "sft": 0}
+    plain, fast = tokenizer.apply_chat_template, ChatRenderer.__call__
+    try:
+        def count(name, render):
+            def counted(*args, **kw):
+                renders[name] += 1
+                return render(*args, **kw)
+            return counted
+
+        counted = rows[:100]
+        tokenizer.apply_chat_template = count("baseline", plain)
+        bench_baseline.tokenize_batch(counted, **kwargs)
+        ChatRenderer.__call__ = count("sft", fast)
+        tokenize_batch(counted, **kwargs)
+    finally:
+        tokenizer.apply_chat_template, ChatRenderer.__call__ = plain, fast
+    n = len(rows)
+    return {"rows": n, **{f"{name}_rows_per_second": n / statistics.median(s) for name, s in seconds.items()},
+            **{f"{name}_renders_per_row": count / len(counted["messages"]) for name, count in renders.items()}}
+
+
+def run_scale_case(case: str, cfg) -> dict:
+    """Preprocess `data.train_file` (or load it from the cache): seconds and the peak resident memory of this
+    process and of its largest worker (`datasets.map`'s processes)."""
+    import resource
+
+    result = run_preprocess_case(case, cfg)
+    return {**result, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "worker_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
+
+
 def _on_gpu() -> bool:
     import torch
 
@@ -288,6 +352,10 @@ def child(case: str, config_file: str) -> None:
         result = run_eval_case(case, cfg)
     elif case in LOSS_CASES:
         result = run_loss_case(case, cfg)
+    elif case == "tokenize":
+        result = run_tokenize_case(case, cfg)
+    elif case == "scale":
+        result = run_scale_case(case, cfg)
     else:
         result = run_preprocess_case(case, cfg)
     print(RESULT + json.dumps(result), flush=True)
@@ -324,6 +392,30 @@ def synthetic_rows(path: Path, rows: int) -> None:
                                              {"role": "user", "content": f"What is {a} + {b}?"},
                                              {"role": "assistant", "content": f"{a} + {b} = {a + b}"}],
                                 "difficulty_score": 1.0 + i % 4}) + "\n")
+
+
+def multi_turn_rows(path: Path, rows: int, turns: int = 2) -> None:
+    """`rows` chats of a system turn and `turns` additions worked column by column, about 300 tokens each (the
+    tiny tokenizer's), written one by one (a million rows take no memory to make)."""
+    from sft.sample_data import SYSTEM_PROMPT
+
+    def worked(a: int, b: int) -> str:
+        steps, carry, x, y = [], 0, a, b
+        while x or y or carry:
+            total = x % 10 + y % 10 + carry
+            steps.append(f"{x % 10} + {y % 10}{' + 1' if carry else ''} = {total}, write {total % 10}"
+                         + (", carry 1" if total >= 10 else ""))
+            carry, x, y = total // 10, x // 10, y // 10
+        return "; ".join(steps) + f". So {a} + {b} = {a + b}."
+
+    with open(path, "w") as f:
+        for i in range(rows):
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+            for turn in range(turns):
+                a, b = 10 + (7919 * i + 31 * turn) % 9990, 10 + (104729 * i + 17 * turn) % 9990
+                messages += [{"role": "user", "content": f"Add {a} and {b}, column by column."},
+                             {"role": "assistant", "content": worked(a, b)}]
+            f.write(json.dumps({"messages": messages, "difficulty_score": 1.0 + i % 4}) + "\n")
 
 
 def startup_seconds(*args: str) -> float:
@@ -438,6 +530,34 @@ def run_all(overrides: list[str]) -> dict:
             warm = spawn("preprocess", cfg, env)
         cases["preprocess"] = {"rows": cold["rows"], "first_s": cold["seconds"], "cached_s": warm["seconds"]}
         ratios["preprocess_cached_speedup"] = cold["seconds"] / warm["seconds"]
+    multi_turn = ["data.eval_file=null", "data.max_length=1024"]
+    if "tokenize" in b.cases:
+        with tempfile.TemporaryDirectory(prefix="sft-bench-tokenize-") as tmp:
+            multi_turn_rows(rows := Path(tmp, "rows.jsonl"), b.tokenize_rows)
+            # one core each: the tokenizer's own threads would blur the per-row comparison
+            tokenized = spawn("tokenize", compose(overrides + multi_turn + [f"data.train_file={rows}"]),
+                              {"TOKENIZERS_PARALLELISM": "false"})
+        cases["tokenize"] = tokenized
+        ratios["tokenize_vs_baseline"] = tokenized["sft_rows_per_second"] / tokenized["baseline_rows_per_second"]
+        # the most any labelling could gain: tokenising the texts alone, against the baseline
+        ratios["tokenizer_alone_vs_baseline"] = (tokenized["tokenizer_rows_per_second"]
+                                                 / tokenized["baseline_rows_per_second"])
+    if "scale" in b.cases:
+        with tempfile.TemporaryDirectory(prefix="sft-bench-scale-") as tmp:
+            env = {"SFT_CACHE": str(Path(tmp, "cache"))}
+            few, rows = Path(tmp, "few.jsonl"), Path(tmp, "rows.jsonl")
+            multi_turn_rows(few, 10)
+            multi_turn_rows(rows, b.scale_rows)
+            spawn("preprocess", compose(overrides + multi_turn + [f"data.train_file={few}"]), env)  # the tiny model
+            cfg = compose(overrides + multi_turn + [f"data.train_file={rows}"])
+            cold = spawn("scale", cfg, env)
+            warm = spawn("scale", cfg, env)
+        cases["scale"] = {"rows": cold["rows"], "rows_per_second": b.scale_rows / cold["seconds"],
+                          "first_s": cold["seconds"], "peak_rss_gb": cold["peak_rss_gb"],
+                          "worker_peak_rss_gb": cold["worker_peak_rss_gb"], "cached_s": warm["seconds"],
+                          "cached_peak_rss_gb": warm["peak_rss_gb"]}
+        ratios["scale_peak_rss_gb"] = max(cold["peak_rss_gb"], cold["worker_peak_rss_gb"])
+        ratios["scale_cached_load_s"] = warm["seconds"]
     if "startup" in b.cases:
         ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job")
         ratios["startup_help_s"] = startup_seconds("--help")
@@ -475,6 +595,16 @@ def print_report(report: dict) -> None:
     if "preprocess" in cases:
         p = cases["preprocess"]
         print(f"preprocess    {p['rows']} rows: first {p['first_s']:.1f} s, cached {p['cached_s']:.2f} s")
+    if "tokenize" in cases:
+        t = cases["tokenize"]
+        print(f"tokenize      {t['rows']} multi-turn rows, rows/s on one core: sft {t['sft_rows_per_second']:.0f} "
+              f"({t['sft_renders_per_row']:g} renders a row), sft 0.1 {t['baseline_rows_per_second']:.0f} "
+              f"({t['baseline_renders_per_row']:g}), the tokenizer alone {t['tokenizer_rows_per_second']:.0f}")
+    if "scale" in cases:
+        c = cases["scale"]
+        print(f"scale         {c['rows']} rows: {c['rows_per_second']:.0f} rows/s ({c['first_s']:.0f} s), peak RSS "
+              f"{c['peak_rss_gb']:.2f} GiB (largest worker {c['worker_peak_rss_gb']:.2f} GiB); cached load "
+              f"{c['cached_s']:.1f} s ({c['cached_peak_rss_gb']:.2f} GiB)")
     for case, reason in report.get("skipped", {}).items():
         print(f"{case:<22}skipped: {reason}")
     print()

@@ -817,7 +817,7 @@ class BenchConfig(Schema):
 
     cases: List[str] = field(default_factory=lambda: [
         "hf", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "eval_hf", "eval_sft", "loss_naive",
-        "loss_chunked", "preprocess", "startup"])
+        "loss_chunked", "preprocess", "tokenize", "scale", "startup"])
     # The training cases run at each micro-batch size (null: trainer.per_device_train_batch_size); ratios at the
     # first are named plainly (`ce_vs_hf`), at the others with the size (`ce_vs_hf_b16`).
     batch_sizes: Optional[List[int]] = None
@@ -831,6 +831,8 @@ class BenchConfig(Schema):
     loss_dtype: str = "float32"
     loss_trainable_head: bool = False  # false: the projection frozen, as with LoRA
     preprocess_rows: int = 100000
+    tokenize_rows: int = 4000  # multi-turn rows tokenised side by side by sft and its 0.1 baseline (`tokenize`)
+    scale_rows: int = 1000000  # multi-turn rows (about 300 tokens) preprocessed cold, then loaded cached (`scale`)
     eval_repeats: int = 3  # evaluations timed per eval case (the best counts), after one untimed
     case_timeout_s: int = 1800
 

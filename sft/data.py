@@ -20,11 +20,13 @@ import logging
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
@@ -44,6 +46,7 @@ ROLES = ("system", "user", "assistant", "tool")
 PREPROCESS_VERSION = 3  # bump when tokenisation or labelling changes, to invalidate caches
 MAX_ERRORS_SHOWN = 10
 PARALLEL_ROWS = 20000  # data.num_proc=null tokenises files of this many rows on every core
+PARALLEL_BYTES = 8 << 20  # and validates JSONL files this large on every core
 
 
 class DataError(ValueError):
@@ -229,17 +232,34 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None, scor
     messages first (`sft.formats`; default: auto-detected); each message gets its `weight` in training
     (`turn_weights`, by `train_on`).
 
-    A UTF-8 BOM, CRLF line ends and blank lines are accepted.
+    A UTF-8 BOM, CRLF line ends and blank lines are accepted. `iter_jsonl` reads it row by row.
     """
+    rejected: list[Rejected] = []
+    rows = list(iter_jsonl(path, rejected, default_score, score_required, row_format, train_on))
+    return rows, rejected
+
+
+def iter_jsonl(path: str | os.PathLike, rejected: list[Rejected], default_score: float | None = None,
+               score_required: bool = True, row_format: RowFormat | None = None, train_on: str = "all",
+               span: tuple[int, int, int] | None = None):
+    """`scan_jsonl`'s valid rows one at a time, the rejected ones appended to `rejected`: a file of any size
+    is read in the memory of one line. `span` (start byte, end byte, number of the line at start): only the
+    lines of that stretch (`write_rows_in_parallel`'s)."""
     path = Path(path)
     row_format = row_format or RowFormat()
-    rows, rejected = [], []
+    found = False
+    start, end, first_line = span or (0, None, 1)
     try:
         f = open(path, "rb")
     except OSError as e:
         raise DataError([f"{path}: file: cannot be read ({e.strerror})"]) from e
     with f:
-        for lineno, raw in enumerate(f, start=1):
+        f.seek(start)
+        position = start
+        for lineno, raw in enumerate(f, start=first_line):
+            if end is not None and position >= end:
+                break
+            position += len(raw)
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
 
@@ -253,6 +273,7 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None, scor
                 continue
             if not text:
                 continue
+            found = True
             try:
                 parsed = json.loads(text)
             except json.JSONDecodeError as e:
@@ -263,23 +284,31 @@ def scan_jsonl(path: str | os.PathLike, default_score: float | None = None, scor
                 continue
             accepted = _accept(parsed, lineno, reject, default_score, score_required, row_format, train_on)
             if accepted is not None:
-                rows.append(accepted)
-    if not rows and not rejected:
-        raise DataError([f"{path}: file: no rows (the file is empty)"])
-    _log_format(path, row_format)
-    return rows, rejected
+                yield accepted
+    if span is None:
+        if not found and not rejected:
+            raise DataError([f"{path}: file: no rows (the file is empty)"])
+        _log_format(path, row_format)
 
 
 def scan_table(source: Source, default_score: float | None = None, score_required: bool = True,
                row_format: RowFormat | None = None, train_on: str = "all") -> tuple[list[dict], list[Rejected]]:
     """`scan_jsonl` for a source `datasets` reads (Parquet, CSV, JSON, Arrow, a save_to_disk folder, the hub):
     rows are named by their number from 1. A column a row lacks (Arrow gives it as null) counts as absent."""
+    rejected: list[Rejected] = []
+    rows = list(iter_table(source, rejected, default_score, score_required, row_format, train_on))
+    return rows, rejected
+
+
+def iter_table(source: Source, rejected: list[Rejected], default_score: float | None = None,
+               score_required: bool = True, row_format: RowFormat | None = None, train_on: str = "all"):
+    """`scan_table`'s valid rows one at a time (the table is memory-mapped), the rejected ones appended to
+    `rejected`."""
     row_format = row_format or RowFormat()
     try:
         table = source.table()
     except SourceError as e:
         raise DataError([str(e)], header="the data cannot be read") from None
-    rows, rejected = [], []
     for number, row in enumerate(table, start=1):
         def reject(field: str, reason: str) -> None:
             rejected.append(Rejected(str(source), number, field, reason, json.dumps(row, ensure_ascii=False,
@@ -287,11 +316,10 @@ def scan_table(source: Source, default_score: float | None = None, score_require
 
         accepted = _accept(_without_nulls(row), number, reject, default_score, score_required, row_format, train_on)
         if accepted is not None:
-            rows.append(accepted)
-    if not rows and not rejected:
+            yield accepted
+    if not len(table):
         raise DataError([f"{source}: source: no rows"])
     _log_format(str(source), row_format)
-    return rows, rejected
 
 
 def _without_nulls(value):
@@ -353,6 +381,13 @@ def scan_source(source: Source, *args, **kwargs) -> tuple[list[dict], list[Rejec
     return scan_jsonl(source.spec, *args, **kwargs) if source.kind == "jsonl" else scan_table(source, *args, **kwargs)
 
 
+def iter_source(source: Source, rejected: list[Rejected], *args, **kwargs):
+    """`scan_source` row by row: `iter_jsonl` or `iter_table`."""
+    if source.kind == "jsonl":
+        return iter_jsonl(source.spec, rejected, *args, **kwargs)
+    return iter_table(source, rejected, *args, **kwargs)
+
+
 def raw_rows(source: Source, numbers: set[int]) -> dict[int, str]:
     """Rows of a source by line (JSONL) or number, as `Rejected.raw` holds them."""
     return _raw_lines(source.spec, numbers) if source.kind == "jsonl" else source.raw(numbers)
@@ -391,14 +426,56 @@ class Refused(ValueError):
         self.field, self.reason = field, reason
 
 
-def render(tokenizer, messages: list[dict], **kwargs) -> str:
-    """The chat template's text for `messages`; a template's own refusal (`raise_exception`) is `Refused`."""
-    from jinja2 import TemplateError
+class ChatRenderer:
+    """The tokenizer's chat template as `apply_chat_template(messages, tokenize=False, ...)` renders it, without that
+    call's per-call work (resolving the template, copying and normalising the messages: two thirds of its time on a
+    short chat). The messages must be plain JSON values without nulls, as `chat_views` passes them; a template's
+    own refusal (`raise_exception`) is `Refused`.
 
+        ChatRenderer(tokenizer)([{"role": "user", "content": "2+2?"}], add_generation_prompt=True)
+            == tokenizer.apply_chat_template([...], tokenize=False, add_generation_prompt=True)
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.special_tokens = dict(tokenizer.special_tokens_map)
+        self._templates: dict[bool, object] = {}  # compiled, by whether tools are given (a template may be named)
+
+    def __call__(self, messages: list[dict], tools: list[dict] | None = None,
+                 add_generation_prompt: bool = False) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            template = self._template(tools)
+            if template is None:  # transformers without the functions below: its own, slower path
+                return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt)
+            if any("reasoning_content" in m for m in messages):
+                messages = _alias_reasoning(messages)
+            return template.render(messages=messages, tools=tools, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except TemplateError as e:
+            raise Refused("messages", f"the chat template refuses this chat: {e}") from e
+
+    def _template(self, tools):
+        key = tools is not None
+        if key not in self._templates:
+            try:
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+            except ImportError:
+                self._templates[key] = None
+            else:
+                self._templates[key] = _compile_jinja_template(self.tokenizer.get_chat_template(None, tools))
+        return self._templates[key]
+
+
+def _alias_reasoning(messages: list[dict]) -> list[dict]:
+    """What `apply_chat_template` shows a template of a message's reasoning: also as `thinking` (gpt-oss's name)."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except TemplateError as e:
-        raise Refused("messages", f"the chat template refuses this chat: {e}") from e
+        from transformers.utils.chat_template_utils import _alias_reasoning_fields
+    except ImportError:
+        return [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
+    return _alias_reasoning_fields(messages)
 
 
 def _divergence(a: str, b: str) -> str:
@@ -418,8 +495,8 @@ def _end_in_whole_chat(turn: str, full: str, eos: str | None) -> int | None:
     return None
 
 
-def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
-               tools: list[dict] | None = None) -> list[tuple[str, list[tuple[int, int, float]]]]:
+def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split", tools: list[dict] | None = None,
+               render: ChatRenderer | None = None) -> list[tuple[str, list[tuple[int, int, float]]]]:
     """The texts a chat trains as, each with the character spans of its trained assistant turns and their
     weights (a message's `weight`, as `scan_jsonl` sets it: 0 leaves the turn untrained; default 1).
 
@@ -440,11 +517,17 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
     Tool calls (`tool_calls`, stored as JSON text) are part of their assistant turn and train with it; `tool`
     results are context. `tools` (the row's definitions) go to the template. A template that renders
     neither a turn's calls nor the tools (`Refused`) would train the turn without what it is for.
+
+    Cost: 2 x (trained turns) renders (`render`, the tokenizer's `ChatRenderer` by default), the last message's
+    rendering being the whole chat's. One render a row cannot give these spans for every template: where a
+    turn ends and the next begins is only known from the chat rendered up to it (templates rewrite earlier
+    turns, add text between turns that depends on what follows, or none at all).
     """
+    render = render or ChatRenderer(tokenizer)
     weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
     messages = [{k: json.loads(v) if k == "tool_calls" and isinstance(v, str) else v for k, v in m.items()
                  if v is not None and k != "weight"} for m in messages]
-    full = render(tokenizer, messages, tools=tools)
+    full = render(messages, tools=tools)
     missing = [name for name in map(_tool_name, tools or []) if name and name not in full]
     if missing:
         raise Refused("tools", f"the chat template does not render the tool definitions ({missing[0]!r} "
@@ -454,8 +537,8 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
     for i, m in enumerate(messages):
         if weights[i] == 0:  # context: not trained
             continue
-        prompt = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
-        through = render(tokenizer, messages[: i + 1], tools=tools)
+        prompt = render(messages[:i], tools=tools, add_generation_prompt=True)
+        through = full if i == len(messages) - 1 else render(messages[: i + 1], tools=tools)
         end = len(through.rstrip())
         if not through.startswith(prompt) or end <= len(prompt):
             raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently "
@@ -533,9 +616,10 @@ def row_fields(score: float, extra: str) -> dict:
 
 def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate",
                    rewritten_turns: str = "split", token_weights: Callable | None = None,
-                   turn_weighted: bool = False) -> dict:
+                   turn_weighted: bool = False) -> pa.Table:
     """`datasets.map` function: input_ids and assistant-only labels of each text a chat trains as
-    (`chat_views`; `view` 0 is the whole chat, 1... turns a template rewrites later), fitted to `max_length`.
+    (`chat_views`; `view` 0 is the whole chat, 1... turns a template rewrites later), fitted to `max_length`,
+    as an Arrow table (`SEQUENCE_COLUMNS`).
 
     `overlong`: `truncate` (see `fit_window`), `drop` (over-long rows are left out) or `error` (they are
     kept whole and flagged in `overlong`, for the caller to report). Rows left with no trainable token
@@ -544,74 +628,155 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
     `WeightedTokenLoss.token_weights`) adds a `token_weights` column; weights that are not finite numbers
     >= 0, one per token, refuse the row. `turn_weighted` (some message has a weight other than 1) puts
     each turn's weight on its tokens, in `token_weights` too (times the loss's, where it has them).
+
+    A token is trained when its first character lies in a trained span. Where a span begins and ends is
+    found by bisecting the tokens' start offsets in the tokenizer's own encoding (`TokenStarts`): every
+    token's offsets become Python numbers only where the loss's token weights read them.
     """
-    out = {"input_ids": [], "labels": [], "difficulty_score": [], "source_line": [], "extra": [], "view": [],
-           "truncated": [], "overlong": [], "refused": []}
-    weighted = token_weights is not None or turn_weighted
-    if weighted:
-        out["token_weights"] = []
-    extras = batch.get("extra") or [""] * len(batch["messages"])
-
-    def emit(k, ids, labels, view, truncated=False, too_long=False, refused="", weights=None):
-        for key, value in (("input_ids", ids), ("labels", labels), ("difficulty_score", batch["difficulty_score"][k]),
-                           ("source_line", batch["source_line"][k]), ("extra", extras[k]), ("view", view),
-                           ("truncated", truncated), ("overlong", too_long), ("refused", refused)):
-            out[key].append(value)
-        if weighted:
-            out["token_weights"].append(np.ones(len(ids), dtype=np.float32) if weights is None else weights)
-
+    columns = SequenceColumns(batch, weighted=token_weights is not None or turn_weighted)
     texts, pieces, where = [], [], []  # every text of the batch, the part of it tokenised, its row and spans
     reach = token_reach(tokenizer, max_length)
+    render = ChatRenderer(tokenizer)
     all_tools = batch.get("tools") or [""] * len(batch["messages"])
     for k, messages in enumerate(batch["messages"]):
         try:
-            views = chat_views(tokenizer, messages, rewritten_turns, json.loads(all_tools[k]) if all_tools[k] else None)
+            views = chat_views(tokenizer, messages, rewritten_turns, json.loads(all_tools[k]) if all_tools[k] else None,
+                               render)
         except Refused as e:
-            emit(k, [], [], 0, refused=f"{e.field}\t{e.reason}")
+            columns.emit(k, NO_TOKENS, NO_TOKENS, 0, refused=f"{e.field}\t{e.reason}")
             continue
         for view, (text, spans) in enumerate(views):
             lo, hi = tokenized_part(len(text), spans[-1][0], reach)
             texts.append(text)
             pieces.append(text[lo:hi] if (lo, hi) != (0, len(text)) else text)
             where.append((k, view, spans, lo))
-    enc = tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True, truncation=False) if texts else None
+    encodings = encode(tokenizer, pieces) if pieces else []
     refused_rows = set()
     for n, (k, view, spans, lo) in enumerate(where):
         if k in refused_rows:
             continue
-        ids = enc["input_ids"][n]
-        offsets = np.asarray(enc["offset_mapping"][n], dtype=np.int64).reshape(-1, 2) + lo  # into the whole text
-        starts = offsets[:, 0]
+        encoding = encodings[n]
+        ids = np.asarray(encoding.ids, dtype=np.int32)
+        first = TokenStarts(encoding, lo)
         trained = np.zeros(len(ids), dtype=bool)
         turn = np.ones(len(ids), dtype=np.float32) if turn_weighted else None
         for a, b, w in spans:
-            in_turn = (starts >= a) & (starts < b)
-            trained |= in_turn
+            start, end = first(a), first(b)
+            trained[start:end] = True
             if turn is not None:
-                turn[in_turn] = w
+                turn[start:end] = w
         weights = turn
         if token_weights is not None:
-            weights = token_weights(texts[n], offsets, row_fields(batch["difficulty_score"][k], extras[k]))
+            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2) + lo  # into the whole text
+            weights = token_weights(texts[n], offsets, row_fields(batch["difficulty_score"][k], columns.extras[k]))
             weights = np.ones(len(ids), dtype=np.float32) if weights is None else weights
             problem = _bad_token_weights(weights, len(ids))
             if problem:
                 refused_rows.add(k)
-                emit(k, [], [], 0, refused=f"loss.token_weights\t{problem}")
+                columns.emit(k, NO_TOKENS, NO_TOKENS, 0, refused=f"loss.token_weights\t{problem}")
                 continue
             weights = np.asarray(weights, dtype=np.float32) * (1.0 if turn is None else turn)
         too_long = len(ids) > max_length
         if too_long and overlong == "drop":
             continue
         if too_long and overlong == "truncate":
-            answer_start = int(np.searchsorted(starts, spans[-1][0]))
-            lo, hi = fit_window(len(ids), answer_start, max_length)
-            ids, trained = ids[lo:hi], trained[lo:hi]
-            weights = None if weights is None else weights[lo:hi]
-        labels = np.where(trained, np.asarray(ids), IGNORE_INDEX)
-        if not (labels[1:] != IGNORE_INDEX).any():  # position 0 is never a prediction target
+            start, end = fit_window(len(ids), first(spans[-1][0]), max_length)
+            ids, trained = ids[start:end], trained[start:end]
+            weights = None if weights is None else weights[start:end]
+        labels = np.where(trained, ids, IGNORE_INDEX).astype(np.int32)
+        if not trained[1:].any():  # position 0 is never a prediction target
             continue
-        emit(k, list(ids), labels.tolist(), view, too_long and overlong == "truncate", too_long, weights=weights)
-    return out
+        columns.emit(k, ids, labels, view, too_long and overlong == "truncate", too_long, weights=weights,
+                     trained=trained)
+    return columns.table()
+
+
+NO_TOKENS = np.zeros(0, dtype=np.int32)
+# The columns of a tokenised split, as `tokenize_batch` returns them (`token_weights` and `reweighted_tokens`
+# only where weighted). `trained_tokens`: labelled tokens after the first position (`assistant_tokens`);
+# `reweighted_tokens`: those of them whose token weight is not 1. Counted here, so that no later step reads
+# every token again (a million rows' tokens are gigabytes).
+SEQUENCE_COLUMNS = {"input_ids": pa.list_(pa.int32()), "labels": pa.list_(pa.int32()),
+                    "difficulty_score": pa.float64(), "source_line": pa.int64(), "extra": pa.string(),
+                    "view": pa.int64(), "truncated": pa.bool_(), "overlong": pa.bool_(), "refused": pa.string(),
+                    "trained_tokens": pa.int32(), "token_weights": pa.list_(pa.float32()),
+                    "reweighted_tokens": pa.int32()}
+WEIGHTED_ONLY = ("token_weights", "reweighted_tokens")
+
+
+class SequenceColumns:
+    """The sequences of one `tokenize_batch` call, gathered as numpy arrays and handed over as one Arrow table:
+    no Python list of tokens is made, and `datasets` writes the table as it is."""
+
+    def __init__(self, batch: dict, weighted: bool):
+        self.batch, self.weighted = batch, weighted
+        self.extras = batch.get("extra") or [""] * len(batch["messages"])
+        self.names = [name for name in SEQUENCE_COLUMNS if weighted or name not in WEIGHTED_ONLY]
+        self.values: dict[str, list] = {name: [] for name in self.names}
+
+    def emit(self, k: int, ids: np.ndarray, labels: np.ndarray, view: int, truncated: bool = False,
+             too_long: bool = False, refused: str = "", weights: np.ndarray | None = None,
+             trained: np.ndarray = NO_TOKENS) -> None:
+        """One sequence of the batch's row `k` (`trained`: which of its tokens have a label)."""
+        row = {"input_ids": ids, "labels": labels, "difficulty_score": self.batch["difficulty_score"][k],
+               "source_line": self.batch["source_line"][k], "extra": self.extras[k], "view": view,
+               "truncated": truncated, "overlong": too_long, "refused": refused,
+               "trained_tokens": int(np.count_nonzero(trained[1:]))}
+        if self.weighted:
+            row["token_weights"] = np.ones(len(ids), dtype=np.float32) if weights is None else weights
+            row["reweighted_tokens"] = 0 if weights is None else int(np.count_nonzero(trained[1:] & (weights[1:] != 1)))
+        for name in self.names:
+            self.values[name].append(row[name])
+
+    def table(self) -> pa.Table:
+        arrays = []
+        for name in self.names:
+            kind, values = SEQUENCE_COLUMNS[name], self.values[name]
+            if pa.types.is_list(kind):  # one flat array and the offsets where each sequence starts
+                dtype = kind.value_type.to_pandas_dtype()
+                offsets = np.zeros(len(values) + 1, dtype=np.int32)
+                np.cumsum([len(v) for v in values], out=offsets[1:])
+                flat = np.concatenate(values).astype(dtype, copy=False) if values else np.zeros(0, dtype=dtype)
+                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=kind.value_type)))
+            else:
+                arrays.append(pa.array(values, type=kind))
+        return pa.Table.from_arrays(arrays, names=self.names)
+
+
+def encode(tokenizer, texts: list[str]) -> list:
+    """The fast tokenizer's `Encoding` of each text, as `tokenizer(texts, add_special_tokens=False)` makes it (no
+    truncation, no padding), without converting every token's ids and offsets to Python lists."""
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None:  # what Trainer's call with truncation=False does too
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    if backend.encode_special_tokens != split:
+        backend.encode_special_tokens = split
+    return backend.encode_batch(texts, add_special_tokens=False)
+
+
+class TokenStarts:
+    """`first(c)`: the first token of an encoding whose start offset is at or after character `c` of the whole
+    text (the encoding is of the text from character `lo` on), by bisection: offsets only rise along a text.
+
+        tokens "ab", "c", "de" of "abcde":  first(0) -> 0, first(1) -> 1, first(2) -> 1, first(5) -> 3
+    """
+
+    def __init__(self, encoding, lo: int = 0):
+        self.encoding, self.lo, self.n = encoding, lo, len(encoding.ids)
+
+    def __call__(self, c: int) -> int:
+        c -= self.lo
+        low, high = 0, self.n
+        while low < high:
+            mid = (low + high) // 2
+            if self.encoding.token_to_chars(mid)[0] < c:
+                low = mid + 1
+            else:
+                high = mid
+        return low
 
 
 def _bad_token_weights(weights, n_tokens: int) -> str | None:
@@ -670,7 +835,7 @@ class SplitSummary:
     own_turn_texts: int = 0  # turns a template rewrites later, trained in a text of their own (split)
     sequences: int = 0  # rows of the tokenised split
     tokens: int = 0  # tokens of all sequences
-    trained_tokens: int = 0  # tokens with a label
+    trained_tokens: int = 0  # tokens with a label (after a sequence's first, which is never a target)
     reweighted_tokens: int = 0  # trained tokens whose static token weight (the loss's token_weights) is not 1
 
     def __add__(self, other: SplitSummary) -> SplitSummary:
@@ -684,9 +849,13 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
     """Tokenise one file, or load it from the cache an earlier run wrote with the same key.
 
     Returns the dataset, the rejected rows and the `SplitSummary` (all three kept in the cache, so every
-    run can report them).
+    run can report them). The rows are streamed to an Arrow file, tokenised from it on every core (files of
+    `PARALLEL_ROWS` rows and more, `data.num_proc`), and the tokenised files become the cache as they are
+    (`rows.json` lists them): this process reads the tokens of no row, so a million rows preprocess in the
+    memory of a few columns of numbers. A JSONL file of `PARALLEL_BYTES` and more is validated on every core
+    too (`write_rows_in_parallel`).
     """
-    from datasets import Dataset, load_from_disk
+    from datasets import Dataset, concatenate_datasets
 
     path = str(source)
     stem = re.sub(r"[^\w.-]", "_", Path(path).stem)  # (a glob's or a hub id's too)
@@ -697,29 +866,194 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
         summary = SplitSummary(**json.loads((target / "summary.json").read_text()))
         if rejected and on_error == "raise":  # cached by a run with data.on_error=skip
             raise DataError([str(r) for r in rejected])
-        return load_from_disk(str(target / "rows")), rejected, summary
-    # Rows without a score are kept (NaN), for every run to share the cache: `_require_scores` refuses them
-    # where the run uses scores.
-    rows, rejected = scan_source(source, default_score, score_required=False, row_format=row_format,
-                                 train_on=train_on)
-    if rejected and on_error == "raise":
-        raise DataError([str(r) for r in rejected])
-    if not rows:
-        raise DataError([f"{path}: file: no valid row (all {len(rejected)} rejected)"])
-    if num_proc is None:  # one process per core where there is enough work to pay for starting them
-        num_proc = min(os.cpu_count() or 1, 8) if len(rows) >= PARALLEL_ROWS else None
-    ds = Dataset.from_list(rows).map(
-        tokenize_batch,
-        batched=True,
-        batch_size=256,
-        num_proc=num_proc if num_proc and num_proc > 1 else None,
-        remove_columns=["messages", "tools"],
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong,
-                   "rewritten_turns": rewritten_turns, "token_weights": token_weights,
-                   "turn_weighted": any(m["weight"] not in (0.0, 1.0) for r in rows for m in r["messages"])},
-        keep_in_memory=True,
-        desc=f"tokenising {Path(path).name}",
-    )
+        return _load_rows(target), rejected, summary
+    with building(target) as tmp:
+        work = tmp / "work"  # the validated rows and the tokenised ones before they are checked: not kept
+        # Rows without a score are kept (NaN), for every run to share the cache: `_require_scores` refuses them
+        # where the run uses scores.
+        rejected: list[Rejected] = []
+        row_format = row_format or RowFormat()
+        scanners = num_proc or min(os.cpu_count() or 1, 8)
+        if source.kind == "jsonl" and scanners > 1 and os.path.getsize(source.spec) >= PARALLEL_BYTES:
+            files, n_rows, turn_weighted = write_rows_in_parallel(source.spec, rejected, work, scanners,
+                                                                  default_score, False, row_format, train_on)
+        else:
+            files = [work / "rows.arrow"]
+            n_rows, turn_weighted = write_rows(iter_source(source, rejected, default_score, score_required=False,
+                                                           row_format=row_format, train_on=train_on), files[0])
+        if rejected and on_error == "raise":
+            raise DataError([str(r) for r in rejected])
+        if not n_rows:
+            raise DataError([f"{path}: file: no valid row (all {len(rejected)} rejected)"])
+        if num_proc is None:  # one process per core where there is enough work to pay for starting them
+            num_proc = min(os.cpu_count() or 1, 8) if n_rows >= PARALLEL_ROWS else None
+        ds = concatenate_datasets([Dataset.from_file(str(f)) for f in files]).map(
+            tokenize_batch,
+            batched=True,
+            batch_size=256,
+            num_proc=num_proc if num_proc and num_proc > 1 else None,
+            remove_columns=["messages", "tools"],
+            fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong,
+                       "rewritten_turns": rewritten_turns, "token_weights": token_weights,
+                       "turn_weighted": turn_weighted},
+            cache_file_name=str(work / "tokenised.arrow"),
+            desc=f"tokenising {Path(path).name}",
+        )
+        keep, summary = _checked(ds, source, n_rows, rejected, on_error, overlong, max_length, token_weights)
+        _store_rows(ds, keep, tmp)
+        (tmp / "rejected.json").write_text(json.dumps([vars(r) for r in rejected]))
+        (tmp / "summary.json").write_text(json.dumps(vars(summary)))
+        del ds
+        shutil.rmtree(work)
+    return _load_rows(target), rejected, summary
+
+
+CHECK_ONLY = ("overlong", "refused", "reweighted_tokens")  # columns of the cached files no run reads
+
+
+def _store_rows(ds: datasets.Dataset, keep: list[int] | None, folder: Path) -> None:
+    """The tokenised split's Arrow files (`datasets.map`'s, one per process) moved into `folder/rows`, with
+    `rows.json` naming them in order and, where rows were left out, `keep.npy` the sequences kept."""
+    (folder / "rows").mkdir()
+    names = []
+    for i, cached in enumerate(ds.cache_files):
+        names.append(f"part-{i:05d}.arrow")
+        os.replace(cached["filename"], folder / "rows" / names[-1])
+    if keep is not None:
+        np.save(folder / "keep.npy", np.asarray(keep, dtype=np.int64))
+    (folder / "rows.json").write_text(json.dumps({"files": names, "keep": keep is not None}))
+
+
+def _load_rows(folder: Path) -> datasets.Dataset:
+    """A cached tokenised split (`_store_rows`'s files, memory-mapped; an older cache's `save_to_disk` folder)."""
+    from datasets import Dataset, concatenate_datasets, load_from_disk
+
+    if not (folder / "rows.json").exists():
+        return load_from_disk(str(folder / "rows"))
+    manifest = json.loads((folder / "rows.json").read_text())
+    ds = concatenate_datasets([Dataset.from_file(str(folder / "rows" / name)) for name in manifest["files"]])
+    if manifest["keep"]:
+        ds = ds.select(np.load(folder / "keep.npy"))
+    return ds.remove_columns([c for c in CHECK_ONLY if c in ds.column_names])
+
+
+def write_rows_in_parallel(path: str, rejected: list[Rejected], folder: Path, processes: int,
+                           default_score: float | None, score_required: bool, row_format: RowFormat,
+                           train_on: str) -> tuple[list[Path], int, bool]:
+    """`write_rows` of a JSONL file's valid rows by `processes` processes, each a stretch of its lines into an
+    Arrow file of its own; the rows, their line numbers and the rejected rows (appended to `rejected`, in
+    file order) are those one process finds. With `data.format=auto` every stretch after the file's first row
+    of a known format holds that format, as one process would. Returns the files in order, the count of rows
+    and whether some turn weighs other than 0 or 1."""
+    import copy
+    import multiprocessing
+
+    first = _first_format(path, row_format)
+    jobs = []
+    for i, span in enumerate(_line_spans(path, processes)):
+        stretch = copy.copy(row_format)
+        if first is not None and span[2] > first[0]:
+            stretch.chosen = first[1]
+        jobs.append((path, span, folder / f"rows-{i:05d}.arrow", stretch, default_score, score_required, train_on))
+    folder.mkdir(parents=True, exist_ok=True)
+    with multiprocessing.get_context("fork").Pool(len(jobs)) as pool:
+        done = pool.map(_write_span, jobs)
+    for _, _, found in done:
+        rejected += found
+    count = sum(n for n, _, _ in done)
+    if not count and not rejected:  # blank lines only
+        raise DataError([f"{path}: file: no rows (the file is empty)"])
+    if first is not None:
+        logged = copy.copy(row_format)
+        logged.chosen = first[1]
+        _log_format(path, logged)
+    return [job[2] for job in jobs], count, any(weighted for _, weighted, _ in done)
+
+
+def _write_span(job) -> tuple[int, bool, list[Rejected]]:
+    """One process of `write_rows_in_parallel`: a stretch of lines validated and written."""
+    path, span, out, row_format, default_score, score_required, train_on = job
+    rejected: list[Rejected] = []
+    count, weighted = write_rows(iter_jsonl(path, rejected, default_score, score_required, row_format, train_on,
+                                            span=span), out)
+    return count, weighted, rejected
+
+
+def _line_spans(path: str, n: int) -> list[tuple[int, int, int]]:
+    """A file cut into about `n` stretches of whole lines: (start byte, end byte, number of the first line)."""
+    size = os.path.getsize(path)
+    cuts = [0]
+    with open(path, "rb") as f:
+        for i in range(1, n):
+            f.seek(max(size * i // n, cuts[-1]))
+            f.readline()  # to the start of the next line
+            if cuts[-1] < f.tell() < size:
+                cuts.append(f.tell())
+        cuts.append(size)
+        first_lines = [1]
+        for a, b in zip(cuts, cuts[1:]):
+            f.seek(a)
+            newlines, left = 0, b - a
+            while left:
+                chunk = f.read(min(1 << 24, left))
+                newlines, left = newlines + chunk.count(b"\n"), left - len(chunk)
+            first_lines.append(first_lines[-1] + newlines)
+    return [(a, b, line) for a, b, line in zip(cuts, cuts[1:], first_lines)]
+
+
+def _first_format(path: str, row_format: RowFormat) -> tuple[int, str] | None:
+    """For `data.format=auto`: the line and format of the file's first row of a known format (None: none, or
+    the format is given)."""
+    from sft.formats import detect
+
+    if row_format.fmt != "auto":
+        return None
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                row = json.loads(raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw)
+            except (ValueError, RecursionError):  # not UTF-8, not JSON (a blank line too): rejected, or skipped
+                continue
+            found = detect(row, row_format.columns) if isinstance(row, dict) else None
+            if found is not None:
+                return lineno, found
+    return None
+
+
+def write_rows(rows, path: Path) -> tuple[int, bool]:
+    """Write validated rows (`iter_source`'s) to an Arrow file as they come, a thousand at a time: the rows
+    of a source are never all in memory. Returns how many, and whether some turn weighs other than 0 or 1."""
+    from datasets.arrow_writer import ArrowWriter
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    count, turn_weighted = 0, False
+    with ArrowWriter(features=row_features(), path=str(path), writer_batch_size=1000) as writer:
+        for row in rows:
+            writer.write(row)
+            count += 1
+            turn_weighted = turn_weighted or any(m["weight"] not in (0.0, 1.0) for m in row["messages"])
+        writer.finalize()
+    return count, turn_weighted
+
+
+def row_features() -> datasets.Features:
+    """The types of a validated row (`_accept`'s), stated: a batch of rows must not decide them (a first thousand
+    rows without reasoning would make `reasoning_content` a column of nulls)."""
+    from datasets import Features, List, Value
+
+    text = Value("string")
+    message = {"role": text, "content": text, "reasoning_content": text, "tool_calls": text, "tool_call_id": text,
+               "name": text, "weight": Value("float64")}
+    return Features({"messages": List(message), "tools": text, "difficulty_score": Value("float64"),
+                     "source_line": Value("int64"), "extra": text})
+
+
+def _checked(ds: datasets.Dataset, source: Source, n_rows: int, rejected: list[Rejected], on_error: str,
+             overlong: str, max_length: int, token_weights) -> tuple[list[int] | None, SplitSummary]:
+    """Which sequences of a freshly tokenised split to keep (None: all): the rows the template refused are left
+    out (`on_error=skip`; reported in `rejected`); and its `SplitSummary`. Refused rows (`on_error=raise`) and
+    over-long ones (`overlong=error`) are a `DataError`."""
+    path = str(source)
     if len(ds) == 0:  # every row dropped (datasets then keeps the input's columns, not the function's)
         raise DataError([f"{path}: file: no row left with an assistant token at data.max_length={max_length} "
                          f"(data.overlong={overlong})"])
@@ -732,23 +1066,22 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
             raise DataError([str(r) for r in by_template])
         rejected += by_template
         refused_lines = {line for _, line, _ in refused}  # with every other text of the row
-        ds = ds.select([i for i, line in enumerate(column(ds, "source_line")) if line not in refused_lines])
+        keep = [i for i, line in enumerate(column(ds, "source_line")) if line not in refused_lines]
+        ds = ds.select(keep)
     flagged = column(ds, "overlong") if overlong == "error" else []
     if any(flagged):
         lines = [line for line, flag in zip(column(ds, "source_line"), flagged) if flag]
         raise DataError([f"{path}:{line}: row: longer than data.max_length={max_length} tokens "
                          "(data.overlong=truncate or drop to accept it)" for line in lines])
     views = column(ds, "view")
-    summary = SplitSummary(rows=len(rows), rejected=len(rejected), truncated=sum(column(ds, "truncated")),
-                           dropped=len(rows) - len(refused) - len(set(column(ds, "source_line"))),
+    summary = SplitSummary(rows=n_rows, rejected=len(rejected), truncated=sum(column(ds, "truncated")),
+                           dropped=n_rows - len(refused) - len(set(column(ds, "source_line"))),
                            own_turn_texts=sum(v > 0 for v in views), sequences=len(ds))
-    lengths = ds.with_format("arrow").select_columns(["input_ids", "labels"])[:]
-    summary.tokens = int(pc.sum(pc.list_value_length(lengths["input_ids"])).as_py() or 0)
-    trained = pc.not_equal(pc.list_flatten(lengths["labels"]), IGNORE_INDEX)
-    summary.trained_tokens = int(pc.sum(trained).as_py() or 0)
+    counts = ds.with_format("arrow").select_columns(["input_ids", "trained_tokens"])[:]  # (the lists' offsets only)
+    summary.tokens = int(pc.sum(pc.list_value_length(counts["input_ids"])).as_py() or 0)
+    summary.trained_tokens = int(pc.sum(counts["trained_tokens"]).as_py() or 0)
     if token_weights is not None:
-        weights = pc.list_flatten(ds.with_format("arrow").select_columns(["token_weights"])[:]["token_weights"])
-        summary.reweighted_tokens = int(pc.sum(pc.and_(trained, pc.not_equal(weights, 1.0))).as_py() or 0)
+        summary.reweighted_tokens = sum(column(ds, "reweighted_tokens"))
     if summary.dropped or summary.truncated:
         log.warning("data: %s: %d sequence(s) truncated to data.max_length=%d; %d row(s) dropped (over-long with "
                     "data.overlong=drop, or no assistant token left)", path, summary.truncated, max_length,
@@ -758,12 +1091,7 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
                  "(data.rewritten_turns=split)", path, summary.own_turn_texts)
     if len(ds) == 0:
         raise DataError([f"{path}: file: no valid row left (all {len(rejected)} rejected)"])
-    ds = ds.remove_columns(["overlong", "refused"])
-    with building(target) as tmp:
-        ds.save_to_disk(str(tmp / "rows"))
-        (tmp / "rejected.json").write_text(json.dumps([vars(r) for r in rejected]))
-        (tmp / "summary.json").write_text(json.dumps(vars(summary)))
-    return ds, rejected, summary
+    return (keep if refused else None), summary
 
 
 def column(ds: datasets.Dataset, name: str) -> list:
@@ -981,7 +1309,8 @@ def _mixed(parts: list[Part], splits: list[datasets.Dataset], seed: int) -> data
 
 
 def _concatenated(splits: list[datasets.Dataset]) -> datasets.Dataset | None:
-    """Splits of several sources as one; `token_weights` of 1 where a source has none and another has them."""
+    """Splits of several sources as one; `token_weights` of 1 where a source has none and another has them; the
+    columns all have (a source cached by an older version may lack one), of the first's types."""
     from datasets import concatenate_datasets
 
     if not splits:
@@ -990,8 +1319,9 @@ def _concatenated(splits: list[datasets.Dataset]) -> datasets.Dataset | None:
         splits = [ds if "token_weights" in ds.column_names else ds.map(
             lambda b: {"token_weights": [np.ones(len(ids), dtype=np.float32) for ids in b["input_ids"]]},
             batched=True, keep_in_memory=True) for ds in splits]
-        features = next(ds for ds in splits if "token_weights" in ds.column_names).features
-        splits = [ds.cast(features) for ds in splits]
+    common = [c for c in splits[0].column_names if all(c in ds.column_names for ds in splits)]
+    splits = [ds.select_columns(common) for ds in splits]
+    splits = [ds if ds.features == splits[0].features else ds.cast(splits[0].features) for ds in splits]
     return concatenate_datasets(splits) if len(splits) > 1 else splits[0]
 
 
@@ -999,31 +1329,53 @@ def _with_static_weights(ds: datasets.Dataset, loss, path: str, scale: float = 1
     """The split with `loss_weight` (the loss's sample weight of each row, times `scale`: a mixture source's
     `loss_weight`) and the auxiliary terms' row values as columns. A weight that is not a finite number >= 0
     is a `DataError` naming the row."""
-    rows = [row_fields(score, extra) | {"assistant_tokens": n} for score, extra, n
-            in zip(column(ds, "difficulty_score"), column(ds, "extra"), assistant_tokens(ds))]
-    columns = {"loss_weight": [1.0] * len(rows) if loss is None else [loss.sample_weight(r) for r in rows]}
-    for name, term in (getattr(loss, "aux", None) or {}).items():
-        columns[f"aux_{name}"] = [term.row_value(r) for r in rows]
-    lines = column(ds, "source_line")
-    for name, values in columns.items():
+    lines = None
+    for name, values in _static_values(ds, loss).items():
         is_weight = name == "loss_weight"
-        bad = [i for i, v in enumerate(values) if not _finite_number(v, nonnegative=is_weight)]
+        array = np.asarray(values, dtype=np.float64) if isinstance(values, np.ndarray) else None
+        if array is not None:
+            bad = np.flatnonzero(~np.isfinite(array) | (array < 0 if is_weight else False)).tolist()
+        else:
+            bad = [i for i, v in enumerate(values) if not _finite_number(v, nonnegative=is_weight)]
         if bad:
+            lines = lines or column(ds, "source_line")
             what, need = (("loss weight: the loss's sample_weight", "a finite number >= 0") if is_weight
                           else (f"loss.aux.{name[4:]}: row_value", "a finite number"))
-            raise DataError([f"{path}:{lines[i]}: {what} returned {values[i]!r} (must be {need})" for i in bad])
+            shown = [values[i] if array is None else float(values[i]) for i in bad]
+            raise DataError([f"{path}:{lines[i]}: {what} returned {v!r} (must be {need})" for i, v in zip(bad, shown)])
         # Fingerprinted by the values' bytes, which datasets would otherwise do by pickling the list.
-        array = np.asarray(values, dtype=np.float64) * (scale if is_weight else 1.0)
+        array = (np.asarray(values, dtype=np.float64) if array is None else array) * (scale if is_weight else 1.0)
         fingerprint = hashlib.sha256(ds._fingerprint.encode() + name.encode() + array.tobytes()).hexdigest()[:16]
-        ds = ds.add_column(name, array.tolist(), new_fingerprint=fingerprint)
+        ds = ds.add_column(name, array, new_fingerprint=fingerprint)
     return ds.remove_columns(["truncated", "extra"])
+
+
+def _static_values(ds: datasets.Dataset, loss) -> dict[str, np.ndarray | list]:
+    """Each row's sample weight (`loss_weight`) and auxiliary terms' values (`aux_<name>`). A loss that weighs
+    rows by their difficulty alone (the built-in ones but `length`) is computed for all rows at once; else
+    each row's columns go to the loss's hooks (`row_fields`, with its `assistant_tokens`)."""
+    from sft.losses import WeightedTokenLoss
+
+    aux = dict(getattr(loss, "aux", None) or {})
+    if loss is None:
+        return {"loss_weight": np.ones(len(ds))}
+    if not aux and type(loss).sample_weight is WeightedTokenLoss.sample_weight:
+        return {"loss_weight": loss.difficulty_weights(np.asarray(column(ds, "difficulty_score"), dtype=np.float64))}
+    rows = [row_fields(score, extra) | {"assistant_tokens": n} for score, extra, n
+            in zip(column(ds, "difficulty_score"), column(ds, "extra"), assistant_tokens(ds))]
+    values = {"loss_weight": [loss.sample_weight(r) for r in rows]}
+    for name, term in aux.items():
+        values[f"aux_{name}"] = [term.row_value(r) for r in rows]
+    return values
 
 
 def assistant_tokens(ds: datasets.Dataset) -> np.ndarray:
     """The number of trained tokens (labels other than -100 after the first position) of each row."""
+    if "trained_tokens" in ds.column_names:  # counted while tokenising
+        return np.asarray(column(ds, "trained_tokens"), dtype=np.int64)
     labels = ds.with_format("arrow").select_columns(["labels"])[:]["labels"].combine_chunks()
     offsets = np.asarray(labels.offsets)
-    trained = np.asarray(pc.not_equal(labels.values, IGNORE_INDEX), dtype=bool)
+    trained = np.asarray(pc.not_equal(labels.values, pa.scalar(IGNORE_INDEX, labels.type.value_type)), dtype=bool)
     trained[offsets[:-1][offsets[:-1] < offsets[1:]]] = False  # position 0 is never a target
     total = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
     return total[offsets[1:]] - total[offsets[:-1]]

@@ -185,6 +185,15 @@ class WeightedTokenLoss(LossConfig):
             w = float("inf")
         return min(max(w, self.min_weight), self.max_weight)
 
+    def difficulty_weights(self, scores: np.ndarray) -> np.ndarray:
+        """`difficulty_weight` of many scores at once (a split's: preprocessing a million rows).
+
+            HardSampleLoss(alpha=2, max_weight=10).difficulty_weights(np.array([3.0, 4.0]))  ->  [9.0, 10.0]
+        """
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            weights = np.power(np.asarray(scores, dtype=np.float64), self.alpha)
+        return np.clip(weights, self.min_weight, self.max_weight)
+
     def token_weights(self, text: str, offsets: np.ndarray, row: Mapping) -> np.ndarray | None:
         """Per-token factors of the static weight, for a sequence's rendered `text` and its tokens'
         character `offsets` ([tokens, 2], start and end); None: all 1. Only trained tokens' factors count."""

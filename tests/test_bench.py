@@ -15,7 +15,8 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "sft.bench", "--out", str(out), "bench.steps=4", "bench.warmup_steps=1",
          "bench.repeats=1", "bench.loss_vocab=3000", "bench.loss_hidden=32", "bench.loss_batch=2",
-         "bench.loss_seq=64", "loss.chunk_tokens=16", "bench.preprocess_rows=300",
+         "bench.loss_seq=64", "loss.chunk_tokens=16", "bench.preprocess_rows=300", "bench.tokenize_rows=40",
+         "bench.scale_rows=300",
          "bench.batch_sizes=[8]", "bench.eval_repeats=1"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -24,8 +25,9 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
                                      "ce_vs_trl_memory", "packing_vs_trl_padding_free",
                                      "packing_vs_trl_padding_free_memory", "eval_vs_hf_time",
                                      "chunked_vs_naive_loss_memory", "chunked_vs_naive_loss_time",
-                                     "preprocess_cached_speedup", "startup_cfg_job_s", "startup_help_s",
-                                     "startup_first_step_s"}
+                                     "preprocess_cached_speedup", "tokenize_vs_baseline",
+                                     "tokenizer_alone_vs_baseline", "scale_peak_rss_gb", "scale_cached_load_s",
+                                     "startup_cfg_job_s", "startup_help_s", "startup_first_step_s"}
     assert all(v > 0 for v in report["ratios"].values())
     for case in ("hf", "ce", "hard_sample", "packing", "trl", "trl_padding_free"):
         run = report["raw"][case][0]
@@ -33,7 +35,10 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
     # The ratios are the medians' ratios, as printed.
     cases = report["cases"]
     assert report["ratios"]["packing_vs_hf"] == cases["packing"]["tokens_per_second"] / cases["hf"]["tokens_per_second"]
-    assert cases["preprocess"]["rows"] == 300
+    assert cases["preprocess"]["rows"] == 300 and cases["scale"]["rows"] == 300
+    assert cases["tokenize"]["rows"] == 40 and cases["tokenize"]["baseline_renders_per_row"] == 5  # 2 answers
+    assert cases["tokenize"]["sft_renders_per_row"] == 4
+    assert "tokenize_vs_baseline" in proc.stdout and "target >= 3.0" in proc.stdout
     assert cases["eval_sft"]["rows"] == cases["eval_hf"]["rows"] == 400  # the bundled validation set
     assert report["ratios"]["ce_vs_trl"] == cases["ce"]["tokens_per_second"] / cases["trl"]["tokens_per_second"]
     assert "packing_vs_hf" in proc.stdout and "target >= 1.3" in proc.stdout

@@ -25,7 +25,7 @@ TURNS = [
 def trained_runs(tokenizer, messages, **kwargs) -> list[list[str]]:
     """For each sequence a chat trains as, the decoded runs of consecutive labelled tokens."""
     out = tokenize_batch({"messages": [messages], "difficulty_score": [1.0], "source_line": [7]}, tokenizer, 4096,
-                         **kwargs)
+                         **kwargs).to_pydict()
     assert not any(out["refused"]), out["refused"]
     return [[tokenizer.decode(run, skip_special_tokens=False) for run in labelled_runs(ids, labels)]
             for ids, labels in zip(out["input_ids"], out["labels"])]
@@ -51,7 +51,7 @@ def test_mistral_trains_every_answer_and_refuses_a_system_prompt_its_template_dr
     # Its template puts the system prompt into the user turn that ends the chat: a chat ending with an
     # answer has none, so the answer would be trained without the prompt it was given.
     out = tokenize_batch({"messages": [[SYSTEM, *TURNS]], "difficulty_score": [1.0], "source_line": [3]},
-                         tokenizer, 4096)
+                         tokenizer, 4096).to_pydict()
     assert out["input_ids"] == [[]]
     field, reason = out["refused"][0].split("\t")
     assert field == "messages[2]" and "renders the chat before this turn differently once the turn is added" in reason
@@ -71,7 +71,7 @@ def test_qwen3_trains_the_reasoning_it_keeps_and_earlier_turns_from_their_own_re
     assert trained_runs(tokenizer, [SYSTEM, *turns]) == [last, first]
     assert trained_runs(tokenizer, [SYSTEM, *turns], rewritten_turns="skip") == [last]
     out = tokenize_batch({"messages": [[SYSTEM, *turns]], "difficulty_score": [1.0], "source_line": [3]},
-                         tokenizer, 4096, rewritten_turns="refuse")
+                         tokenizer, 4096, rewritten_turns="refuse").to_pydict()
     field, reason = out["refused"][0].split("\t")
     assert field == "messages[2]" and "renders this turn differently once later turns follow" in reason
 

@@ -23,7 +23,7 @@ MULTI_TURN = [
 
 def encode(tokenizer, messages, max_length=256):
     out = tokenize_batch({"messages": [messages], "difficulty_score": [1.0], "source_line": [1]},
-                         tokenizer, max_length)
+                         tokenizer, max_length).to_pydict()
     return out
 
 
@@ -44,7 +44,7 @@ def test_exactly_the_assistant_tokens_are_labelled(tokenizer):
 def test_overlong_truncate_cuts_the_prompt_from_the_left_and_keeps_the_answer(tokenizer):
     long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok then"}]
     out = tokenize_batch({"messages": [long_prompt], "difficulty_score": [1.0], "source_line": [1]},
-                         tokenizer, max_length=64)
+                         tokenizer, max_length=64).to_pydict()
     assert out["truncated"] == [True] and len(out["input_ids"][0]) == 64
     trained = [t for t, lab in zip(out["input_ids"][0], out["labels"][0]) if lab != -100]
     assert tokenizer.decode(trained) == "ok then<|im_end|>"
@@ -60,7 +60,7 @@ def test_overlong_truncate_keeps_the_last_answer_of_a_multi_turn_chat(tokenizer)
 
 def test_an_answer_longer_than_max_length_keeps_its_start_after_some_prompt(tokenizer):
     chat_ = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": " ".join(["1 2 3"] * 60)}]
-    out = tokenize_batch({"messages": [chat_], "difficulty_score": [1.0], "source_line": [1]}, tokenizer, 64)
+    out = tokenize_batch({"messages": [chat_], "difficulty_score": [1.0], "source_line": [1]}, tokenizer, 64).to_pydict()
     labels = out["labels"][0]
     assert len(labels) == 64 and labels[-1] != -100  # the answer runs to the end of the window
     first = next(i for i, lab in enumerate(labels) if lab != -100)
@@ -101,7 +101,7 @@ tok = load_tokenizer("tiny")
 chat = [{"role": "user", "content": "12 + 34 = 46. " * 3_600_000}, {"role": "assistant", "content": "46."}]
 batch = {"messages": [chat], "difficulty_score": [1.0], "source_line": [1]}
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-out = tokenize_batch(batch, tok, 256)
+out = tokenize_batch(batch, tok, 256).to_pydict()
 print(len(out["input_ids"][0]), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -162,8 +162,8 @@ def test_second_load_reuses_the_cache_and_a_change_invalidates_it(tokenizer, tmp
     f = write_jsonl(tmp_path / "t.jsonl", [chat("What is 1 + 1?", "2", 1.0)] * 3)
     first = load_sft_datasets(tokenizer, None, train_file=str(f), max_length=128)
     calls = []
-    real = sft_data.scan_jsonl
-    monkeypatch.setattr(sft_data, "scan_jsonl", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = sft_data.iter_jsonl
+    monkeypatch.setattr(sft_data, "iter_jsonl", lambda *a, **k: calls.append(a) or real(*a, **k))
     again = load_sft_datasets(tokenizer, None, train_file=str(f), max_length=128)
     assert calls == [] and again.data_hash == first.data_hash
     assert again.train["input_ids"] == first.train["input_ids"]
@@ -232,3 +232,40 @@ def test_missing_score_uses_default_and_bom_crlf_blank_lines_are_accepted(tmp_pa
     f.write_bytes(b"\xef\xbb\xbf" + row.encode() + b"\r\n\r\n" + row.encode() + b"\r\n")
     rows = read_jsonl(f, default_score=1.5)
     assert [r["difficulty_score"] for r in rows] == [1.5, 1.5] and [r["source_line"] for r in rows] == [1, 3]
+
+
+@pytest.mark.parametrize("processes", [2, 3, 5])
+def test_a_jsonl_file_validated_on_several_processes_gives_the_rows_and_rejections_of_one(tmp_path, processes):
+    from datasets import Dataset, concatenate_datasets
+
+    from sft.data import write_rows_in_parallel
+    from sft.formats import RowFormat
+
+    lines = ['{"no": "format"}', "", "not json", json.dumps(chat("1 + 1?", "2", 1.0))]
+    for i in range(40):
+        lines.append(json.dumps(chat(f"{i} + 1?", str(i + 1), 1.0 + i % 3)) if i % 7 else "\xff bad utf-8")
+        lines += [""] if i % 5 == 0 else []
+    lines.append('{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}')  # sharegpt
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode("utf-8", "surrogateescape").replace(
+        "\xff".encode(), b"\xff") + b"\n")
+    rows, rejected = sft_data.scan_jsonl(path, score_required=False)
+    found: list = []
+    files, count, _ = write_rows_in_parallel(str(path), found, tmp_path / "shards", processes, None, False,
+                                             RowFormat(), "all")
+    assert len(files) > 1 and count == len(rows)
+    parallel = concatenate_datasets([Dataset.from_file(str(f)) for f in files])
+    assert parallel["source_line"] == [r["source_line"] for r in rows]
+    assert parallel["messages"] == [r["messages"] for r in rows]
+    assert [str(r) for r in found] == [str(r) for r in rejected]
+    assert any("a sharegpt row in a file whose first row is messages" in str(r) for r in found)
+
+
+def test_a_large_jsonl_file_preprocessed_on_several_processes_trains_the_same_rows(tmp_path, tokenizer, monkeypatch):
+    f = write_jsonl(tmp_path / "rows.jsonl", [chat(f"What is {i} + {i}?", str(2 * i), 1.0 + i % 4) for i in range(60)])
+    one = load_sft_datasets(tokenizer, None, str(f), max_length=64, num_proc=1)
+    monkeypatch.setattr(sft_data, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(sft_data, "PARALLEL_ROWS", 1)
+    monkeypatch.setenv("SFT_CACHE", str(tmp_path / "other-cache"))
+    several = load_sft_datasets(tokenizer, None, str(f), max_length=64, num_proc=2)
+    assert several.train.to_dict() == one.train.to_dict() and several.data_hash == one.data_hash

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -245,3 +246,11 @@ def test_liger_on_a_gpu_needs_a_version_with_a_per_token_gradient(monkeypatch, c
     assert f"loss.impl=liger: {reason}" in caplog.text and "using chunked" in caplog.text
     with caplog.at_level("WARNING", logger="sft"):
         assert choose_impl("liger", vocab_size=151936, on_gpu=True, zero3_trainable_head=True) == "naive"
+
+
+def test_difficulty_weights_of_a_split_are_each_rows_difficulty_weight():
+    scores = np.array([0.0, 0.5, 1.0, 3.0, 1e300, float("nan"), 7.25])
+    for loss in (HardSampleLoss(alpha=1.0), HardSampleLoss(alpha=2.0, max_weight=10.0, min_weight=0.5),
+                 HardSampleLoss(alpha=-1.5), HardSampleLoss(alpha=0.0), CrossEntropyLoss()):
+        expected = [loss.difficulty_weight(s) for s in scores]
+        np.testing.assert_array_equal(loss.difficulty_weights(scores), expected)
