@@ -77,6 +77,10 @@ class RowFormat:
         elif self.fmt == "auto" and found is not None and found != self.chosen:
             raise FormatError("row", f"a {found} row in a file whose first row is {self.chosen}: a file holds one "
                                      "format")
+        required = self.name(FIELDS[self.chosen][0])
+        if required not in row:
+            raise FormatError(required, f"missing (data.format={self.chosen}; data.columns maps a column of another "
+                                        "name)")
         own = {self.name(f) for f in FIELDS[self.chosen]} | {self.name("score")}
         out = {k: v for k, v in row.items() if k not in own}
         if isinstance(out.get("tools"), str):  # LLaMA-Factory keeps the definitions as JSON text
@@ -91,8 +95,6 @@ class RowFormat:
         return out
 
     def _messages(self, row: dict):
-        if self.name("messages") not in row:
-            raise FormatError(self.name("messages"), "missing")
         return row[self.name("messages")]  # validated as messages by sft.data
 
     def _sharegpt(self, row: dict) -> list[dict]:

@@ -73,6 +73,8 @@ def test_mapped_columns_name_the_files_fields(tmp_path, tokenizer):
     ([chat("1?", "1")], {"columns": {"messages": "convs"}}, "rows.jsonl:1: row: no column of a known format"),
     ([{"instruction": "Add 1 and 1."}], {"format": "alpaca"}, "rows.jsonl:1: output: missing"),
     ([chat("1?", "1")], {"format": "messages", "columns": {"messages": "convs"}}, "rows.jsonl:1: convs: missing"),
+    ([chat("1?", "1")], {"format": "sharegpt"}, "rows.jsonl:1: conversations: missing (data.format=sharegpt"),
+    ([chat("1?", "1")], {"format": "prompt_completion"}, "rows.jsonl:1: completion: missing"),
     ([{"prompt": "1?", "completion": 2}], {}, "rows.jsonl:1: completion: must be a string or a non-empty list"),
     ([{"messages": [{"role": "user", "content": "1?"}, {"role": "assistant", "content": "1", "weight": -1}]}], {},
      "rows.jsonl:1: messages[1].weight: must be a finite number >= 0, got -1"),
