@@ -5,7 +5,9 @@ rendered with the tokenizer's chat template; labels are -100 except on assistant
 and end-of-turn token, in every turn), each located as the model writes it (`chat_views`: a turn the
 template rewrites once later turns follow is trained from its own rendering). Tokenised splits are
 cached under the sft cache keyed by the data hash (file bytes, preprocessing settings, tokenizer), so a
-second run with the same inputs skips the work. The loss's static weights (`sft.losses.WeightedTokenLoss`)
+second run with the same inputs skips the work; preprocessing streams rows through Arrow files on every
+core, never holding a source in memory (`_tokenized_split`). A mixture's sources (`sft.mixture`) are each
+tokenised so and then drawn into one split. The loss's static weights (`sft.losses.WeightedTokenLoss`)
 are added as columns: per-token `token_weights`, which need the rendered text, while tokenising (their
 knobs are part of the cache key), and the per-row `loss_weight` after the cache; the collator puts
 their product on the assistant tokens.
