@@ -48,7 +48,7 @@ ROLES = ("system", "user", "assistant", "tool")
 PREPROCESS_VERSION = 3  # bump when tokenisation or labelling changes, to invalidate caches
 MAX_ERRORS_SHOWN = 10
 PARALLEL_ROWS = 20000  # data.num_proc=null tokenises files of this many rows on every core
-PARALLEL_BYTES = 8 << 20  # and validates JSONL files this large on every core
+PARALLEL_BYTES = 8 << 20  # and validates JSONL files this large (other sources: of PARALLEL_ROWS) on every core
 
 
 class DataError(ValueError):
@@ -303,15 +303,15 @@ def scan_table(source: Source, default_score: float | None = None, score_require
 
 
 def iter_table(source: Source, rejected: list[Rejected], default_score: float | None = None,
-               score_required: bool = True, row_format: RowFormat | None = None, train_on: str = "all"):
+               score_required: bool = True, row_format: RowFormat | None = None, train_on: str = "all",
+               span: tuple[int, int, int] | None = None):
     """`scan_table`'s valid rows one at a time (the table is memory-mapped), the rejected ones appended to
-    `rejected`."""
+    `rejected`. `span` (first row index, end index, the first row's number): only those rows."""
     row_format = row_format or RowFormat()
-    try:
-        table = source.table()
-    except SourceError as e:
-        raise DataError([str(e)], header="the data cannot be read") from None
-    for number, row in enumerate(table, start=1):
+    table = _table(source)
+    start, end, first = span or (0, len(table), 1)
+    rows = table if span is None else table.select(range(start, end))
+    for number, row in enumerate(rows, start=first):
         def reject(field: str, reason: str) -> None:
             rejected.append(Rejected(str(source), number, field, reason, json.dumps(row, ensure_ascii=False,
                                                                                      default=str)))
@@ -319,9 +319,10 @@ def iter_table(source: Source, rejected: list[Rejected], default_score: float | 
         accepted = _accept(_without_nulls(row), number, reject, default_score, score_required, row_format, train_on)
         if accepted is not None:
             yield accepted
-    if not len(table):
-        raise DataError([f"{source}: source: no rows"])
-    _log_format(str(source), row_format)
+    if span is None:
+        if not len(table):
+            raise DataError([f"{source}: source: no rows"])
+        _log_format(str(source), row_format)
 
 
 def _without_nulls(value):
@@ -384,7 +385,7 @@ def scan_source(source: Source, *args, **kwargs) -> tuple[list[dict], list[Rejec
 
 
 def iter_source(source: Source, rejected: list[Rejected], *args, **kwargs):
-    """`scan_source` row by row: `iter_jsonl` or `iter_table`."""
+    """`scan_source` row by row: `iter_jsonl` or `iter_table` (with their `span`, a stretch of rows)."""
     if source.kind == "jsonl":
         return iter_jsonl(source.spec, rejected, *args, **kwargs)
     return iter_table(source, rejected, *args, **kwargs)
@@ -876,9 +877,11 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
         rejected: list[Rejected] = []
         row_format = row_format or RowFormat()
         scanners = num_proc or min(os.cpu_count() or 1, 8)
-        if source.kind == "jsonl" and scanners > 1 and os.path.getsize(source.spec) >= PARALLEL_BYTES:
-            files, n_rows, turn_weighted = write_rows_in_parallel(source.spec, rejected, work, scanners,
-                                                                  default_score, False, row_format, train_on)
+        large = (os.path.getsize(source.spec) >= PARALLEL_BYTES if source.kind == "jsonl"
+                 else len(_table(source)) >= PARALLEL_ROWS)
+        if scanners > 1 and large:
+            files, n_rows, turn_weighted = write_rows_in_parallel(source, rejected, work, scanners, default_score,
+                                                                  False, row_format, train_on)
         else:
             files = [work / "rows.arrow"]
             n_rows, turn_weighted = write_rows(iter_source(source, rejected, default_score, score_required=False,
@@ -939,45 +942,59 @@ def _load_rows(folder: Path) -> datasets.Dataset:
     return ds.remove_columns([c for c in CHECK_ONLY if c in ds.column_names])
 
 
-def write_rows_in_parallel(path: str, rejected: list[Rejected], folder: Path, processes: int,
+def write_rows_in_parallel(source: Source, rejected: list[Rejected], folder: Path, processes: int,
                            default_score: float | None, score_required: bool, row_format: RowFormat,
                            train_on: str) -> tuple[list[Path], int, bool]:
-    """`write_rows` of a JSONL file's valid rows by `processes` processes, each a stretch of its lines into an
-    Arrow file of its own; the rows, their line numbers and the rejected rows (appended to `rejected`, in
-    file order) are those one process finds. With `data.format=auto` every stretch after the file's first row
-    of a known format holds that format, as one process would. Returns the files in order, the count of rows
-    and whether some turn weighs other than 0 or 1."""
+    """`write_rows` of a source's valid rows by `processes` processes, each a stretch of its lines (JSONL) or
+    rows (a table) into an Arrow file of its own; the rows, their numbers and the rejected rows (appended to
+    `rejected`, in order) are those one process finds. With `data.format=auto` every stretch after the
+    source's first row of a known format holds that format, as one process would. Returns the files in
+    order, the count of rows and whether some turn weighs other than 0 or 1."""
     import copy
     import multiprocessing
 
-    first = _first_format(path, row_format)
+    global _STRETCHES
+    first = _first_format(source, row_format)
+    if source.kind == "jsonl":
+        spans = _line_spans(source.spec, processes)
+    else:
+        n = len(source.table())
+        spans = [(n * i // processes, n * (i + 1) // processes, n * i // processes + 1) for i in range(processes)
+                 if n * i // processes < n * (i + 1) // processes]
     jobs = []
-    for i, span in enumerate(_line_spans(path, processes)):
+    for i, span in enumerate(spans):
         stretch = copy.copy(row_format)
         if first is not None and span[2] > first[0]:
             stretch.chosen = first[1]
-        jobs.append((path, span, folder / f"rows-{i:05d}.arrow", stretch, default_score, score_required, train_on))
+        jobs.append((source, span, folder / f"rows-{i:05d}.arrow", stretch, default_score, score_required, train_on))
     folder.mkdir(parents=True, exist_ok=True)
-    with multiprocessing.get_context("fork").Pool(len(jobs)) as pool:
-        done = pool.map(_write_span, jobs)
+    _STRETCHES = jobs  # the forked processes find them here: a table source is not pickled
+    try:
+        with multiprocessing.get_context("fork").Pool(len(jobs)) as pool:
+            done = pool.map(_write_stretch, range(len(jobs)))
+    finally:
+        _STRETCHES = []
     for _, _, found in done:
         rejected += found
     count = sum(n for n, _, _ in done)
-    if not count and not rejected:  # blank lines only
-        raise DataError([f"{path}: file: no rows (the file is empty)"])
+    if not count and not rejected:  # blank lines only, or an empty table
+        raise DataError([f"{source}: file: no rows (the file is empty)"])
     if first is not None:
         logged = copy.copy(row_format)
         logged.chosen = first[1]
-        _log_format(path, logged)
+        _log_format(str(source), logged)
     return [job[2] for job in jobs], count, any(weighted for _, weighted, _ in done)
 
 
-def _write_span(job) -> tuple[int, bool, list[Rejected]]:
-    """One process of `write_rows_in_parallel`: a stretch of lines validated and written."""
-    path, span, out, row_format, default_score, score_required, train_on = job
+_STRETCHES: list = []  # write_rows_in_parallel's jobs, for its forked processes
+
+
+def _write_stretch(index: int) -> tuple[int, bool, list[Rejected]]:
+    """One process of `write_rows_in_parallel`: a stretch of rows validated and written."""
+    source, span, out, row_format, default_score, score_required, train_on = _STRETCHES[index]
     rejected: list[Rejected] = []
-    count, weighted = write_rows(iter_jsonl(path, rejected, default_score, score_required, row_format, train_on,
-                                            span=span), out)
+    count, weighted = write_rows(iter_source(source, rejected, default_score, score_required, row_format, train_on,
+                                             span=span), out)
     return count, weighted, rejected
 
 
@@ -1003,14 +1020,18 @@ def _line_spans(path: str, n: int) -> list[tuple[int, int, int]]:
     return [(a, b, line) for a, b, line in zip(cuts, cuts[1:], first_lines)]
 
 
-def _first_format(path: str, row_format: RowFormat) -> tuple[int, str] | None:
-    """For `data.format=auto`: the line and format of the file's first row of a known format (None: none, or
-    the format is given)."""
+def _first_format(source: Source, row_format: RowFormat) -> tuple[int, str] | None:
+    """For `data.format=auto`: the number and format of the source's first row of a known format (None: none,
+    or the format is given)."""
     from sft.formats import detect
 
     if row_format.fmt != "auto":
         return None
-    with open(path, "rb") as f:
+    if source.kind != "jsonl":
+        found = ((number, detect(_without_nulls(row), row_format.columns))
+                 for number, row in enumerate(source.table(), start=1))
+        return next(((number, fmt) for number, fmt in found if fmt is not None), None)
+    with open(source.spec, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
                 row = json.loads(raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw)
@@ -1020,6 +1041,14 @@ def _first_format(path: str, row_format: RowFormat) -> tuple[int, str] | None:
             if found is not None:
                 return lineno, found
     return None
+
+
+def _table(source: Source):
+    """A table source's rows (`Source.table`); unreadable, a `DataError` naming it."""
+    try:
+        return source.table()
+    except SourceError as e:
+        raise DataError([str(e)], header="the data cannot be read") from None
 
 
 def write_rows(rows, path: Path) -> tuple[int, bool]:

@@ -11,6 +11,7 @@ from conftest import chat, labelled_runs, write_jsonl
 from sft import data as sft_data
 from sft.data import DataError, WeightedDataCollator, load_sft_datasets, read_jsonl, tokenize_batch
 from sft.losses import HardSampleLoss
+from sft.sources import Source
 
 MULTI_TURN = [
     {"role": "system", "content": "Be brief."},
@@ -251,7 +252,7 @@ def test_a_jsonl_file_validated_on_several_processes_gives_the_rows_and_rejectio
         "\xff".encode(), b"\xff") + b"\n")
     rows, rejected = sft_data.scan_jsonl(path, score_required=False)
     found: list = []
-    files, count, _ = write_rows_in_parallel(str(path), found, tmp_path / "shards", processes, None, False,
+    files, count, _ = write_rows_in_parallel(Source(str(path)), found, tmp_path / "shards", processes, None, False,
                                              RowFormat(), "all")
     assert len(files) > 1 and count == len(rows)
     parallel = concatenate_datasets([Dataset.from_file(str(f)) for f in files])
@@ -259,6 +260,29 @@ def test_a_jsonl_file_validated_on_several_processes_gives_the_rows_and_rejectio
     assert parallel["messages"] == [r["messages"] for r in rows]
     assert [str(r) for r in found] == [str(r) for r in rejected]
     assert any("a sharegpt row in a file whose first row is messages" in str(r) for r in found)
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_a_table_validated_on_several_processes_gives_the_rows_and_rejections_of_one(tmp_path, processes):
+    from datasets import Dataset, concatenate_datasets
+
+    from sft.data import write_rows_in_parallel
+    from sft.formats import RowFormat
+
+    rows = [{"text": "no format"}] + [chat(f"{i} + 1?", str(i + 1), 1.0 + i % 3) if i % 6 else
+                                      {"messages": [{"role": "robot", "content": "x"}]} for i in range(30)]
+    rows.append({"prompt": "q", "completion": "a"})  # prompt_completion, in a messages table
+    keys = sorted({k for r in rows for k in r})  # (from_list would take the first row's keys alone)
+    Dataset.from_dict({k: [r.get(k) for r in rows] for k in keys}).to_parquet(path := tmp_path / "rows.parquet")
+    scanned, rejected = sft_data.scan_table(Source(str(path)), score_required=False)
+    found: list = []
+    files, count, _ = write_rows_in_parallel(Source(str(path)), found, tmp_path / "shards", processes, None, False,
+                                             RowFormat(), "all")
+    assert len(files) == processes and count == len(scanned)
+    parallel = concatenate_datasets([Dataset.from_file(str(f)) for f in files])
+    assert parallel["source_line"] == [r["source_line"] for r in scanned]
+    assert parallel["messages"] == [r["messages"] for r in scanned]
+    assert [str(r) for r in found] == [str(r) for r in rejected] and len(found) == 7
 
 
 def test_a_large_jsonl_file_preprocessed_on_several_processes_trains_the_same_rows(tmp_path, tokenizer, monkeypatch):
