@@ -251,19 +251,24 @@ def run_tokenize_case(case: str, cfg) -> dict:
     from hydra.utils import instantiate
 
     from sft import bench_baseline
-    from sft.data import ChatRenderer, chat_views, encode, iter_jsonl, tokenize_batch
+    from sft.data import ChatRenderer, chat_views, encode, iter_jsonl, tokenize_batch, write_rows
 
     disable_progress_bars()
     tokenizer = instantiate(cfg.tokenizer)
+    # the same rows as each stores them: sft 0.1 a list of them (Dataset.from_list), sft in an Arrow file
     rows = Dataset.from_list(list(iter_jsonl(cfg.data.train_file, [])))
+    with tempfile.TemporaryDirectory() as tmp:
+        write_rows(iter_jsonl(cfg.data.train_file, []), Path(tmp, "rows.arrow"))
+        stored = Dataset.from_file(str(Path(tmp, "rows.arrow")), in_memory=True)
     kwargs = {"tokenizer": tokenizer, "max_length": cfg.data.max_length}
     texts = [text for messages in rows["messages"] for text, _ in chat_views(tokenizer, messages)]
     seconds: dict[str, list[float]] = {"baseline": [], "sft": [], "tokenizer": []}
     for round_ in range(cfg.bench.repeats):
-        for name, function in (("baseline", bench_baseline.tokenize_batch), ("sft", tokenize_batch)):
+        for name, function, source in (("baseline", bench_baseline.tokenize_batch, rows),
+                                       ("sft", tokenize_batch, stored)):
             started = time.perf_counter()
-            rows.map(function, batched=True, batch_size=256, remove_columns=["messages", "tools"], fn_kwargs=kwargs,
-                     keep_in_memory=True, new_fingerprint=f"{name}-{round_}")
+            source.map(function, batched=True, batch_size=256, remove_columns=["messages", "tools"],
+                       fn_kwargs=kwargs, keep_in_memory=True, new_fingerprint=f"{name}-{round_}")
             seconds[name].append(time.perf_counter() - started)
         started = time.perf_counter()
         for i in range(0, len(texts), 256):
@@ -287,7 +292,10 @@ def run_tokenize_case(case: str, cfg) -> dict:
         tokenizer.apply_chat_template, ChatRenderer.__call__ = plain, fast
     n = len(rows)
     return {"rows": n, **{f"{name}_rows_per_second": n / statistics.median(s) for name, s in seconds.items()},
-            **{f"{name}_renders_per_row": count / len(counted["messages"]) for name, count in renders.items()}}
+            **{f"{name}_renders_per_row": count / len(counted["messages"]) for name, count in renders.items()},
+            # each round's ratios to the baseline (sft's, the tokenizer alone's): how much the machine moved them
+            "round_ratios": [[base / ours, base / alone] for base, ours, alone
+                             in zip(seconds["baseline"], seconds["sft"], seconds["tokenizer"])]}
 
 
 def run_scale_case(case: str, cfg) -> dict:
@@ -599,7 +607,9 @@ def print_report(report: dict) -> None:
         t = cases["tokenize"]
         print(f"tokenize      {t['rows']} multi-turn rows, rows/s on one core: sft {t['sft_rows_per_second']:.0f} "
               f"({t['sft_renders_per_row']:g} renders a row), sft 0.1 {t['baseline_rows_per_second']:.0f} "
-              f"({t['baseline_renders_per_row']:g}), the tokenizer alone {t['tokenizer_rows_per_second']:.0f}")
+              f"({t['baseline_renders_per_row']:g}), the tokenizer alone {t['tokenizer_rows_per_second']:.0f}; "
+              "rounds (sft, tokenizer alone vs sft 0.1): "
+              + ", ".join(f"{ours:.2f}/{alone:.2f}" for ours, alone in t["round_ratios"]))
     if "scale" in cases:
         c = cases["scale"]
         print(f"scale         {c['rows']} rows: {c['rows_per_second']:.0f} rows/s ({c['first_s']:.0f} s), peak RSS "

@@ -203,3 +203,17 @@ def test_a_mixture_run_reports_each_task_as_the_models_own_loss_and_a_changed_mi
                      "resume=auto")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "the data changed since this checkpoint (mixture[1].ratio: 1.0 -> 2.0)" in proc.stderr
+
+
+def test_inspect_data_names_each_row_by_its_own_source_and_shows_its_tasks_weight(sources):
+    from sft.inspect_data import inspect
+
+    mix = mixture(sources, {"epochs": 1}, {"epochs": 1, "loss_weight": 3})
+    report = inspect(["data=mixture", "data.mixture=" + override(mix), "loss=ce"], rows=12, split="train")
+    shown = [block for block in report.strip().split("\n\n") if block.startswith("-- ")]
+    assert len(shown) == 12  # 8 chats and 4 math rows, epochs 1
+    math = [b for b in shown if b.startswith(f"-- {sources['math']}:")]
+    assert len(math) == 4 and all("loss weight 3" in b.splitlines()[0] for b in math)
+    assert all("loss weight 1" in b.splitlines()[0] for b in shown if b.startswith(f"-- {sources['chats']}:"))
+    evaluation = inspect(["data=mixture", "data.mixture=" + override(mix), "loss=ce"], rows=5, split="eval")
+    assert evaluation.count(f"-- {sources['chats_eval']}:") == 3 and evaluation.count(f"-- {sources['math_eval']}:") == 2
