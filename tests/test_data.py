@@ -257,7 +257,7 @@ def test_a_jsonl_file_validated_on_several_processes_gives_the_rows_and_rejectio
     assert len(files) > 1 and count == len(rows)
     parallel = concatenate_datasets([Dataset.from_file(str(f)) for f in files])
     assert parallel["source_line"] == [r["source_line"] for r in rows]
-    assert parallel["messages"] == [r["messages"] for r in rows]
+    assert [json.loads(m) for m in parallel["messages"]] == [r["messages"] for r in rows]  # stored as JSON text
     assert [str(r) for r in found] == [str(r) for r in rejected]
     assert any("a sharegpt row in a file whose first row is messages" in str(r) for r in found)
 
@@ -281,7 +281,7 @@ def test_a_table_validated_on_several_processes_gives_the_rows_and_rejections_of
     assert len(files) == processes and count == len(scanned)
     parallel = concatenate_datasets([Dataset.from_file(str(f)) for f in files])
     assert parallel["source_line"] == [r["source_line"] for r in scanned]
-    assert parallel["messages"] == [r["messages"] for r in scanned]
+    assert [json.loads(m) for m in parallel["messages"]] == [r["messages"] for r in scanned]
     assert [str(r) for r in found] == [str(r) for r in rejected] and len(found) == 7
 
 
