@@ -752,7 +752,7 @@ def encode(tokenizer, texts: list[str]) -> list:
     """The fast tokenizer's `Encoding` of each text, as `tokenizer(texts, add_special_tokens=False)` makes it (no
     truncation, no padding), without converting every token's ids and offsets to Python lists."""
     backend = tokenizer.backend_tokenizer
-    if backend.truncation is not None:  # what Trainer's call with truncation=False does too
+    if backend.truncation is not None:  # what the tokenizer's own call with truncation=False does too
         backend.no_truncation()
     if backend.padding is not None:
         backend.no_padding()
@@ -811,21 +811,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def data_identity(train: Source, eval: Source | None, tokenizer, max_length: int,
-                  default_score: float | None) -> dict:
-    """What decides the preprocessed data, part by part: the sources' contents, preprocessing settings, tokenizer."""
-    return {
-        "train_file": train.fingerprint(),
-        "eval_file": None if eval is None else eval.fingerprint(),
-        "max_length": max_length,
-        "default_score": default_score,
-        "tokenizer": tokenizer_fingerprint(tokenizer)[:16],
-        "preprocess_version": PREPROCESS_VERSION,
-    }
+def preprocessing_identity(tokenizer, max_length: int, default_score: float | None) -> dict:
+    """What decides how any source is preprocessed: the part of `SFTData.identity` beside the sources' contents."""
+    return {"max_length": max_length, "default_score": default_score,
+            "tokenizer": tokenizer_fingerprint(tokenizer)[:16], "preprocess_version": PREPROCESS_VERSION}
 
 
 def data_hash(identity: dict) -> str:
-    """One short hash of a `data_identity`."""
+    """One short hash of a data identity (`SFTData.identity`)."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -1205,7 +1198,7 @@ def report_rejected(rejected: list[Rejected], rejected_file: str | None) -> None
 class SFTData:
     train: datasets.Dataset
     eval: datasets.Dataset | None
-    identity: dict  # see data_identity
+    identity: dict  # what decides the data, part by part: sources' contents, settings, tokenizer (load_sft_datasets)
     packing: bool = False  # how the collator forms batches (data.packing)
     summary: dict[str, SplitSummary] = field(default_factory=dict)  # by split: train, eval
     parts: list[Part] = field(default_factory=list)  # the sources, by the rows' `source` number (sft.mixture)
@@ -1266,26 +1259,22 @@ def load_sft_datasets(
     if scores_needed_by is None:
         scores_needed_by = scores_used_by(loss)
     token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
-    columns = RowFormat(format, columns).columns
+    shared = {**preprocessing_identity(tokenizer, max_length, default_score), "overlong": overlong,
+              "rewritten_turns": rewritten_turns}
+    if token_weights is not None:
+        shared["token_weights"] = loss.token_weight_identity()
     try:
+        parts = parts_of(train_file, eval_file, mixture, format, columns, train_split, eval_split, hub_name,
+                         hub_revision)
         if mixture:
-            parts = parts_of(mixture, format, columns, train_split, eval_split, hub_name, hub_revision)
+            sources = [p.identity() for p in parts]  # each source's files hashed once
+            identity = {**shared, "train_on": train_on, "mixture": sources, "mixture_seed": mixture_seed}
         else:
-            parts = [Part(Source(train_file, train_split, hub_name, hub_revision),
-                          None if eval_file is None else Source(eval_file, eval_split, hub_name, hub_revision),
-                          format, columns)]
-        identity = data_identity(parts[0].train, parts[0].eval, tokenizer, max_length, default_score)
-        shared = {k: v for k, v in identity.items() if k not in ("train_file", "eval_file")}
-        shared.update(overlong=overlong, rewritten_turns=rewritten_turns)
-        if token_weights is not None:
-            shared["token_weights"] = loss.token_weight_identity()
-        if mixture:
-            identity = {**shared, "train_on": train_on, "mixture": [p.identity() for p in parts],
-                        "mixture_seed": mixture_seed}
-        else:
-            identity.update(shared)
-            if (format, columns, train_on) != ("auto", {}, "all"):  # (else as before: earlier caches stand)
-                identity.update(format=format, columns=dict(sorted(columns.items())), train_on=train_on)
+            (part,) = parts
+            identity = {"train_file": part.train.fingerprint(),
+                        "eval_file": None if part.eval is None else part.eval.fingerprint(), **shared}
+            if (format, part.columns, train_on) != ("auto", {}, "all"):  # (else as before: earlier caches stand)
+                identity.update(format=format, columns=dict(sorted(part.columns.items())), train_on=train_on)
     except SourceError as e:
         raise DataError([str(e)], header="the data cannot be read") from None
 
@@ -1293,7 +1282,7 @@ def load_sft_datasets(
     for number, part in enumerate(parts):
         # the tokenised rows of a source are cached by what decides them, whatever mixture they are part of
         key = data_hash(identity) if not mixture else data_hash(
-            {**shared, "train_on": train_on, **{k: v for k, v in part.identity().items()
+            {**shared, "train_on": train_on, **{k: v for k, v in sources[number].items()
                                                 if k in ("train_file", "eval_file", "format", "columns")}})
         for name in ("train", "eval"):
             source = getattr(part, name)

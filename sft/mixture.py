@@ -48,7 +48,8 @@ class Part:
     def identity(self) -> dict:
         """What decides this part's rows in the mixture (in the data hash: a resume refuses a changed one)."""
         out = {"train_file": self.train.fingerprint(),
-               "eval_file": None if self.eval is None else self.eval.fingerprint(), "format": self.format, "columns": dict(sorted(self.columns.items())), "task": self.task,
+               "eval_file": None if self.eval is None else self.eval.fingerprint(),
+               "format": self.format, "columns": dict(sorted(self.columns.items())), "task": self.task,
                "loss_weight": self.loss_weight, "ratio": self.ratio, "epochs": self.epochs}
         for source, split in ((self.train, "train"), (self.eval, "eval")):
             if source is not None and source.kind in ("hub", "disk"):
@@ -56,10 +57,15 @@ class Part:
         return out
 
 
-def parts_of(mixture: list, data_format: str, columns: dict, train_split: str, eval_split: str,
-             hub_name: str | None, hub_revision: str | None) -> list[Part]:
-    """The `data.mixture` entries as parts; a null field is the data node's (format, splits, hub), and the
-    entry's named columns go over `data.columns`."""
+def parts_of(train_file: str | None, eval_file: str | None, mixture: list | None, data_format: str, columns: dict,
+             train_split: str, eval_split: str, hub_name: str | None, hub_revision: str | None) -> list[Part]:
+    """A run's sources as parts: `train_file`/`eval_file` as one, or else the `data.mixture` entries, where a
+    null field is the data node's (format, splits, hub) and the entry's named columns go over `data.columns`."""
+    columns = {k: v for k, v in dict(columns or {}).items() if v is not None}
+    if not mixture:
+        return [Part(Source(train_file, train_split, hub_name, hub_revision),
+                     None if eval_file is None else Source(eval_file, eval_split, hub_name, hub_revision),
+                     data_format, columns)]
     parts = []
     for entry in mixture:
         entry = dict(entry)

@@ -441,11 +441,8 @@ def read_eval_rows(cfg: DictConfig) -> list[dict]:
     from sft.mixture import parts_of
 
     d = cfg.data
-    if not d.mixture:
-        return read_jsonl(d.eval_file, fmt=d.format, columns=dict(d.columns), split=d.eval_split,
-                          hub_name=d.hub_name, hub_revision=d.hub_revision)
-    parts = parts_of(d.mixture, d.format, {k: v for k, v in dict(d.columns).items() if v is not None},
-                     d.train_split, d.eval_split, d.hub_name, d.hub_revision)
+    parts = parts_of(d.train_file, d.eval_file, d.mixture, d.format, d.columns, d.train_split, d.eval_split,
+                     d.hub_name, d.hub_revision)
     return [row for p in parts if p.eval is not None for row in read_jsonl(
         p.eval.spec, fmt=p.format, columns=p.columns, split=p.eval.split, hub_name=p.eval.hub_name,
         hub_revision=p.eval.hub_revision)]
