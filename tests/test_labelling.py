@@ -118,3 +118,35 @@ def test_a_chat_costs_two_renders_a_trained_turn_the_last_ones_end_being_the_who
                                                           ChatRenderer.__call__(self, *a, **k)})
     chat_views(tokenizer, batch["messages"][0], render=counted)
     assert len(calls) == 4  # the whole chat, then each of its 2 trained answers' prompt, and the first's end
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_style_tokenizer():
+    """A Unigram tokenizer with Metaspace pre-tokenisation (`▁` for spaces, as Llama 2 and Mistral's), trained here on
+    the chats' own text: offsets that start before a word's first character, unlike the byte-level BPE's."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from sft.model import CHATML_TEMPLATE
+
+    corpus = [m["content"] for chat in CHATS for m in chat] * 3
+    unigram = Tokenizer(models.Unigram())
+    unigram.normalizer = normalizers.NFKC()
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    unigram.train_from_iterator(corpus, trainers.UnigramTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"], unk_token="<unk>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=unigram, unk_token="<unk>", eos_token="<|im_end|>",
+                                        pad_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_a_sentencepiece_style_tokenizer_gets_the_rows_of_the_prefix_rendering_labeller(
+        tmp_path, sentencepiece_style_tokenizer, overlong):
+    batch = rows_of(tmp_path, tools=False)
+    kwargs = {"max_length": 200, "overlong": overlong, "turn_weighted": True,
+              "token_weights": KeywordLoss(phrases=["carry"], factor=4.0).token_weights}
+    ours = tokenize_batch(batch, sentencepiece_style_tokenizer, **kwargs).to_pydict()
+    assert_same_rows(ours, bench_baseline.tokenize_batch(batch, sentencepiece_style_tokenizer, **kwargs))
+    assert sum(map(len, ours["labels"])) > 0 and any(4.0 in w for w in ours["token_weights"])
