@@ -251,6 +251,7 @@ def run_tokenize_case(case: str, cfg) -> dict:
     from hydra.utils import instantiate
 
     from sft import bench_baseline
+    from sft import data as sft_data
     from sft.data import ChatRenderer, chat_views, encode, iter_jsonl, tokenize_batch, write_rows
 
     disable_progress_bars()
@@ -275,21 +276,29 @@ def run_tokenize_case(case: str, cfg) -> dict:
             encode(tokenizer, texts[i:i + 256])
         seconds["tokenizer"].append(time.perf_counter() - started)
     renders = {"baseline": 0, "sft": 0}
-    plain, fast = tokenizer.apply_chat_template, ChatRenderer.__call__
+    plain, fast, views = tokenizer.apply_chat_template, ChatRenderer.__call__, sft_data.chat_views
+    labelling = [False]  # sft's renders a row: those of labelling a chat (not the template's probes, once a batch)
     try:
         def count(name, render):
             def counted(*args, **kw):
-                renders[name] += 1
+                renders[name] += name == "baseline" or labelling[0]
                 return render(*args, **kw)
             return counted
+
+        def counted_views(*args, **kw):
+            labelling[0] = True
+            try:
+                return views(*args, **kw)
+            finally:
+                labelling[0] = False
 
         counted = rows[:100]
         tokenizer.apply_chat_template = count("baseline", plain)
         bench_baseline.tokenize_batch(counted, **kwargs)
-        ChatRenderer.__call__ = count("sft", fast)
+        ChatRenderer.__call__, sft_data.chat_views = count("sft", fast), counted_views
         tokenize_batch(counted, **kwargs)
     finally:
-        tokenizer.apply_chat_template, ChatRenderer.__call__ = plain, fast
+        tokenizer.apply_chat_template, ChatRenderer.__call__, sft_data.chat_views = plain, fast, views
     n = len(rows)
     return {"rows": n, **{f"{name}_rows_per_second": n / statistics.median(s) for name, s in seconds.items()},
             **{f"{name}_renders_per_row": count / len(counted["messages"]) for name, count in renders.items()},

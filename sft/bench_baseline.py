@@ -13,8 +13,8 @@ from typing import Callable
 import numpy as np
 
 from sft.batch import IGNORE_INDEX
-from sft.data import (Refused, _bad_token_weights, _divergence, _end_in_whole_chat, _tool_name, fit_window, row_fields,
-                      token_reach, tokenized_part)
+from sft.chat_template import Refused, _divergence, _tool_name
+from sft.data import _bad_token_weights, fit_window, row_fields, token_reach, tokenized_part
 
 
 def render(tokenizer, messages: list[dict], **kwargs) -> str:
@@ -31,7 +31,7 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
                tools: list[dict] | None = None) -> list[tuple[str, list[tuple[int, int, float]]]]:
     """`sft.data.chat_views`, each prefix of the chat rendered through `apply_chat_template`."""
     weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
-    messages = [{k: json.loads(v) if k == "tool_calls" and isinstance(v, str) else v for k, v in m.items()
+    messages = [{k: _objects(json.loads(v)) if k == "tool_calls" and isinstance(v, str) else v for k, v in m.items()
                  if v is not None and k != "weight"} for m in messages]
     full = render(tokenizer, messages, tools=tools)
     missing = [name for name in map(_tool_name, tools or []) if name and name not in full]
@@ -65,6 +65,23 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
         elif rewritten_turns == "split":
             own_texts.append((through, [(len(prompt), end, weights[i])]))
     return ([(full, whole_chat)] if whole_chat else []) + own_texts
+
+
+def _objects(calls: list[dict]) -> list[dict]:
+    """Tool calls with their `arguments` an object, as sft 0.1 stored them."""
+    return [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+            if isinstance(c["function"].get("arguments"), str) else c for c in calls]
+
+
+def _end_in_whole_chat(turn: str, full: str, eos: str | None) -> int | None:
+    """Where `turn` (the chat rendered through an assistant turn) ends in the whole chat's rendering, if
+    that shows it unchanged; else None. A final `eos` that a template adds at the end of a chat is not
+    part of a turn that later turns follow."""
+    if full.startswith(turn):
+        return len(turn)
+    if eos and turn.endswith(eos) and full.startswith(head := turn[: -len(eos)].rstrip()):
+        return len(head)
+    return None
 
 
 def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate",

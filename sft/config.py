@@ -108,12 +108,20 @@ class TokenizerConfig(Schema):
     name_or_path: str = "${model.name_or_path}"
     chat_template: Optional[str] = None
     trust_remote_code: bool = "${model.trust_remote_code}"  # type: ignore[assignment]
+    # Keyword arguments the chat template is rendered with, in training and generation (in the data hash):
+    # +tokenizer.chat_template_kwargs.enable_thinking=false, ...thinking=true (DeepSeek-V3.1), ...reasoning_effort=low
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # The tokens an answer ends at (each one token of the vocabulary); empty: the model's own, the eos ids of its
+    # generation_config.json and the tokenizer's eos_token. 'tokenizer.stop_tokens=["<|im_end|>"]'
+    stop_tokens: List[str] = field(default_factory=list)
 
 
 @dataclass
 class ColumnsConfig(Schema):
     """The file's column for a field of its format (`sft.formats.FIELDS`) where the names differ: null is the
-    field's own name (`score`: `difficulty_score`). `data.columns.messages=convs data.columns.score=difficulty`"""
+    field's own name (`score`: `difficulty_score`). `data.columns.messages=convs data.columns.score=difficulty`.
+    `system` and `tools` are columns of every format; `prompt`, `query` and `response` also name Alpaca's
+    instruction, input and output (LLaMA-Factory's dataset_info.json names)."""
 
     messages: Optional[str] = None
     conversations: Optional[str] = None
@@ -125,6 +133,9 @@ class ColumnsConfig(Schema):
     prompt: Optional[str] = None
     completion: Optional[str] = None
     score: Optional[str] = None
+    tools: Optional[str] = None
+    query: Optional[str] = None
+    response: Optional[str] = None
 
 
 TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # it becomes part of metric names: eval_ce_task_<name>
@@ -198,6 +209,10 @@ class DataConfig(Schema):
     # A turn the chat template renders differently once later turns follow (Qwen3 drops earlier reasoning):
     # split (trained from the chat up to it, a sequence of its own) | skip (left untrained) | refuse (row refused)
     rewritten_turns: str = "split"
+    # A generation prompt that prefills what an answer does not begin with (<think>\n of DeepSeek-R1 distills and
+    # QwQ, an empty thinking block): refuse (the row, naming it) | after (train the answer after the prefill, as the
+    # model answers: a sequence of its own per turn) | drop (train the answer as the template renders it)
+    prefill: str = "refuse"
     # The files' row format (sft.formats): auto (from the first row's columns) | messages | sharegpt | alpaca |
     # prompt_completion; columns maps a format's field to the file's: data.columns.score=difficulty
     format: str = "auto"
@@ -224,6 +239,7 @@ class DataConfig(Schema):
         self.require("overlong", self.overlong in ("truncate", "drop", "error"), "must be truncate, drop or error")
         self.require("rewritten_turns", self.rewritten_turns in ("split", "skip", "refuse"),
                      "must be split, skip or refuse")
+        self.require("prefill", self.prefill in ("refuse", "after", "drop"), "must be refuse, after or drop")
         self.require("default_score", self.default_score is None or self.default_score >= 0, "must be >= 0")
         if self.mixture:
             self._check_mixture(cfg)

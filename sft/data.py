@@ -35,6 +35,7 @@ from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
 from sft.batch import IGNORE_INDEX
 from sft.cache import building, cache_dir
+from sft.chat_template import ChatRenderer, Refused, chat_settings, chat_views
 from sft.formats import FormatError, RowFormat
 from sft.mixture import Part, draw_counts, drawn_sequences, log_mixture, parts_of
 from sft.sources import Source, SourceError
@@ -45,21 +46,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
-PREPROCESS_VERSION = 3  # bump when tokenisation or labelling changes, to invalidate caches
+PREPROCESS_VERSION = 4  # bump when tokenisation or labelling changes, to invalidate caches
 MAX_ERRORS_SHOWN = 10
 PARALLEL_ROWS = 20000  # data.num_proc=null tokenises files of this many rows on every core
 PARALLEL_BYTES = 8 << 20  # and validates JSONL files this large (other sources: of PARALLEL_ROWS) on every core
 
 
 class DataError(ValueError):
-    """Bad rows in a data file; the message lists `file:line: field: reason` for the first ones."""
+    """Bad rows in a data file; the message lists `file:line: field: reason` for the first ones. Rows with the
+    same problem (`Rejected.kind`) in one file are one line, with how many and which:
 
-    def __init__(self, problems: list[str], total: int | None = None, header: str | None = None):
+        train.jsonl:1: difficulty_score: missing (used by loss.alpha=1: ...), and in 998 more rows (lines 2, 3, ...)
+    """
+
+    def __init__(self, problems: list, total: int | None = None, header: str | None = None):
         total = len(problems) if total is None else total
-        shown = "\n".join(f"  {p}" for p in problems[:MAX_ERRORS_SHOWN])
-        more = f"\n  ... and {total - MAX_ERRORS_SHOWN} more" if total > MAX_ERRORS_SHOWN else ""
+        lines = _summarised(problems)
+        shown = "\n".join(f"  {p}" for p in lines[:MAX_ERRORS_SHOWN])
+        more = (f"\n  ... and {len(lines) - MAX_ERRORS_SHOWN} more problems" if len(lines) > MAX_ERRORS_SHOWN else "")
         super().__init__(f"{header or f'{total} bad row(s) in the data'}:\n{shown}{more}")
-        self.problems, self.total = problems, total
+        self.problems, self.total = [str(p) for p in problems], total
+
+
+def _summarised(problems: list) -> list[str]:
+    """The problems as lines, those of `Rejected` rows grouped by file and kind (in the order they come)."""
+    groups: dict = {}
+    for p in problems:
+        key = (p.file, p.kind) if isinstance(p, Rejected) else (id(p), None)
+        groups.setdefault(key, []).append(p)
+    lines = []
+    for group in groups.values():
+        first = group[0]
+        if len(group) == 1:
+            lines.append(str(first))
+            continue
+        numbers = [r.line for r in group[1:]]
+        listed = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
+        lines.append(f"{first}; the same in {len(numbers)} more row(s) (lines {listed})")
+    return lines
 
 
 # --- reading and validation ---------------------------------------------------------------------------
@@ -84,14 +108,14 @@ def _check_row(row, default_score: float | None, score_required: bool = True) ->
         if not isinstance(m, dict):
             return where, "must be an object with role and content"
         if "role" not in m:
-            return f"{where}.role", "missing"
-        if m.get("tool_calls") and m.get("content") is None:  # OpenAI's form of a turn that only calls tools
-            m["content"] = ""
+            return f"{where}.role", (f"missing (the turn has {', '.join(sorted(map(str, m))) or 'no keys'}; a turn is "
+                                     "{role, content}, or ShareGPT's {from, value})")
         if m["role"] not in ROLES:
             return f"{where}.role", f"unknown role {m['role']!r} (expected one of {', '.join(ROLES)})"
-        if "content" not in m:
+        calls_only = bool(m.get("tool_calls")) and m.get("content") is None  # OpenAI's form of a call-only turn
+        if "content" not in m and not calls_only:
             return f"{where}.content", "missing"
-        if not isinstance(m["content"], str):
+        if not calls_only and not isinstance(m["content"], str):
             return f"{where}.content", f"must be a string, got {type(m['content']).__name__}"
         for key in ("content", "reasoning_content"):
             surrogate = _lone_surrogate(m.get(key))
@@ -108,7 +132,7 @@ def _check_row(row, default_score: float | None, score_required: bool = True) ->
                 return problem
         elif m["role"] != "assistant" or not m.get("tool_calls"):
             pending = None  # a call's results follow it directly
-        if m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls"):
+        if m["role"] == "assistant" and not (m.get("content") or "").strip() and not m.get("tool_calls"):
             return f"{where}.content", "empty assistant content"
         reasoning = m.get("reasoning_content")
         if reasoning is not None and (m["role"] != "assistant" or not isinstance(reasoning, str)):
@@ -351,8 +375,8 @@ def _accept(parsed, number: int, reject: Callable, default_score, score_required
     weights = turn_weights(row["messages"], train_on)
     return {
         # tool calls and definitions as JSON text: Arrow would unify their argument objects' keys over all rows
-        "messages": [{"role": m["role"], "content": m["content"], "reasoning_content": m.get("reasoning_content"),
-                      "tool_calls": None if m.get("tool_calls") is None else json.dumps(_openai_calls(m["tool_calls"])),
+        "messages": [{"role": m["role"], "content": m.get("content"), "reasoning_content": m.get("reasoning_content"),
+                      "tool_calls": None if m.get("tool_calls") is None else json.dumps(_stored_calls(m["tool_calls"])),
                       "tool_call_id": m.get("tool_call_id"), "name": m.get("name"), "weight": w}
                      for m, w in zip(row["messages"], weights)],
         "tools": "" if row.get("tools") is None else json.dumps(row["tools"]),
@@ -363,15 +387,10 @@ def _accept(parsed, number: int, reject: Callable, default_score, score_required
     }
 
 
-def _openai_calls(calls: list[dict]) -> list[dict]:
-    """Tool calls as chat templates take them: `type` function, `arguments` an object (JSON text parsed)."""
-    out = []
-    for call in calls:
-        function = dict(call["function"])
-        if isinstance(function.get("arguments"), str):
-            function["arguments"] = json.loads(function["arguments"])
-        out.append({**call, "type": "function", "function": function})
-    return out
+def _stored_calls(calls: list[dict]) -> list[dict]:
+    """Tool calls as chat templates take them: `type` function, the `arguments` in the row's own form (an object or
+    its JSON text; `ChatRenderer.prepare` gives a template the other where it needs it)."""
+    return [{**call, "type": "function"} for call in calls]
 
 
 def _log_format(name: str, row_format: RowFormat) -> None:
@@ -414,160 +433,11 @@ def read_jsonl(path: str | os.PathLike, default_score: float | None = None, fmt:
         raise DataError([str(e)], header="the data cannot be read") from None
     rows, rejected = scan_source(source, default_score, row_format=RowFormat(fmt, columns))
     if rejected:
-        raise DataError([str(r) for r in rejected])
+        raise DataError(rejected)
     return rows
 
 
 # --- tokenisation -------------------------------------------------------------------------------------
-
-
-class Refused(ValueError):
-    """A chat whose trained tokens cannot be located with this chat template: the field and why."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
-
-
-class ChatRenderer:
-    """The tokenizer's chat template as `apply_chat_template(messages, tokenize=False, ...)` renders it, without that
-    call's per-call work (resolving the template, copying and normalising the messages: two thirds of its time on a
-    short chat). The messages must be plain JSON values without nulls, as `chat_views` passes them; a template's
-    own refusal (`raise_exception`) is `Refused`.
-
-        ChatRenderer(tokenizer)([{"role": "user", "content": "2+2?"}], add_generation_prompt=True)
-            == tokenizer.apply_chat_template([...], tokenize=False, add_generation_prompt=True)
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.special_tokens = dict(tokenizer.special_tokens_map)
-        self._templates: dict[bool, object] = {}  # compiled, by whether tools are given (a template may be named)
-
-    def __call__(self, messages: list[dict], tools: list[dict] | None = None,
-                 add_generation_prompt: bool = False) -> str:
-        from jinja2 import TemplateError
-
-        try:
-            template = self._template(tools)
-            if template is None:  # transformers without the functions below: its own, slower path
-                return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                          add_generation_prompt=add_generation_prompt)
-            if any("reasoning_content" in m for m in messages):
-                messages = _alias_reasoning(messages)
-            return template.render(messages=messages, tools=tools, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        except TemplateError as e:
-            raise Refused("messages", f"the chat template refuses this chat: {e}") from e
-
-    def _template(self, tools):
-        key = tools is not None
-        if key not in self._templates:
-            try:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-            except ImportError:
-                self._templates[key] = None
-            else:
-                self._templates[key] = _compile_jinja_template(self.tokenizer.get_chat_template(None, tools))
-        return self._templates[key]
-
-
-def _alias_reasoning(messages: list[dict]) -> list[dict]:
-    """What `apply_chat_template` shows a template of a message's reasoning: also as `thinking` (gpt-oss's name)."""
-    try:
-        from transformers.utils.chat_template_utils import _alias_reasoning_fields
-    except ImportError:
-        return [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
-    return _alias_reasoning_fields(messages)
-
-
-def _divergence(a: str, b: str) -> str:
-    """Where two renderings part: a few characters of each from the first difference."""
-    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return f"{a[max(0, i - 20):i + 30]!r} vs {b[max(0, i - 20):i + 30]!r}"
-
-
-def _end_in_whole_chat(turn: str, full: str, eos: str | None) -> int | None:
-    """Where `turn` (the chat rendered through an assistant turn) ends in the whole chat's rendering, if
-    that shows it unchanged; else None. A final `eos` that a template adds at the end of a chat is not
-    part of a turn that later turns follow."""
-    if full.startswith(turn):
-        return len(turn)
-    if eos and turn.endswith(eos) and full.startswith(head := turn[: -len(eos)].rstrip()):
-        return len(head)
-    return None
-
-
-def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split", tools: list[dict] | None = None,
-               render: ChatRenderer | None = None) -> list[tuple[str, list[tuple[int, int, float]]]]:
-    """The texts a chat trains as, each with the character spans of its trained assistant turns and their
-    weights (a message's `weight`, as `scan_jsonl` sets it: 0 leaves the turn untrained; default 1).
-
-    An assistant turn is trained as the model generates it: after the rendering of the chat before it with
-    the generation prompt, through its end-of-turn token (the rendering of the chat ending with it,
-    trailing whitespace excluded). Usually every turn is found so in the whole chat's rendering: one text.
-
-        [user "1+1?", assistant "2", user "2+2?", assistant "4"], ChatML  ->
-            [("<|im_start|>system ... assistant\n2<|im_end|>\n<|im_start|>user ... assistant\n4<|im_end|>\n",
-              [(start of "2", end of its <|im_end|>, 1.0), (start of "4", end of its <|im_end|>, 1.0)])]
-
-    Some templates render a turn differently once later turns follow (Qwen3 drops the reasoning of earlier
-    answers). Such a turn, by `rewritten_turns`: `split` trains it in a text of its own, the chat up to
-    and including it (as the model saw it when answering); `skip` trains it not at all (it stays context);
-    `refuse` raises `Refused`. A chat's final `eos_token` that a template adds (Phi-3) does not count as a
-    rewrite. A message without `reasoning_content` reaches the template without the key.
-
-    Tool calls (`tool_calls`, stored as JSON text) are part of their assistant turn and train with it; `tool`
-    results are context. `tools` (the row's definitions) go to the template. A template that renders
-    neither a turn's calls nor the tools (`Refused`) would train the turn without what it is for.
-
-    Cost: 2 x (trained turns) renders (`render`, the tokenizer's `ChatRenderer` by default), the last message's
-    rendering being the whole chat's. One render a row cannot give these spans for every template: where a
-    turn ends and the next begins is only known from the chat rendered up to it (templates rewrite earlier
-    turns, add text between turns that depends on what follows, or none at all).
-    """
-    render = render or ChatRenderer(tokenizer)
-    weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
-    messages = [{k: json.loads(v) if k == "tool_calls" and isinstance(v, str) else v for k, v in m.items()
-                 if v is not None and k != "weight"} for m in messages]
-    full = render(messages, tools=tools)
-    missing = [name for name in map(_tool_name, tools or []) if name and name not in full]
-    if missing:
-        raise Refused("tools", f"the chat template does not render the tool definitions ({missing[0]!r} "
-                      "is not in the chat's text): the model would learn to call tools it is never shown; set "
-                      "tokenizer.chat_template to one that renders tools")
-    whole_chat, own_texts = [], []
-    for i, m in enumerate(messages):
-        if weights[i] == 0:  # context: not trained
-            continue
-        prompt = render(messages[:i], tools=tools, add_generation_prompt=True)
-        through = full if i == len(messages) - 1 else render(messages[: i + 1], tools=tools)
-        end = len(through.rstrip())
-        if not through.startswith(prompt) or end <= len(prompt):
-            raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently "
-                          f"once the turn is added ({_divergence(prompt, through)}), so the turn cannot be "
-                          "located; set tokenizer.chat_template to a template that keeps earlier text unchanged")
-        for call in m.get("tool_calls") or []:
-            if call["function"]["name"] not in through[len(prompt):end]:
-                raise Refused(f"messages[{i}].tool_calls", "the chat template does not render this turn's tool call "
-                              f"({call['function']['name']!r}): the turn would train without it; set "
-                              "tokenizer.chat_template to one that renders tool calls")
-        end_in_full = _end_in_whole_chat(through[:end], full, tokenizer.eos_token)
-        if end_in_full is not None:
-            whole_chat.append((len(prompt), end_in_full, weights[i]))
-        elif rewritten_turns == "refuse":
-            raise Refused(f"messages[{i}]", "the chat template renders this turn differently once later turns "
-                          f"follow ({_divergence(through, full)}); data.rewritten_turns=split trains it from its "
-                          "own rendering, skip leaves it untrained")
-        elif rewritten_turns == "split":
-            own_texts.append((through, [(len(prompt), end, weights[i])]))
-    return ([(full, whole_chat)] if whole_chat else []) + own_texts
-
-
-def _tool_name(tool: dict) -> str | None:
-    """A tool definition's name: OpenAI's {"type": "function", "function": {"name"}} or a bare {"name"}."""
-    function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-    return function.get("name") if isinstance(function.get("name"), str) else None
 
 
 def fit_window(n_tokens: int, answer_start: int, max_length: int) -> tuple[int, int]:
@@ -619,7 +489,7 @@ def row_fields(score: float, extra: str) -> dict:
 
 def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate",
                    rewritten_turns: str = "split", token_weights: Callable | None = None,
-                   turn_weighted: bool = False) -> pa.Table:
+                   turn_weighted: bool = False, prefill: str = "refuse") -> pa.Table:
     """`datasets.map` function: input_ids and assistant-only labels of each text a chat trains as
     (`chat_views`; `view` 0 is the whole chat, 1... turns a template rewrites later), fitted to `max_length`,
     as an Arrow table (`SEQUENCE_COLUMNS`).
@@ -631,6 +501,8 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
     `WeightedTokenLoss.token_weights`) adds a `token_weights` column; weights that are not finite numbers
     >= 0, one per token, refuse the row. `turn_weighted` (some message has a weight other than 1) puts
     each turn's weight on its tokens, in `token_weights` too (times the loss's, where it has them).
+    `rewritten_turns` and `prefill`: see `chat_views`. A row's first sequence counts in `untrained_reasoning` the
+    trained turns whose reasoning the template does not render.
 
     A token is trained when its first character lies in a trained span. Where a span begins and ends is
     found by bisecting the tokens' start offsets in the tokenizer's own encoding (`TokenStarts`): every
@@ -640,16 +512,18 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
     texts, pieces, where = [], [], []  # every text of the batch, the part of it tokenised, its row and spans
     reach = token_reach(tokenizer, max_length)
     render = ChatRenderer(tokenizer)
+    render.profile  # the template's probes, once a batch (not inside a row's labelling)
     all_tools = batch.get("tools") or [""] * len(batch["messages"])
     for k, messages in enumerate(batch["messages"]):
         if isinstance(messages, str):  # as `write_rows` stores them
             messages = json.loads(messages)
         try:
             views = chat_views(tokenizer, messages, rewritten_turns, json.loads(all_tools[k]) if all_tools[k] else None,
-                               render)
+                               render, prefill)
         except Refused as e:
             columns.emit(k, NO_TOKENS, NO_TOKENS, 0, refused=f"{e.field}\t{e.reason}")
             continue
+        columns.untrained_reasoning[k] = views.untrained_reasoning
         for view, (text, spans) in enumerate(views):
             lo, hi = tokenized_part(len(text), spans[-1][0], reach)
             texts.append(text)
@@ -705,7 +579,7 @@ SEQUENCE_COLUMNS = {"input_ids": pa.list_(pa.int32()), "labels": pa.list_(pa.int
                     "difficulty_score": pa.float64(), "source_line": pa.int64(), "extra": pa.string(),
                     "view": pa.int64(), "truncated": pa.bool_(), "overlong": pa.bool_(), "refused": pa.string(),
                     "trained_tokens": pa.int32(), "token_weights": pa.list_(pa.float32()),
-                    "reweighted_tokens": pa.int32()}
+                    "reweighted_tokens": pa.int32(), "untrained_reasoning": pa.int32()}
 WEIGHTED_ONLY = ("token_weights", "reweighted_tokens")
 
 
@@ -718,6 +592,7 @@ class SequenceColumns:
         self.extras = batch.get("extra") or [""] * len(batch["messages"])
         self.names = [name for name in SEQUENCE_COLUMNS if weighted or name not in WEIGHTED_ONLY]
         self.values: dict[str, list] = {name: [] for name in self.names}
+        self.untrained_reasoning: dict[int, int] = {}  # by row, until its first sequence carries it
 
     def emit(self, k: int, ids: np.ndarray, labels: np.ndarray, view: int, truncated: bool = False,
              too_long: bool = False, refused: str = "", weights: np.ndarray | None = None,
@@ -726,7 +601,8 @@ class SequenceColumns:
         row = {"input_ids": ids, "labels": labels, "difficulty_score": self.batch["difficulty_score"][k],
                "source_line": self.batch["source_line"][k], "extra": self.extras[k], "view": view,
                "truncated": truncated, "overlong": too_long, "refused": refused,
-               "trained_tokens": int(np.count_nonzero(trained[1:]))}
+               "trained_tokens": int(np.count_nonzero(trained[1:])),
+               "untrained_reasoning": self.untrained_reasoning.pop(k, 0)}
         if self.weighted:
             row["token_weights"] = np.ones(len(ids), dtype=np.float32) if weights is None else weights
             row["reweighted_tokens"] = 0 if weights is None else int(np.count_nonzero(trained[1:] & (weights[1:] != 1)))
@@ -797,6 +673,37 @@ def _bad_token_weights(weights, n_tokens: int) -> str | None:
     return f"the loss returned {weights.tolist()[bad]!r} for token {bad}: weights must be finite numbers >= 0"
 
 
+def log_template_profile(tokenizer, prefill: str = "refuse") -> None:
+    """What the chat template does around an answer, where a user should know it (`TemplateProfile.notes`). A
+    template that does not compile is one config error, not a refusal of every row."""
+    from jinja2 import TemplateSyntaxError
+
+    from sft.config import ConfigError
+
+    render = ChatRenderer(tokenizer)
+    try:
+        render.compile()
+    except TemplateSyntaxError as e:
+        raise ConfigError("tokenizer.chat_template", None, f"{chat_settings(tokenizer).template_name} does not "
+                          f"compile: {e.message} (line {e.lineno})") from None
+    profile = render.profile
+    own = ", and the template's own end of turn" if profile.end_of_turn else ""
+    log.info("data: answers end at %s (%s%s)", ", ".join(map(repr, profile.stops)) or "no token",
+             chat_settings(tokenizer).stops_from, own)
+    if profile.prefill:
+        log.info("data: the chat template's generation prompt prefills %r (data.prefill=%s for answers that do not "
+                 "begin with it)", profile.prefill, prefill)
+    for note in profile.notes:
+        log.warning("data: %s", note)
+
+
+def reasoning_hint(tokenizer) -> str:
+    """What may make a template render reasoning it drops."""
+    given = ", ".join(f"{k}={v!r}" for k, v in chat_settings(tokenizer).kwargs.items())
+    return ("a template kwarg may turn thinking on: tokenizer.chat_template_kwargs, e.g. enable_thinking or thinking"
+            + (f"; given: {given}" if given else "") + "; or the template renders no reasoning for such turns")
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of what decides tokenisation: vocabulary and merges, special tokens, chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -814,7 +721,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def preprocessing_identity(tokenizer, max_length: int, default_score: float | None) -> dict:
     """What decides how any source is preprocessed: the part of `SFTData.identity` beside the sources' contents."""
     return {"max_length": max_length, "default_score": default_score,
-            "tokenizer": tokenizer_fingerprint(tokenizer)[:16], "preprocess_version": PREPROCESS_VERSION}
+            "tokenizer": tokenizer_fingerprint(tokenizer)[:16], "preprocess_version": PREPROCESS_VERSION,
+            **chat_settings(tokenizer).identity()}
 
 
 def data_hash(identity: dict) -> str:
@@ -835,6 +743,7 @@ class SplitSummary:
     tokens: int = 0  # tokens of all sequences
     trained_tokens: int = 0  # tokens with a label (after a sequence's first, which is never a target)
     reweighted_tokens: int = 0  # trained tokens whose static token weight (the loss's token_weights) is not 1
+    untrained_reasoning: int = 0  # trained turns with reasoning that the chat template does not render
 
     def __add__(self, other: SplitSummary) -> SplitSummary:
         """Two sources' counts together (a mixture's, before its draw)."""
@@ -843,7 +752,8 @@ class SplitSummary:
 
 def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, num_proc, key: str,
                      on_error: str, overlong: str, rewritten_turns: str, token_weights: Callable | None = None,
-                     row_format: RowFormat | None = None, train_on: str = "all"):
+                     row_format: RowFormat | None = None, train_on: str = "all", prefill: str = "refuse",
+                     scores_needed_by: list[str] | None = None):
     """Tokenise one file, or load it from the cache an earlier run wrote with the same key.
 
     Returns the dataset, the rejected rows and the `SplitSummary` (all three kept in the cache, so every
@@ -863,7 +773,7 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
         rejected = [Rejected(**r) for r in json.loads((target / "rejected.json").read_text())]
         summary = SplitSummary(**json.loads((target / "summary.json").read_text()))
         if rejected and on_error == "raise":  # cached by a run with data.on_error=skip
-            raise DataError([str(r) for r in rejected])
+            raise DataError(rejected)
         return _load_rows(target), rejected, summary
     with building(target) as tmp:
         work = tmp / "work"  # the validated rows and the tokenised ones before they are checked: not kept
@@ -874,17 +784,24 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
         scanners = num_proc or min(os.cpu_count() or 1, 8)
         large = (os.path.getsize(source.spec) >= PARALLEL_BYTES if source.kind == "jsonl"
                  else len(_table(source)) >= PARALLEL_ROWS)
+        unscored: list[int] = []
         if scanners > 1 and large:
             files, n_rows, turn_weighted = write_rows_in_parallel(source, rejected, work, scanners, default_score,
-                                                                  False, row_format, train_on)
+                                                                  False, row_format, train_on, unscored)
         else:
             files = [work / "rows.arrow"]
             n_rows, turn_weighted = write_rows(iter_source(source, rejected, default_score, score_required=False,
-                                                           row_format=row_format, train_on=train_on), files[0])
+                                                           row_format=row_format, train_on=train_on), files[0],
+                                               unscored)
         if rejected and on_error == "raise":
-            raise DataError([str(r) for r in rejected])
+            raise DataError(rejected)
         if not n_rows:
-            raise DataError([f"{path}: file: no valid row (all {len(rejected)} rejected)"])
+            raise DataError(rejected, header=f"{path}: no valid row: all {len(rejected)} rejected")
+        if scores_needed_by and unscored and (on_error == "raise" or len(unscored) == n_rows):
+            # refused whatever the tokens: said before tokenising them
+            reason = missing_score_reason(scores_needed_by)
+            raise DataError([Rejected(path, line, "difficulty_score", reason, "") for line in unscored],
+                            header=None if on_error == "raise" else f"no row of {path} has a difficulty_score")
         if num_proc is None:  # one process per core where there is enough work to pay for starting them
             num_proc = min(os.cpu_count() or 1, 8) if n_rows >= PARALLEL_ROWS else None
         ds = concatenate_datasets([Dataset.from_file(str(f)) for f in files]).map(
@@ -895,7 +812,7 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
             remove_columns=["messages", "tools"],
             fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong,
                        "rewritten_turns": rewritten_turns, "token_weights": token_weights,
-                       "turn_weighted": turn_weighted},
+                       "turn_weighted": turn_weighted, "prefill": prefill},
             cache_file_name=str(work / "tokenised.arrow"),
             desc=f"tokenising {Path(path).name}",
         )
@@ -908,7 +825,8 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
     return _load_rows(target), rejected, summary
 
 
-CHECK_ONLY = ("overlong", "refused", "reweighted_tokens")  # columns of the cached files no run reads
+# columns of the cached files no run reads
+CHECK_ONLY = ("overlong", "refused", "reweighted_tokens", "untrained_reasoning")
 
 
 def _store_rows(ds: datasets.Dataset, keep: list[int] | None, folder: Path) -> None:
@@ -939,7 +857,7 @@ def _load_rows(folder: Path) -> datasets.Dataset:
 
 def write_rows_in_parallel(source: Source, rejected: list[Rejected], folder: Path, processes: int,
                            default_score: float | None, score_required: bool, row_format: RowFormat,
-                           train_on: str) -> tuple[list[Path], int, bool]:
+                           train_on: str, unscored: list[int] | None = None) -> tuple[list[Path], int, bool]:
     """`write_rows` of a source's valid rows by `processes` processes, each a stretch of its lines (JSONL) or
     rows (a table) into an Arrow file of its own; the rows, their numbers and the rejected rows (appended to
     `rejected`, in order) are those one process finds. With `data.format=auto` every stretch after the
@@ -969,28 +887,31 @@ def write_rows_in_parallel(source: Source, rejected: list[Rejected], folder: Pat
             done = pool.map(_write_stretch, range(len(jobs)))
     finally:
         _STRETCHES = []
-    for _, _, found in done:
+    for _, _, found, lines in done:
         rejected += found
-    count = sum(n for n, _, _ in done)
+        if unscored is not None:
+            unscored += lines
+    count = sum(n for n, _, _, _ in done)
     if not count and not rejected:  # blank lines only, or an empty table
         raise DataError([f"{source}: file: no rows (the file is empty)"])
     if first is not None:
         logged = copy.copy(row_format)
         logged.chosen = first[1]
         _log_format(str(source), logged)
-    return [job[2] for job in jobs], count, any(weighted for _, weighted, _ in done)
+    return [job[2] for job in jobs], count, any(weighted for _, weighted, _, _ in done)
 
 
 _STRETCHES: list = []  # write_rows_in_parallel's jobs, for its forked processes
 
 
-def _write_stretch(index: int) -> tuple[int, bool, list[Rejected]]:
+def _write_stretch(index: int) -> tuple[int, bool, list[Rejected], list[int]]:
     """One process of `write_rows_in_parallel`: a stretch of rows validated and written."""
     source, span, out, row_format, default_score, score_required, train_on = _STRETCHES[index]
     rejected: list[Rejected] = []
+    unscored: list[int] = []
     count, weighted = write_rows(iter_source(source, rejected, default_score, score_required, row_format, train_on,
-                                             span=span), out)
-    return count, weighted, rejected
+                                             span=span), out, unscored)
+    return count, weighted, rejected, unscored
 
 
 def _line_spans(path: str, n: int) -> list[tuple[int, int, int]]:
@@ -1046,11 +967,11 @@ def _table(source: Source):
         raise DataError([str(e)], header="the data cannot be read") from None
 
 
-def write_rows(rows, path: Path) -> tuple[int, bool]:
+def write_rows(rows, path: Path, unscored: list[int] | None = None) -> tuple[int, bool]:
     """Write validated rows (`iter_source`'s) to an Arrow file as they come, a thousand at a time: the rows
-    of a source are never all in memory. Returns how many, and whether some turn weighs other than 0 or 1.
-    The messages are kept as JSON text (`tokenize_batch` reads them back five times faster than `datasets`
-    turns a list of structs into Python)."""
+    of a source are never all in memory. Returns how many, and whether some turn weighs other than 0 or 1;
+    the lines of rows without a `difficulty_score` are appended to `unscored`. The messages are kept as JSON
+    text (`tokenize_batch` reads them back five times faster than `datasets` turns a list of structs into Python)."""
     from datasets.arrow_writer import ArrowWriter
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1058,6 +979,8 @@ def write_rows(rows, path: Path) -> tuple[int, bool]:
     with ArrowWriter(features=row_features(), path=str(path), writer_batch_size=1000) as writer:
         for row in rows:
             turn_weighted = turn_weighted or any(m["weight"] not in (0.0, 1.0) for m in row["messages"])
+            if unscored is not None and math.isnan(row["difficulty_score"]):
+                unscored.append(row["source_line"])
             writer.write({**row, "messages": json.dumps(row["messages"])})
             count += 1
         writer.finalize()
@@ -1088,7 +1011,7 @@ def _checked(ds: datasets.Dataset, source: Source, n_rows: int, rejected: list[R
         raw = raw_rows(source, {line for _, line, _ in refused})
         by_template = [Rejected(path, line, field, reason, raw[line]) for _, line, (field, reason) in refused]
         if on_error == "raise":
-            raise DataError([str(r) for r in by_template])
+            raise DataError(by_template)
         rejected += by_template
         refused_lines = {line for _, line, _ in refused}  # with every other text of the row
         keep = [i for i, line in enumerate(column(ds, "source_line")) if line not in refused_lines]
@@ -1114,8 +1037,10 @@ def _checked(ds: datasets.Dataset, source: Source, n_rows: int, rejected: list[R
     if summary.own_turn_texts:
         log.info("data: %s: the chat template rewrites earlier turns: %d turn(s) trained from their own rendering "
                  "(data.rewritten_turns=split)", path, summary.own_turn_texts)
+    if "untrained_reasoning" in ds.column_names:
+        summary.untrained_reasoning = sum(column(ds, "untrained_reasoning"))
     if len(ds) == 0:
-        raise DataError([f"{path}: file: no valid row left (all {len(rejected)} rejected)"])
+        raise DataError(rejected, header=f"{path}: no valid row left: all {len(rejected)} rejected")
     return (keep if refused else None), summary
 
 
@@ -1155,7 +1080,7 @@ def _require_scores(ds: datasets.Dataset, source: Source, needed_by: list[str],
     (`on_error=raise`) or left out and reported (`skip`); elsewhere it trains with no score.
 
         needed_by=["loss.alpha=1"], a row of line 7 without a score  ->
-            DataError "train.jsonl:7: difficulty_score: missing (used by loss.alpha=1; ...)"
+            DataError "train.jsonl:7: difficulty_score: missing (used by loss.alpha=1: set data.default_score=...)"
     """
     path = str(source)
     lines = column(ds, "source_line")
@@ -1165,16 +1090,24 @@ def _require_scores(ds: datasets.Dataset, source: Source, needed_by: list[str],
     if not needed_by:
         log.info("data: %s: %d row(s) without difficulty_score, which this run does not use", path, len(unscored))
         return ds, []
-    reason = f"missing (used by {', '.join(needed_by)}; set data.default_score to use a default)"
+    reason = missing_score_reason(needed_by)
     raw = raw_rows(source, set(unscored))
     missing = [Rejected(path, line, "difficulty_score", reason, raw[line]) for line in unscored]
     if on_error == "raise":
-        raise DataError([str(r) for r in missing])
+        raise DataError(missing)
     unscored_set = set(unscored)
     kept = ds.select([i for i, line in enumerate(lines) if line not in unscored_set])
     if len(kept) == 0:
         raise DataError([f"{path}: file: no row with a difficulty_score (used by {', '.join(needed_by)})"])
     return kept, missing
+
+
+def missing_score_reason(needed_by: list[str]) -> str:
+    """Why a row without `difficulty_score` is refused, and the knobs that help (`needed_by`: `scores_used_by`'s)."""
+    without = [("train without difficulty weights: loss=ce" if user.startswith("loss.") else f"drop it: ~{user}")
+               for user in needed_by]
+    return (f"missing (used by {', '.join(needed_by)}: set data.default_score=<score> to give every such row one, map "
+            f"the file's score column with data.columns.score=<column>, or {' and '.join(without)})")
 
 
 def report_rejected(rejected: list[Rejected], rejected_file: str | None) -> None:
@@ -1230,6 +1163,7 @@ def load_sft_datasets(
     rejected_file: str | None = None,
     packing: bool = False,
     rewritten_turns: str = "split",
+    prefill: str = "refuse",
     scores_needed_by: list[str] | None = None,
     format: str = "auto",  # noqa: A002 - the config's name (data.format)
     columns: dict | None = None,
@@ -1258,9 +1192,10 @@ def load_sft_datasets(
     """
     if scores_needed_by is None:
         scores_needed_by = scores_used_by(loss)
+    log_template_profile(tokenizer, prefill)
     token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
     shared = {**preprocessing_identity(tokenizer, max_length, default_score), "overlong": overlong,
-              "rewritten_turns": rewritten_turns}
+              "rewritten_turns": rewritten_turns, "prefill": prefill}
     if token_weights is not None:
         shared["token_weights"] = loss.token_weight_identity()
     try:
@@ -1290,13 +1225,18 @@ def load_sft_datasets(
                 continue
             ds, bad, summary = _tokenized_split(source, tokenizer, max_length, default_score, num_proc, key,
                                                 on_error, overlong, rewritten_turns, token_weights,
-                                                RowFormat(part.format, part.columns), train_on)
+                                                RowFormat(part.format, part.columns), train_on, prefill,
+                                                scores_needed_by)
             ds, unscored = _require_scores(ds, source, scores_needed_by, on_error)
             rejected += bad + unscored
             summary.rejected += len(unscored)
             if token_weights is not None and name == "train" and not summary.reweighted_tokens:
                 log.warning("loss: its token weights leave every one of the %d trained tokens of %s at 1 (for "
                             "loss.phrases: no phrase occurs in an assistant turn)", summary.trained_tokens, source)
+            if summary.untrained_reasoning:
+                log.warning("data: %s: %d trained assistant turn(s) have reasoning that the chat template does not "
+                            "render: their reasoning is not trained (%s)", source, summary.untrained_reasoning,
+                            reasoning_hint(tokenizer))
             summaries[name] = summary if name not in summaries else summaries[name] + summary
             ds = _with_static_weights(ds, loss, str(source), part.loss_weight)
             splits[name].append(ds if not mixture else _numbered(ds, number))

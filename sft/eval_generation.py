@@ -76,16 +76,16 @@ class EvalGeneration(EvalGenerationConfig):
 
     def generate(self, model, tokenizer, synced_gpus: bool) -> tuple[dict[str, float], list[list[str]]]:
         """The metrics (`eval_gen/<name>`, `eval_gen/seconds`) and the table rows (prompt, reference, answer)."""
-        from sft.generation import greedy_answers
+        from sft.generation import greedy_answers, reference
 
         started = time.perf_counter()
         answers = greedy_answers(model, tokenizer, self.rows, self.max_new_tokens, batch_size=len(self.rows),
                                  synced_gpus=synced_gpus)
-        references = [r["messages"][-1]["content"] for r in self.rows]
+        references = [reference(r) for r in self.rows]
         metrics = {f"eval_gen/{name}": sum(score(a, ref) for a, ref in zip(answers, references)) / len(answers)
                    for name, score in self.scorers.items()}
         metrics["eval_gen/seconds"] = time.perf_counter() - started
-        prompts_shown = [r["messages"][-2]["content"] for r in self.rows]  # the last user turn
+        prompts_shown = [r["messages"][-2].get("content") or "" for r in self.rows]  # the last user turn
         return metrics, [list(t) for t in zip(prompts_shown, references, answers)]
 
 

@@ -18,6 +18,10 @@ split a turn into stretches), and then the split's totals:
     ...
     train: 800 rows read, 0 rejected, 0 dropped; 800 sequences (0 truncated, 0 turns trained from their
     own rendering); 41,200 tokens, 6,100 trained (14.8%)
+    template: tiny's chat template; answers end at '<|im_end|>' (generation_config.json's eos_token_id)
+
+and what the chat template does around an answer: the tokens answers end at (the model's stop tokens), the
+template's kwargs and a generation prompt's prefill, and what a user should know of it (`note:` lines).
 """
 
 from __future__ import annotations
@@ -93,7 +97,22 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     dataset = data.train if split == "train" else data.eval
     shown = [show(tokenizer, row, data.source_name(split, row.get("source", 0)), color)
              for row in (dataset[i] for i in range(min(rows, len(dataset))))]
-    return "\n\n".join(shown + [totals(split, data.summary[split])]) + "\n"
+    return "\n\n".join(shown + [totals(split, data.summary[split]), template(tokenizer, cfg.data.prefill)]) + "\n"
+
+
+def template(tokenizer, prefill: str) -> str:
+    """What the chat template does around an answer (`sft.chat_template.TemplateProfile`), in one paragraph."""
+    from sft.chat_template import ChatRenderer, chat_settings
+
+    settings, profile = chat_settings(tokenizer), ChatRenderer(tokenizer).profile
+    own = ", and the template's own end of turn" if profile.end_of_turn else ""
+    stops = ", ".join(map(repr, profile.stops)) or "no token"
+    parts = [f"template: {settings.template_name}; answers end at {stops} ({settings.stops_from}{own})"]
+    if settings.kwargs:
+        parts.append(f"rendered with {', '.join(f'{k}={v!r}' for k, v in settings.kwargs.items())}")
+    if profile.prefill:
+        parts.append(f"its generation prompt prefills {profile.prefill!r} (data.prefill={prefill})")
+    return "; ".join(parts) + "".join(f"\nnote: {note}" for note in profile.notes)
 
 
 def main(argv: list[str] | None = None) -> None:

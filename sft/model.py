@@ -130,21 +130,39 @@ def resolve(name_or_path: str) -> str:
     return str(tiny_model_dir()) if name_or_path == TINY else name_or_path
 
 
-def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False):
-    """Load a tokenizer for training: right padding, a pad token, and a chat template."""
+def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False,
+                   chat_template_kwargs: dict | None = None, stop_tokens: list[str] | None = None):
+    """Load a tokenizer for training: right padding, a pad token, a chat template (`chat_template`: its Jinja text,
+    or the path of a `.jinja` file holding it, as llama.cpp keeps them), and the settings the labelling reads
+    (`sft.chat_template.configure_chat`): the template's kwargs and the model's stop tokens (those of its
+    `generation_config.json` and the tokenizer's eos; `stop_tokens` replaces them)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve(name_or_path), trust_remote_code=trust_remote_code)
+    from sft.chat_template import configure_chat
+    from sft.config import ConfigError
+
+    path = resolve(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "right"
+    name = f"{name_or_path}'s chat template"
     if chat_template is not None:
+        name = "tokenizer.chat_template"
+        if chat_template.endswith(".jinja") and "{" not in chat_template:
+            try:
+                name, chat_template = f"tokenizer.chat_template ({Path(chat_template).name})", \
+                    Path(chat_template).read_text(encoding="utf-8")
+            except OSError as e:
+                raise ConfigError("tokenizer.chat_template", chat_template, f"cannot be read ({e.strerror})") from None
         tokenizer.chat_template = chat_template
     if tokenizer.chat_template is None:
-        raise ValueError(
-            f"tokenizer {name_or_path!r} has no chat template; set tokenizer.chat_template in the config"
-        )
+        raise ConfigError("tokenizer.chat_template", None, f"tokenizer {name_or_path!r} has no chat template; set "
+                          "tokenizer.chat_template (its text, or a .jinja file)")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    try:
+        return configure_chat(tokenizer, chat_template_kwargs, stop_tokens, path, name)
+    except ValueError as e:
+        raise ConfigError("tokenizer.stop_tokens", list(stop_tokens or []), str(e).split(": ", 1)[-1]) from None
 
 
 def load_model(

@@ -212,7 +212,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
         sources=[str(part.train) for part in data.parts],
         tasks=data.tasks,
         throughput=instantiate(cfg.throughput),
-        eval_generation=eval_generation(cfg),
+        eval_generation=eval_generation(cfg, data),
     )
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
 
@@ -417,12 +417,12 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     trainer.save_model(os.path.join(run_dir, "model"))
     if cfg.exact_match is not None and recipe.data.eval is not None:
         final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
-            trainer, recipe.tokenizer, read_eval_rows(cfg), list(cfg.eval_buckets), cfg.exact_match.max_rows,
-            cfg.exact_match.max_new_tokens)
+            trainer, recipe.tokenizer, read_eval_rows(cfg, recipe.data), list(cfg.eval_buckets),
+            cfg.exact_match.max_rows, cfg.exact_match.max_new_tokens)
     return final_eval
 
 
-def eval_generation(cfg: DictConfig):
+def eval_generation(cfg: DictConfig, data: SFTData):
     """`sft.eval_generation.EvalGeneration` with its prompts chosen, where `eval_generation` is set and the run
     evaluates; else None."""
     from hydra.utils import instantiate
@@ -430,22 +430,24 @@ def eval_generation(cfg: DictConfig):
     if cfg.eval_generation is None or not evaluates(cfg):
         return None
     samples = instantiate(cfg.eval_generation, _convert_="all")
-    samples.choose(read_eval_rows(cfg), list(cfg.eval_buckets))
+    samples.choose(read_eval_rows(cfg, data), list(cfg.eval_buckets))
     return samples
 
 
-def read_eval_rows(cfg: DictConfig) -> list[dict]:
-    """The validated eval rows (`sft.data.read_jsonl`), read as training reads them: of `data.eval_file`, or of
-    every eval source of a mixture, in its order."""
-    from sft.data import read_jsonl
-    from sft.mixture import parts_of
+def read_eval_rows(cfg: DictConfig, data: SFTData) -> list[dict]:
+    """The eval rows that the run evaluates on (those its data stage kept: valid, labelled, with a score where
+    the run needs one), as validation reads them (`sft.data.scan_source`): of `data.eval_file`, or of every
+    eval source of a mixture, in its order."""
+    from sft.data import RowFormat, row_keys, scan_source
 
-    d = cfg.data
-    parts = parts_of(d.train_file, d.eval_file, d.mixture, d.format, d.columns, d.train_split, d.eval_split,
-                     d.hub_name, d.hub_revision)
-    return [row for p in parts if p.eval is not None for row in read_jsonl(
-        p.eval.spec, fmt=p.format, columns=p.columns, split=p.eval.split, hub_name=p.eval.hub_name,
-        hub_revision=p.eval.hub_revision)]
+    kept = set(row_keys(data.eval)) if data.eval is not None else set()
+    rows = []
+    for number, part in enumerate(data.parts):
+        if part.eval is not None:
+            found, _ = scan_source(part.eval, cfg.data.default_score, score_required=False,
+                                   row_format=RowFormat(part.format, part.columns))
+            rows += [r for r in found if (number, r["source_line"]) in kept]
+    return rows
 
 
 def evaluates(cfg: DictConfig) -> bool:

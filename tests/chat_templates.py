@@ -1,8 +1,9 @@
 """Chat templates of the major model families, written for the tests in the style of each family's
 published template (same framing, special tokens and rewriting rules), on the tiny BPE vocabulary.
 
-Each family: its template, its special tokens, bos/eos, and how an assistant answer `a` is trained
-(`answer`: the text of its trained tokens; the chat's last answer may end differently, `last_answer`).
+Each family: its template, its special tokens, bos/eos, its generation config's stop tokens where they are more
+than its eos (`stops`), and how an assistant answer `a` is trained (`answer`: the text of its trained tokens;
+the chat's last answer may end differently, `last_answer`).
 """
 
 from sft.model import CHATML_TEMPLATE
@@ -132,20 +133,179 @@ FAMILIES = {
                   eos="<end_of_turn>", answer="{a}<end_of_turn>"),
     "mistral": dict(template=MISTRAL, special=["<s>", "</s>"], bos="<s>", eos="</s>", answer=" {a}</s>"),
     "qwen25_tools": dict(template=QWEN25_TOOLS, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
+    # Phi-3.5's generation_config.json stops at <|end|> (and <|assistant|>, <|endoftext|>: here <|eos|>)
     "phi3": dict(template=PHI3, special=["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|eos|>"],
-                 bos=None, eos="<|eos|>", answer="{a}<|end|>", last_answer="{a}<|end|>\n<|eos|>"),
+                 bos=None, eos="<|eos|>", stops=["<|end|>", "<|assistant|>", "<|eos|>"], answer="{a}<|end|>"),
+}
+
+
+# --- templates that do what some published ones do, to the labelling's cost (issue 28) ---------------------
+
+# gpt-oss (harmony): the eos <|return|> ends only the chat's last answer; an earlier one ends <|end|>, which is no
+# stop token: the model writes <|return|> whenever it answers.
+EOS_AFTER_LAST = (
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}<|start|>developer<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}"
+    "{{ '<|return|>' if loop.last else '<|end|>' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+# Command-R7B (tool_use): the next answer's header after every chat, whether or not a prompt is asked for.
+NEXT_HEADER = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'system' %}<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{{ m.content }}<|END_OF_TURN_TOKEN|>"
+    "{% elif m.role == 'user' %}<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{{ m.content }}<|END_OF_TURN_TOKEN|>"
+    "{% elif m.role == 'assistant' %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>{{ m.content }}"
+    "<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"
+    "{% endif %}{% endfor %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+)
+
+# GLM-4.6: no end-of-turn token; the next role's token (<|user|>, <|observation|>) is what stops generation, as
+# its generation config says; the chat's last answer is followed by nothing. Tool calls as <tool_call> blocks,
+# their arguments' keys and values written out (an object needed).
+NEXT_ROLE_STOPS = (
+    "[gMASK]<sop>{% if tools %}{% for t in tools %}<|system|>{{ t | tojson }}{% endfor %}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}<|system|>{{ '\n' + m.content }}"
+    "{% elif m.role == 'user' %}<|user|>{{ '\n' + m.content }}"
+    "{% elif m.role == 'assistant' %}<|assistant|>"
+    "{% if m.content %}{{ '\n' + m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}{{ '\n<tool_call>' + c.function.name }}"
+    "{% if c.function.arguments is not mapping %}{{ raise_exception('arguments must be an object') }}{% endif %}"
+    "{% for k, v in c.function.arguments.items() %}{{ '\n<arg_key>' + k + '</arg_key><arg_value>' + v + '</arg_value>' }}"
+    "{% endfor %}{{ '\n</tool_call>' }}{% endfor %}"
+    "{% elif m.role == 'tool' %}<|observation|>{{ '\n' + m.content }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# Hermes-3 (tool_use): loops over `tools` unguarded (a TypeError without them), maps JSON-schema types with a macro
+# that recurses on any other type name ("str": a RecursionError), and writes a tool result that ends the chat
+# without the newline it writes before a following turn.
+TOOLS_REQUIRED = (
+    "{% macro type_name(t) %}{% if t == 'string' %}str{% elif t == 'integer' %}int{% elif t == 'object' %}dict"
+    "{% else %}{{ type_name(t) }}{% endif %}{% endmacro %}"
+    "<|im_start|>system{{ '\n' }}Tools:{% for tool in tools %}{{ '\n' + tool.function.name }}("
+    "{% for name, p in tool.function.parameters.properties.items() %}{{ name }}: {{ type_name(p.type) }}"
+    "{% endfor %}){% endfor %}<|im_end|>{{ '\n' }}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'tool' %}<|im_start|>tool{{ '\n<tool_response>\n' + m.content + '\n</tool_response>' }}"
+    "{{ '' if loop.last else '\n' }}<|im_end|>{{ '\n' }}"
+    "{% else %}<|im_start|>{{ m.role + '\n' + m.content }}<|im_end|>{{ '\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}{% endif %}"
+)
+
+# DeepSeek-V3.1: a call's arguments added to text as they are (text needed: an object is a TypeError); a turn's
+# content tested for none (an empty text renders an empty answer of its own).
+ARGUMENTS_AS_TEXT = (
+    "{{ bos_token }}{% if tools %}{% for t in tools %}{{ t.function.name }}{% endfor %}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+    "{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>{{ m.content }}<｜tool▁output▁end｜>"
+    "{% elif m.role == 'assistant' %}"
+    "{% if m.tool_calls %}<｜Assistant｜>{% for c in m.tool_calls %}"
+    "{{ '<｜tool▁call▁begin｜>' + c.function.name + '<｜tool▁sep｜>' + c.function.arguments + '<｜tool▁call▁end｜>' }}"
+    "{% endfor %}<｜end▁of▁sentence｜>{% endif %}"
+    "{% if m.content is not none %}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+# Llama-3.1: a tool preamble whenever `tools` is not none (an empty list too), its functions listed after it.
+TOOL_PREAMBLE = (
+    "{{ bos_token }}<|start_header_id|>system<|end_header_id|>{{ '\n\n' }}"
+    "{% if tools is not none %}Environment: ipython{{ '\n' }}You may call these functions:"
+    "{% for t in tools %}{{ '\n' }}{{ t.function | tojson }}{% endfor %}{{ '\n' }}{% endif %}"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% endif %}<|eot_id|>"
+    "{% for m in messages %}{% if m.role != 'system' %}"
+    "<|start_header_id|>{{ 'ipython' if m.role == 'tool' else m.role }}<|end_header_id|>{{ '\n\n' }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{{ '{\"name\": \"' + c.function.name + '\", \"parameters\": ' }}{{ c.function.arguments | tojson }}}"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|eot_id|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{{ '\n\n' }}{% endif %}"
+)
+
+# DeepSeek-R1 distills and QwQ: the generation prompt prefills <think>, and earlier answers lose their reasoning.
+PREFILLED_THINK = (
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_start|>user{{ '\n' + m.content }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}"
+    "{% if loop.last %}{{ m.content }}{% else %}{{ m.content.split('</think>')[-1].lstrip('\n') }}{% endif %}"
+    "<|im_end|>{{ '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}<think>{{ '\n' }}{% endif %}"
+)
+
+# Qwen3's thinking switch: enable_thinking=false prefills an empty think block, which every answer then shows.
+THINKING_SWITCH = (
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_start|>user{{ '\n' + m.content }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}"
+    "{% if m.reasoning_content is string and enable_thinking is not false %}"
+    "<think>{{ '\n' + m.reasoning_content + '\n' }}</think>{{ '\n\n' }}"
+    "{% elif enable_thinking is false %}<think>{{ '\n\n' }}</think>{{ '\n\n' }}{% endif %}"
+    "{{ m.content }}<|im_end|>{{ '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}"
+    "{% if enable_thinking is false %}<think>{{ '\n\n' }}</think>{{ '\n\n' }}{% endif %}{% endif %}"
+)
+
+# A template whose turns end with no token at all.
+PLAIN_TEXT = (
+    "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}{{ '\n\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+QUIRKS = {
+    "eos_after_last": dict(template=EOS_AFTER_LAST, special=["<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                                                             "<|return|>", "<|call|>"],
+                           bos=None, eos="<|return|>", stops=["<|return|>", "<|call|>"],
+                           answer="<|channel|>final<|message|>{a}<|return|>"),
+    "next_header": dict(template=NEXT_HEADER, special=["<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
+                                                       "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|END_OF_TURN_TOKEN|>",
+                                                       "<|START_RESPONSE|>", "<|END_RESPONSE|>"],
+                        bos="<BOS_TOKEN>", eos="<|END_OF_TURN_TOKEN|>",
+                        answer="<|START_RESPONSE|>{a}<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"),
+    "next_role": dict(template=NEXT_ROLE_STOPS, special=["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                                                         "<|observation|>", "<|endoftext|>"],
+                      bos=None, eos="<|endoftext|>", stops=["<|endoftext|>", "<|user|>", "<|observation|>"],
+                      answer="\n{a}<|user|>"),
+    "tools_required": dict(template=TOOLS_REQUIRED, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "arguments_as_text": dict(template=ARGUMENTS_AS_TEXT, special=[
+        "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
+        bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", answer="{a}<｜end▁of▁sentence｜>"),
+    "tool_preamble": dict(template=TOOL_PREAMBLE, special=["<|begin_of_text|>", "<|start_header_id|>",
+                                                           "<|end_header_id|>", "<|eot_id|>"],
+                          bos="<|begin_of_text|>", eos="<|eot_id|>", answer="{a}<|eot_id|>"),
+    "prefilled_think": dict(template=PREFILLED_THINK, special=[], added=["<think>", "</think>"], bos=None,
+                            eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "thinking_switch": dict(template=THINKING_SWITCH, special=[], added=["<think>", "</think>"], bos=None,
+                            eos="<|im_end|>", answer="{a}<|im_end|>"),
+    # a base model's ChatML: turns end with <|im_end|>, the tokenizer's eos is <|endoftext|> (no generation config)
+    "base_chatml": dict(template=CHATML_TEMPLATE, special=[], bos=None, eos="<|endoftext|>", answer="{a}<|im_end|>"),
+    "plain_text": dict(template=PLAIN_TEXT, special=[], bos=None, eos="<|endoftext|>", answer=" {a}"),
 }
 
 
 def family_tokenizer(family: str):
-    """The tiny tokenizer with `family`'s special tokens and chat template (a fresh copy: safe to change)."""
+    """The tiny tokenizer with `family`'s special tokens and chat template (a fresh copy: safe to change); a family
+    of `FAMILIES` or `QUIRKS`."""
+    from sft.chat_template import configure_chat
     from sft.model import load_tokenizer
 
-    spec = FAMILIES[family]
+    spec = FAMILIES.get(family) or QUIRKS[family]
     tokenizer = load_tokenizer("tiny", chat_template=spec["template"])
     tokenizer.add_tokens(spec["special"], special_tokens=True)
     tokenizer.add_tokens(spec.get("added", []))
     if spec["bos"]:
         tokenizer.bos_token = spec["bos"]
     tokenizer.eos_token = spec["eos"]
-    return tokenizer
+    # the family's stop tokens: its generation config's where given, else its eos alone
+    return configure_chat(tokenizer, stop_tokens=spec.get("stops"))

@@ -136,3 +136,235 @@ def test_evaluation_counts_every_sequence_of_a_chat_once(tmp_path):
             ce_sum += model(input_ids=torch.tensor([row["input_ids"]]), labels=labels).loss.item() * n
             tokens += n
     assert metrics["eval_ce"] == pytest.approx(ce_sum / tokens, rel=1e-5)
+
+
+# --- what published templates do (issue 28), on templates of our own that do the same (`QUIRKS`) -------------
+
+from chat_templates import QUIRKS  # noqa: E402
+from sft.chat_template import ChatRenderer, Refused, chat_views, stop_token_ids  # noqa: E402
+
+PLAIN = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
+         {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def call(arguments) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+
+
+AGENT = [{"role": "user", "content": "Weather in Paris?"}, call('{"city": "Paris"}'),
+         {"role": "tool", "content": "18 C", "tool_call_id": "call_1", "name": "get_weather"},
+         {"role": "assistant", "content": "It is 18 C."}]
+
+
+def labelled(tokenizer, messages, tools=None, **kwargs) -> list[list[str]]:
+    """The decoded runs of labelled tokens of each sequence a chat trains as (through the tokens, as training
+    gets them)."""
+    batch = {"messages": [messages], "difficulty_score": [1.0], "source_line": [1],
+             "tools": [json.dumps(tools) if tools else ""]}
+    out = tokenize_batch(batch, tokenizer, 4096, **kwargs).to_pydict()
+    assert not any(out["refused"]), out["refused"]
+    return [[tokenizer.decode(run, skip_special_tokens=False) for run in labelled_runs(ids, labels)]
+            for ids, labels in zip(out["input_ids"], out["labels"])]
+
+
+def answers(family: str, *texts: str) -> list[str]:
+    """Each answer as the family's template writes it, through its stop token: the oracle."""
+    return [QUIRKS[family]["answer"].format(a=a) for a in texts]
+
+
+def test_a_template_that_writes_the_eos_only_after_the_last_answer_trains_every_answer_with_it():
+    """gpt-oss: in the whole chat the first answer ends <|end|>, which stops nothing; the model writes <|return|>
+    whenever it answers, so that answer trains from its own rendering, <|return|> and all."""
+    tokenizer = family_tokenizer("eos_after_last")
+    runs = labelled(tokenizer, PLAIN)
+    assert runs == [answers("eos_after_last", "6"), answers("eos_after_last", "4")]
+    assert all(not run.endswith("<|end|>") for seq in runs for run in seq)
+
+
+def test_the_next_turns_header_a_template_writes_after_every_chat_is_never_trained():
+    """Command-R7B: one sequence, each answer through <|END_OF_TURN_TOKEN|>, the header after it context."""
+    tokenizer = family_tokenizer("next_header")
+    assert labelled(tokenizer, PLAIN) == [answers("next_header", "4", "6")]
+    assert ChatRenderer(tokenizer)(PLAIN).endswith("<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")
+
+
+def test_where_a_turn_has_no_end_token_the_next_roles_stop_token_is_trained_also_after_the_last_answer():
+    """GLM-4.6: <|user|> (the next turn's role, a stop token of its generation config) ends each answer, the chat's
+    last one too (added after it); a tool call is ended by <|observation|>, which its result begins with."""
+    tokenizer = family_tokenizer("next_role")
+    assert labelled(tokenizer, PLAIN) == [answers("next_role", "4", "6")]
+    runs = labelled(tokenizer, [AGENT[0], call({"city": "Paris"}), *AGENT[2:]], tools=TOOLS)
+    assert runs == [["\n<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value>\n</tool_call>"
+                     "<|observation|>", "\nIt is 18 C.<|user|>"]]
+    assert set(stop_token_ids(tokenizer)) >= set(tokenizer.convert_tokens_to_ids(["<|user|>", "<|observation|>"]))
+
+
+@pytest.mark.parametrize("family, arguments", [("arguments_as_text", {"city": "Paris"}),
+                                               ("arguments_as_text", '{"city": "Paris"}'),
+                                               ("next_role", '{"city": "Paris"}')])
+def test_call_arguments_reach_the_template_in_the_form_it_reads(family, arguments):
+    """DeepSeek-V3.1 adds the arguments to text (an object is a TypeError there), GLM iterates them (text is its
+    refusal): each gets them in its form, whichever form the row gave."""
+    tokenizer = family_tokenizer(family)
+    runs = labelled(tokenizer, [AGENT[0], call(arguments), *AGENT[2:]], tools=TOOLS)
+    assert "Paris" in runs[0][0] and runs[0][0].endswith(tuple(ChatRenderer(tokenizer).profile.stops))
+    if family == "arguments_as_text":  # a call-only turn's null content: no empty answer of its own
+        assert runs == [['<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+                         "<｜end▁of▁sentence｜>", "It is 18 C.<｜end▁of▁sentence｜>"]]
+        assert ChatRenderer(tokenizer).profile.null_content
+        text = ChatRenderer(tokenizer)(ChatRenderer(tokenizer).prepare(AGENT[:2]), TOOLS)
+        assert "<｜Assistant｜><｜end▁of▁sentence｜>" not in text
+    assert not ChatRenderer(family_tokenizer("chatml")).profile.null_content  # it adds content to text: ""
+
+
+@pytest.mark.parametrize("messages, tools, field, message", [
+    (PLAIN, None, "messages", "the chat template fails on this chat (TypeError: 'NoneType' object is not iterable); "
+                              "a tool-use template may need the row's tools"),
+    (AGENT, [{"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {
+        "type": "object", "properties": {"city": {"type": "str"}}}}}], "tools",
+     "the chat template fails on these tool definitions (RecursionError: maximum recursion depth exceeded"),
+])
+def test_a_templates_python_error_is_a_refusal_naming_its_message(messages, tools, field, message):
+    tokenizer = family_tokenizer("tools_required")
+    with pytest.raises(Refused) as e:
+        chat_views(tokenizer, messages, tools=tools)
+    assert e.value.field == field and message in e.value.reason
+
+
+def test_a_prompt_the_template_renders_otherwise_once_the_answer_follows_is_trained_as_the_model_saw_it():
+    """Hermes-3 ends a tool result that ends the chat without the newline it has before a following answer: the
+    answer trains after the prompt the model answers (a sequence of its own); data.rewritten_turns=skip leaves
+    it untrained, refuse refuses the row."""
+    tokenizer = family_tokenizer("tools_required")
+    runs = labelled(tokenizer, AGENT, tools=TOOLS)
+    assert runs == [['<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>'],
+                    ["It is 18 C.<|im_end|>"]]
+    assert labelled(tokenizer, AGENT, tools=TOOLS, rewritten_turns="skip") == [runs[0]]
+    with pytest.raises(Refused, match="data.rewritten_turns=split trains it after its own prompt"):
+        chat_views(tokenizer, AGENT, tools=TOOLS, rewritten_turns="refuse")
+
+
+def test_a_prefilled_generation_prompt_is_refused_naming_it_or_trained_after_it_or_without_it():
+    tokenizer = family_tokenizer("prefilled_think")
+    with pytest.raises(Refused) as e:
+        chat_views(tokenizer, PLAIN)
+    assert "generation prompt ends with '<think>\\n', which this answer does not begin with" in e.value.reason
+    assert "data.prefill=after" in e.value.reason and "tokenizer.chat_template_kwargs" in e.value.reason
+    # after: each answer after the prefill, as the model answers (a sequence each); drop: as the chat renders it
+    assert labelled(tokenizer, PLAIN, prefill="after") == [["4<|im_end|>"], ["6<|im_end|>"]]
+    assert labelled(tokenizer, PLAIN, prefill="drop") == [["4<|im_end|>", "6<|im_end|>"]]
+    # an answer that begins with what the prefill opens trains after it
+    reasoned = PLAIN[:3] + [{"role": "assistant", "content": "<think>\n3 and 3.\n</think>\n\n6"}]
+    assert labelled(tokenizer, reasoned[2:]) == [["3 and 3.\n</think>\n\n6<|im_end|>"]]
+
+
+def test_template_kwargs_reach_the_template_and_the_reasoning_it_then_drops_is_counted(tmp_path):
+    from sft.chat_template import configure_chat
+
+    reasoned = [PLAIN[0], {**PLAIN[1], "reasoning_content": "2 and 2."}]
+    thinking = family_tokenizer("thinking_switch")
+    assert labelled(thinking, reasoned) == [["<think>\n2 and 2.\n</think>\n\n4<|im_end|>"]]
+    off = configure_chat(family_tokenizer("thinking_switch"), kwargs={"enable_thinking": False})
+    assert labelled(off, reasoned) == [["4<|im_end|>"]]  # after the prefilled empty think block
+    assert chat_views(off, reasoned).untrained_reasoning == 1
+    path = write_jsonl(tmp_path / "r.jsonl", [{"messages": reasoned, "difficulty_score": 1.0}])
+    kept = load_sft_datasets(thinking, None, train_file=str(path), max_length=256)
+    dropped = load_sft_datasets(off, None, train_file=str(path), max_length=256)
+    assert dropped.summary["train"].untrained_reasoning == 1 and kept.summary["train"].untrained_reasoning == 0
+    assert dropped.identity["chat_template_kwargs"] == {"enable_thinking": False}
+    assert dropped.data_hash != kept.data_hash
+
+
+def test_a_turn_end_that_no_stop_token_of_the_model_names_is_trained_and_said_once(tmp_path, caplog):
+    """A base model's ChatML (eos <|endoftext|>): answers train through the template's <|im_end|>, and the log says
+    once that a server must stop at it; a template with no end at all is said to teach no stop."""
+    base = family_tokenizer("base_chatml")
+    assert labelled(base, PLAIN) == [answers("base_chatml", "4", "6")]
+    assert ChatRenderer(base).profile.end_of_turn == "<|im_end|>"
+    assert tokenizer_stop(base) == ["<|endoftext|>", "<|im_end|>"]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"messages": PLAIN, "difficulty_score": 1.0}] * 3)
+    with caplog.at_level("WARNING", logger="sft.data"):
+        load_sft_datasets(base, None, train_file=str(path), max_length=256)
+        load_sft_datasets(family_tokenizer("plain_text"), None, train_file=str(path), max_length=256)
+    notes = [r.getMessage() for r in caplog.records]
+    assert sum("ends an answer with '<|im_end|>', which is not among the model's stop tokens" in n for n in notes) == 1
+    assert sum("the model will not learn to stop" in n for n in notes) == 1
+
+
+def tokenizer_stop(tokenizer) -> list[str]:
+    return tokenizer.convert_ids_to_tokens(stop_token_ids(tokenizer))
+
+
+def test_a_template_that_does_not_compile_is_one_config_error(tmp_path):
+    from sft.config import ConfigError
+
+    tokenizer = family_tokenizer("chatml")
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }"
+    path = write_jsonl(tmp_path / "p.jsonl", [{"messages": PLAIN, "difficulty_score": 1.0}])
+    with pytest.raises(ConfigError, match="tokenizer.chat_template: the chat template does not compile"):
+        load_sft_datasets(tokenizer, None, train_file=str(path), max_length=256)
+
+
+@pytest.mark.slow
+def test_cli_a_template_that_fails_on_some_rows_refuses_them_in_one_line_or_skips_and_counts_them(tmp_path):
+    """sft.inspect_data and sft.train with a template (a .jinja file, as llama.cpp keeps them) that raises a Python
+    error on chats without tools: the row named, no traceback; data.on_error=skip trains the others."""
+    import subprocess
+    import sys
+
+    from chat_templates import TOOLS_REQUIRED
+    from conftest import REPO, run_train
+
+    template = tmp_path / "hermes-like.jinja"
+    template.write_text(TOOLS_REQUIRED)
+    tool = TOOLS[0]
+    rows = [{"messages": [{"role": "user", "content": f"{a} + {a}?"}, {"role": "assistant", "content": str(2 * a)}],
+             "difficulty_score": 1.0, **({"tools": [tool]} if a % 4 else {})} for a in range(24)]
+    f = write_jsonl(tmp_path / "rows.jsonl", rows)
+    common = ["data=jsonl", f"data.train_file={f}", f"tokenizer.chat_template={template}", "loss=ce"]
+    proc = subprocess.run([sys.executable, "-m", "sft.inspect_data", *common], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{f}:1: messages: the chat template fails on this chat (TypeError: 'NoneType' object is not iterable)" \
+           in proc.stderr and "the same in 5 more row(s) (lines 5, 9, 13, 17, 21)" in proc.stderr
+    run = run_train(*common, "data.on_error=skip", "trainer.max_steps=2", "trainer.eval_strategy=no",
+                    "trainer.save_strategy=no", "trainer.report_to=[]", f"hydra.run.dir={tmp_path}/run")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rejected = [json.loads(line) for line in (tmp_path / "run/rejected.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rejected] == [1, 5, 9, 13, 17, 21] and {r["field"] for r in rejected} == {"messages"}
+    assert "skipped 6 invalid row(s)" in (tmp_path / "run/train.log").read_text()
+
+
+def test_the_stop_tokens_are_the_models_own_unless_named_and_a_template_may_be_a_file(tmp_path):
+    """load_tokenizer reads the eos ids of the model's generation_config.json (and the tokenizer's eos);
+    tokenizer.stop_tokens replaces them (each one token); tokenizer.chat_template may name a .jinja file."""
+    import shutil
+
+    from sft.chat_template import chat_settings
+    from sft.config import ConfigError
+    from sft.model import load_tokenizer, tiny_model_dir
+
+    tiny = load_tokenizer("tiny")
+    assert chat_settings(tiny).stop_tokens == ("<|im_end|>",)
+    assert chat_settings(tiny).stops_from == "generation_config.json's eos_token_id"
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir(), model)
+    config = json.loads((model / "generation_config.json").read_text())
+    ids = tiny.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": ids}))
+    assert chat_settings(load_tokenizer(str(model))).stop_tokens == ("<|endoftext|>", "<|im_end|>")
+    named = load_tokenizer(str(model), stop_tokens=["<|im_start|>"])
+    assert chat_settings(named).stop_tokens == ("<|im_start|>",) and chat_settings(named).stops_from == \
+        "tokenizer.stop_tokens"
+    with pytest.raises(ConfigError, match=r"tokenizer.stop_tokens=\['</answer>'\]: '</answer>' is not one token"):
+        load_tokenizer("tiny", stop_tokens=["</answer>"])
+    template = tmp_path / "next-header.jinja"
+    template.write_text(QUIRKS["next_header"]["template"])
+    loaded = load_tokenizer("tiny", chat_template=str(template))
+    assert loaded.chat_template == QUIRKS["next_header"]["template"]
+    assert chat_settings(loaded).template_name == "tokenizer.chat_template (next-header.jinja)"
+    with pytest.raises(ConfigError, match="tokenizer.chat_template='/nonexistent/t.jinja': cannot be read"):
+        load_tokenizer("tiny", chat_template="/nonexistent/t.jinja")

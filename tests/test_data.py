@@ -121,7 +121,9 @@ def test_a_score_is_required_only_where_the_run_uses_it(tokenizer, tmp_path):
     plain = load_sft_datasets(tokenizer, CrossEntropyLoss(), str(f), max_length=64)  # alpha 0 reads no score
     assert sft_data.column(plain.train, "loss_weight") == [1.0, 1.0]
     assert row_scores(plain.train) == {(0, 1): 3.0}  # the unscored row is in no difficulty bucket
-    missing = f"{f}:2: difficulty_score: missing (used by loss.alpha=1; set data.default_score to use a default)"
+    missing = (f"{f}:2: difficulty_score: missing (used by loss.alpha=1: set data.default_score=<score> to give every "
+               "such row one, map the file's score column with data.columns.score=<column>, or train without "
+               "difficulty weights: loss=ce)")
     with pytest.raises(DataError, match=missing.replace("(", r"\(").replace(")", r"\)")):
         load_sft_datasets(tokenizer, HardSampleLoss(), str(f), max_length=64)  # the same cached rows
     skipped = load_sft_datasets(tokenizer, HardSampleLoss(), str(f), max_length=64, on_error="skip")

@@ -189,3 +189,106 @@ def test_the_columns_schema_names_every_field_of_every_format():
     from sft.formats import COLUMN_KEYS
 
     assert {f.name for f in dataclasses.fields(ColumnsConfig)} == set(COLUMN_KEYS)
+
+
+# --- tools and system as users name them (issue 28) ----------------------------------------------------------
+
+TOOL_DEF = {"name": "get_weather", "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def rendered(tmp_path, tokenizer, rows, **data) -> list[str]:
+    """Each row's text as it trains (its first sequence), decoded."""
+    data.setdefault("default_score", 1.0)
+    f = write_jsonl(tmp_path / "rows.jsonl", rows)
+    split = load_sft_datasets(tokenizer, None, train_file=str(f), max_length=512, **data).train
+    return [tokenizer.decode(r["input_ids"], skip_special_tokens=False) for r in split]
+
+
+def test_an_empty_tools_list_is_no_tools_and_bare_definitions_are_wrapped(tmp_path):
+    """LLaMA-Factory's "tools": "[]" (109 of its 300 glaive rows) is no tools: a Llama-3.1 template writes no tool
+    preamble for it; its bare {name, parameters} definitions reach the template as {type: function, function}."""
+    from chat_templates import family_tokenizer
+
+    tokenizer = family_tokenizer("tool_preamble")
+    share = {"conversations": [{"from": "human", "value": "1 + 1?"}, {"from": "gpt", "value": "2"}]}
+    for tools in ("[]", [], ""):
+        [text] = rendered(tmp_path, tokenizer, [{**share, "tools": tools}])
+        assert "Environment: ipython" not in text
+    [text] = rendered(tmp_path, tokenizer, [{**share, "tools": json.dumps([TOOL_DEF])}])
+    assert "Environment: ipython" in text and json.dumps(TOOL_DEF) in text
+
+
+def test_the_tools_and_system_columns_of_every_format_by_any_name(tmp_path):
+    from chat_templates import family_tokenizer
+
+    tokenizer = family_tokenizer("qwen25_tools")
+    share = {"conversations": [{"from": "human", "value": "Weather in Paris?"}, {"from": "gpt", "value": "Sunny."}]}
+    [text] = rendered(tmp_path, tokenizer, [{**share, "functions": [TOOL_DEF], "sys": "Be brief."}],
+                      columns={"tools": "functions", "system": "sys"})
+    assert '"name": "get_weather"' in text and text.startswith("<|im_start|>system\nBe brief.")
+    # ShareGPT's own system column, which the template's default system prompt no longer replaces
+    [text] = rendered(tmp_path, tokenizer, [{**share, "system": "Be brief."}])
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    [text] = rendered(tmp_path, tokenizer, [{"messages": [{"role": "user", "content": "1?"},
+                                                          {"role": "assistant", "content": "1"}], "system": "Be brief."}])
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    with pytest.raises(DataError, match="rows.jsonl:1: system: the row has a system column and a different system turn"):
+        rendered(tmp_path, tokenizer, [{"messages": [{"role": "system", "content": "Be long."},
+                                                     {"role": "user", "content": "1?"}, {"role": "assistant", "content": "1"}],
+                                        "system": "Be brief."}])
+
+
+def test_llama_factorys_dataset_info_names_map_the_columns(tmp_path, tokenizer):
+    """Its dataset_info.json `columns`: prompt/query/response for Alpaca, messages for ShareGPT's conversations."""
+    expected = as_messages(tmp_path, tokenizer, [chat("Add:\n\n3 + 4", "7")])
+    alpaca = tokenised(tmp_path, tokenizer, [{"q": "Add:", "x": "3 + 4", "a": "7"}],
+                       columns={"prompt": "q", "query": "x", "response": "a"})
+    assert [(ids, labels) for ids, labels, _ in alpaca] == expected
+    share = {"conversations": [{"from": "human", "value": "Add:\n\n3 + 4"}, {"from": "gpt", "value": "7"}]}
+    mapped = tokenised(tmp_path, tokenizer, [share], columns={"messages": "conversations"})
+    assert [(ids, labels) for ids, labels, _ in mapped] == expected
+
+
+def test_content_parts_and_loss_weight_of_llama_factorys_v1_rows(tmp_path):
+    """Its reason_tool_use rows: content a list of text, reasoning and tool_call parts, per-turn loss_weight."""
+    from chat_templates import family_tokenizer
+
+    tokenizer = family_tokenizer("qwen25_tools")
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    v1 = {"messages": [
+        {"role": "user", "content": [{"type": "text", "value": "Weather in Paris?"}], "loss_weight": 0.0},
+        {"role": "assistant", "content": [{"type": "reasoning", "value": "I should call it."},
+                                          {"type": "tool_call", "value": json.dumps(call)}], "loss_weight": 2.0},
+        {"role": "tool", "content": [{"type": "text", "value": "18 C"}]},
+        {"role": "assistant", "content": [{"type": "text", "value": "It is 18 C."}]}], "tools": json.dumps([TOOL_DEF])}
+    plain = {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "I should call it.", "weight": 2.0,
+         "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "It is 18 C."}], "tools": [TOOL_DEF]}
+    assert tokenised(tmp_path, tokenizer, [v1]) == tokenised(tmp_path, tokenizer, [plain], name="plain.jsonl")
+    with pytest.raises(DataError, match=r"rows.jsonl:1: messages\[0\].content\[0\]: a 'image' part"):
+        tokenised(tmp_path, tokenizer, [{"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]},
+                                                      {"role": "assistant", "content": "1"}]}])
+
+
+def test_a_problem_of_every_row_is_one_line_naming_the_knob_before_any_row_is_tokenised(tmp_path, tokenizer,
+                                                                                        monkeypatch):
+    """The default loss on a file without scores: one line, with loss=ce among the ways out, and no tokenising."""
+    import sft.data
+    from sft.losses import HardSampleLoss
+
+    f = write_jsonl(tmp_path / "unscored.jsonl", [{"messages": chat(f"{a} + 1?", str(a + 1))["messages"]}
+                                                  for a in range(999)])
+    monkeypatch.setattr(sft.data, "tokenize_batch", lambda *a, **k: pytest.fail("tokenised"))
+    with pytest.raises(DataError) as e:
+        load_sft_datasets(tokenizer, HardSampleLoss(), train_file=str(f), max_length=128)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "999 bad row(s) in the data:" and len(lines) == 2
+    assert f"{f}:1: difficulty_score: missing (used by loss.alpha=1: set data.default_score=" in lines[1]
+    assert "loss=ce" in lines[1] and "the same in 998 more row(s) (lines 2, 3, 4, 5, 6, ...)" in lines[1]
+    bad = write_jsonl(tmp_path / "keys.jsonl", [{"messages": [{"speaker": "user", "text": "1?"}]}] * 3)
+    with pytest.raises(DataError, match=r"keys.jsonl:1: messages\[0\].role: missing \(the turn has speaker, text; a "
+                                        r"turn is \{role, content\}, or ShareGPT's \{from, value\}\); the same in 2 more"):
+        load_sft_datasets(tokenizer, None, train_file=str(bad), max_length=128)

@@ -24,7 +24,7 @@ def no_model(monkeypatch):
 def test_rows_show_the_trained_answers_marked_with_their_weight_and_the_totals(tmp_path, tokenizer, no_model):
     path = write_jsonl(tmp_path / "train.jsonl", ROWS + ["{not json"])
     report = inspect([f"data.train_file={path}", "data.on_error=skip", "loss=hard_sample", "loss.alpha=1"], rows=2)
-    first, second, totals = report.strip().split("\n\n")
+    first, second, totals, template = report.strip().split("\n\n")
     assert first.startswith(f"-- {path}:1 · ") and first.endswith("<|im_start|>assistant\n⟦2<|im_end|>⟧×2")
     assert second.endswith("<|im_start|>assistant\n⟦3 + 4 = 7<|im_end|>⟧×1")
     assert "What is 1 + 1?" in first and "⟦" not in first.split("assistant\n")[0]  # the prompt is not trained
@@ -34,6 +34,8 @@ def test_rows_show_the_trained_answers_marked_with_their_weight_and_the_totals(t
                   for r in ROWS)
     assert totals == (f"train: 2 rows read, 1 rejected, 0 dropped; 2 sequences (0 truncated, 0 turns trained from "
                       f"their own rendering); {tokens} tokens, {trained} trained ({100 * trained / tokens:.1f}%)")
+    # the tiny model's generation_config.json says where answers end
+    assert template == "template: tiny's chat template; answers end at '<|im_end|>' (generation_config.json's eos_token_id)"
 
 
 def test_a_bad_file_is_a_one_line_error_naming_the_line(tmp_path, capsys, no_model):

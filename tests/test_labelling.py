@@ -62,7 +62,9 @@ def assert_same_rows(ours: dict, theirs: dict) -> None:
                                              for labels, weights in zip(ours["labels"], ours["token_weights"])]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# phi3: sft 0.1 trained the eos a Phi-3 template writes after the chat's last <|end|>; answers now end at their
+# first stop token, <|end|> (tests/test_chat_templates.py)
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"phi3"}))
 @pytest.mark.parametrize("overlong", ["truncate", "drop", "error"])
 def test_tokenize_batch_gives_the_rows_of_the_prefix_rendering_labeller(tmp_path, family, overlong):
     tokenizer = family_tokenizer(family)
@@ -114,6 +116,7 @@ def test_a_chat_costs_two_renders_a_trained_turn_the_last_ones_end_being_the_who
     batch = rows_of(tmp_path, tools=False)
     calls = []
     counted = ChatRenderer(tokenizer)
+    counted.profile  # the template's probes: once a renderer (a batch), not a chat
     counted.__class__ = type("Counted", (ChatRenderer,), {"__call__": lambda self, *a, **k: calls.append(1) or
                                                           ChatRenderer.__call__(self, *a, **k)})
     chat_views(tokenizer, batch["messages"][0], render=counted)

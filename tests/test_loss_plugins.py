@@ -63,7 +63,7 @@ def test_inspect_data_shows_the_keyword_stretches_and_their_count(tmp_path):
     # difficulty 2, times 3 on the phrase's tokens (the tiny tokenizer spells PASSWORD in 8)
     answer = "⟦Never share your ⟧×2⟦PASSWORD⟧×6⟦; reset it from the login page.<|im_end|>⟧×2"
     assert f"assistant\n{answer}\n" in report
-    assert report.rstrip().endswith("trained (59.3%), 8 of them reweighted by the loss's token weights")
+    assert "trained (59.3%), 8 of them reweighted by the loss's token weights\n\ntemplate: " in report
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)

@@ -173,7 +173,7 @@ CORPUS = {
     "unknown_role": (['{"messages": [{"role": "robot", "content": "q"}], "difficulty_score": 1}'], 1,
                      "messages[0].role: unknown role 'robot'"),
     "content_not_string": (['{"messages": [{"role": "user", "content": ["q"]}], "difficulty_score": 1}'], 1,
-                           "messages[0].content: must be a string"),
+                           "messages[0].content[0]: must be a content part {type, text}, got str"),
     "empty_answer": (['{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}], '
                       '"difficulty_score": 1}'], 1, "messages[1].content: empty assistant content"),
     "no_assistant": (['{"messages": [{"role": "user", "content": "q"}], "difficulty_score": 1}'], 1,
@@ -269,5 +269,5 @@ def test_rows_without_a_score_train_where_no_part_of_the_run_uses_scores(tmp_pat
         assert results[f"eval_loss_bucket_{k}"] == pytest.approx(expected, rel=1e-9)  # the scored rows only
     ordered = run_train(*common, "+controllers=curriculum", f"hydra.run.dir={tmp_path / 'curriculum'}")
     assert ordered.returncode == 2 and "Traceback" not in ordered.stderr
-    assert f"{train}:1: difficulty_score: missing (used by controllers.curriculum; set data.default_score" in \
-        ordered.stderr
+    assert f"{train}:1: difficulty_score: missing (used by controllers.curriculum: set data.default_score" in \
+        ordered.stderr and "or drop it: ~controllers.curriculum)" in ordered.stderr
