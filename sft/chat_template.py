@@ -277,8 +277,11 @@ class TemplateProfile:
         self.notes: list[str] = []
         self.final_end = self.chat_end = ""  # what follows the probe answer in a chat that ends with it, goes on
         try:
-            self._probe()
-        except (Refused, ValueError) as e:  # a template that refuses the probe chat: rows will say why
+            try:
+                self._probe(None)
+            except Refused:  # a tool-use template may need tools even for a plain answer
+                self._probe(_PROBE_TOOLS)
+        except Refused as e:  # a template that refuses the probe chat: rows will say why
             self.notes.append(f"the probe chat could not be rendered ({e})")
         self.stops = self.model_stops + ((self.end_of_turn,) if self.end_of_turn else ())
 
@@ -302,12 +305,12 @@ class TemplateProfile:
                 break
         return out
 
-    def _probe(self) -> None:
+    def _probe(self, tools) -> None:
         render, name = self.render, self.render.settings.template_name
         user, answer = _PROBE_USER, _PROBE_ANSWER
-        prompt = render([user], add_generation_prompt=True)
-        final = render([user, answer])
-        going_on = render([user, answer, _PROBE_NEXT])
+        prompt = render([user], tools, add_generation_prompt=True)
+        final = render([user, answer], tools)
+        going_on = render([user, answer, _PROBE_NEXT], tools)
         at = final.find(PROBE_ANSWER)
         if at < 0 or going_on.find(PROBE_ANSWER) != at:
             return
