@@ -98,7 +98,7 @@ def figures_markdown(report: dict) -> str:
     if not report["tests"]:
         lines.append(f"| (no test result) | pytest exit {report['parts']['tests']['exit_code']} |")
     bench = report.get("bench")
-    lines += ["", "| `sft.bench preset=gpu_7b` | value |", "|---|---|"]
+    lines += ["", "| `sft.bench.run preset=gpu_7b` | value |", "|---|---|"]
     if bench:
         for case, c in bench["cases"].items():
             if "tokens_per_second" in c:

@@ -49,7 +49,7 @@ def stretches(tokenizer, input_ids: list[int], weights: list[float]) -> list[tup
 
 def show(tokenizer, row: dict, file: str, color: bool) -> str:
     """One sequence as the model reads it, its trained stretches marked with their loss weight."""
-    from sft.data import WeightedDataCollator
+    from sft.data.collator import WeightedDataCollator
 
     weights = WeightedDataCollator(tokenizer)([row])["loss_weights"][0]  # exactly what the trainer gets
     trained = int((weights > 0).sum())
@@ -68,7 +68,7 @@ def show(tokenizer, row: dict, file: str, color: bool) -> str:
 
 
 def totals(split: str, summary) -> str:
-    """A split's counts (`sft.data.SplitSummary`) in one paragraph."""
+    """A split's counts (`sft.data.preprocess.SplitSummary`) in one paragraph."""
     share = 100 * summary.trained_tokens / max(summary.tokens, 1)
     reweighted = (f", {summary.reweighted_tokens:,} of them reweighted by the loss's token weights"
                   if summary.reweighted_tokens else "")
@@ -83,7 +83,7 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     from hydra.utils import instantiate
 
     from sft.config import ConfigError, check, compose
-    from sft.losses import build_loss
+    from sft.loss.base import build_loss
 
     cfg = compose("train", overrides)
     check(cfg)
@@ -101,8 +101,8 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
 
 
 def template(tokenizer, prefill: str) -> str:
-    """What the chat template does around an answer (`sft.chat_template.TemplateProfile`), in one paragraph."""
-    from sft.chat_template import ChatRenderer, chat_settings
+    """What the chat template does around an answer (`sft.data.templates.TemplateProfile`), in one paragraph."""
+    from sft.data.templates import ChatRenderer, chat_settings
 
     settings, profile = chat_settings(tokenizer), ChatRenderer(tokenizer).profile
     own = ", and the template's own end of turn" if profile.end_of_turn else ""
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from sft.config import ConfigError
-    from sft.data import DataError
+    from sft.data.rows import DataError
     from sft.train import fail
 
     parser = argparse.ArgumentParser(prog="python -m sft.inspect_data", description=__doc__.split("\n\n")[0])

@@ -1,19 +1,8 @@
-"""`./launch.sh -m ...`: a sweep whose jobs each need several processes.
-
-Hydra's `-m` runs every job inside the current process, which cannot work under `accelerate launch`
-(every rank would run the whole sweep). Here the overrides are expanded as Hydra's basic sweeper does
-(`a=1,2 b=x,y` gives 4 jobs; `hydra.sweeper.params` of the config count too), then each job runs in
-turn through `accelerate launch ... -m sft.train` with its own run dir `<sweep dir>/<job number>`,
-and the sweep report is written at the end, as after a single-process multirun.
-
-Both kinds of sweep record each job's overrides in its dir (`sweep_job.json`, `start_job`), so that the
-same command run again with `hydra.sweep.dir=<that sweep> sweep.resume=true` skips the jobs that finished,
-resumes the interrupted ones from their newest complete checkpoint, and refuses a dir of another sweep.
-"""
+"""`python -m sft.sweep -m [sweep overrides]` (what `./launch.sh -m` runs): each job of a sweep in turn through
+`accelerate launch`, one run dir per job, then the sweep's report (`sft.experiments.sweep`, `sft.experiments.report`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -22,57 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-
-def expand(overrides: list[str]) -> list[list[str]]:
-    """The override list of every job, in Hydra's order."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from sft.config import compose
-
-    plain = [o for o in overrides if not o.startswith("hydra.sweep.dir=")]
-    cfg = compose("train", [o for o in plain if "," not in o], return_hydra_config=True)
-    params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]
-    parsed = OverridesParser.create().parse_overrides(params + plain)
-    return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
-
-
-JOB_RECORD = "sweep_job.json"  # in each job dir: the overrides that made the job
-
-
-def _identity(overrides: list[str]) -> list[str]:
-    """The overrides that decide what a job computes (not where it writes, not how the sweep goes)."""
-    return [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "sweep.", "resume="))]
-
-
-def start_job(run_dir: str | Path, number: int, overrides: list[str], resume: bool):
-    """Record the job's overrides in its dir; with `sweep.resume`, return its results if it already
-    finished (`results.json` ok: nothing to run). A job dir holding another job is a `ConfigError`."""
-    from sft.config import ConfigError
-    from sft.results import RunResults
-
-    run_dir = Path(run_dir)
-    record, mine = run_dir / JOB_RECORD, _identity(overrides)
-    if resume and record.is_file():
-        theirs = json.loads(record.read_text())["overrides"]
-        if theirs != mine:
-            ran, asked = (" ".join(o) or "(no overrides)" for o in (theirs, mine))
-            raise ConfigError("sweep.resume", True, f"job {number} in {run_dir.parent} ran {ran}, this command's "
-                              f"job {number} is {asked}: another sweep (give it its own hydra.sweep.dir)")
-        results = RunResults.read(run_dir)
-        if results is not None and results.status == "ok":
-            return results
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"overrides": mine}) + "\n")
-    return None
-
+from sft.experiments.sweep import expand, start_job
 
 def main(argv: list[str] | None = None) -> None:
     from sft.config import ConfigError, compose
-    from sft.preemption import PREEMPTED_EXIT_CODE
-    from sft.report import ReportError, write_report
-    from sft.results import RunResults
-    from sft.tracking import log_sweep_report, sweep_experiment
+    from sft.training.preemption import PREEMPTED_EXIT_CODE
+    from sft.experiments.report import ReportError, write_report
+    from sft.experiments.results import RunResults
+    from sft.experiments.tracking import log_sweep_report, sweep_experiment
 
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
@@ -121,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     log_sweep_report(sweep_dir, cfg.trainer.report_to)
     print((Path(sweep_dir) / "sweep_summary.md").read_text())
+
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 The recipe, top to bottom (`train`): find the checkpoint to resume from; build the training arguments
 (before the model, as DeepSpeed ZeRO-3 requires), tokenizer, loss, data, model (+ LoRA), controllers,
-collator and trainer (`build`, which `sft.bench` shares); restore the checkpoint's state; train
+collator and trainer (`build`, which `sft.bench.run` shares); restore the checkpoint's state; train
 (evaluating before, during and after); save the model and `results.json` in the run dir.
 """
 
@@ -22,15 +22,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sft.config import CONF_DIR, ConfigError, check, key_of_engine_left_off, owned_field_override, register
-from sft.distributed import (end_process_group, process_fields, rank_overrides, refuse_multirun_in_launch,
-                             set_cpu_threads, share_run_dir, slurm_distributed_env)
-from sft.results import RunResults
-from sft.tracking import (finish_mlflow, finish_trackers, in_sweep, job_overrides, log_hparams, name_the_run,
-                          start_mlflow)
+from sft.training.distributed import (end_process_group, process_fields, rank_overrides, refuse_multirun_in_launch, set_cpu_threads, share_run_dir, slurm_distributed_env)
+from sft.experiments.results import RunResults
+from sft.experiments.tracking import (finish_mlflow, finish_trackers, in_sweep, job_overrides, log_hparams, name_the_run, start_mlflow)
 
 if TYPE_CHECKING:
-    from sft.data import SFTData
-    from sft.trainer import WeightedLossTrainer
+    from sft.data.load import SFTData
+    from sft.training.trainer import WeightedLossTrainer
 
 log = logging.getLogger("sft")
 register()
@@ -56,8 +54,8 @@ class Recipe:
 
 def train(cfg: DictConfig) -> RunResults:
     """Run the recipe for a checked config; return the results written to `results.json`."""
-    from sft.checkpoints import find_checkpoint
-    from sft.preemption import Preemption
+    from sft.training.checkpoints import find_checkpoint
+    from sft.training.preemption import Preemption
 
     started = time.time()
     slurm_distributed_env()
@@ -91,7 +89,7 @@ def train(cfg: DictConfig) -> RunResults:
             results.write(run_dir)
         finish_mlflow(run_dir, "FINISHED")
     except BaseException as e:
-        from sft.preemption import Preempted
+        from sft.training.preemption import Preempted
 
         with contextlib.suppress(Exception):  # the run's own error is the one to report
             finish_mlflow(run_dir, "KILLED" if isinstance(e, Preempted) else "FAILED")
@@ -104,9 +102,9 @@ def train(cfg: DictConfig) -> RunResults:
 
 
 def lock_run_dirs(run_dir: str, output_dir: str) -> list:
-    """Rank 0 holds the run dir (and the checkpoint dir, if another) for the run (`sft.run_dir.RunDirLock`):
+    """Rank 0 holds the run dir (and the checkpoint dir, if another) for the run (`sft.training.run_dir.RunDirLock`):
     a second run started into it refuses to start."""
-    from sft.run_dir import RunDirLock
+    from sft.training.run_dir import RunDirLock
 
     if os.environ.get("RANK", "0") != "0":
         return []
@@ -125,9 +123,9 @@ def lock_run_dirs(run_dir: str, output_dir: str) -> list:
 def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) -> list:
     """A resume continues the checkpoint's run: the settings that differ from its config are logged, and
     refused where the checkpoint cannot follow them (`check_resume_config`); returns them. A new run may not
-    start over another run's outputs (`sft.run_dir.claim`, `overwrite=true`)."""
-    from sft.checkpoints import check_resume_config, inside
-    from sft.run_dir import claim
+    start over another run's outputs (`sft.training.run_dir.claim`, `overwrite=true`)."""
+    from sft.training.checkpoints import check_resume_config, inside
+    from sft.training.run_dir import claim
 
     if cfg.resume != "auto" and not inside(checkpoint, output_dir):
         claim(output_dir, cfg.overwrite, sweep_job=in_sweep())
@@ -153,9 +151,9 @@ def check_fsdp_resume(cfg: DictConfig, checkpoint: str | None) -> None:
 
 
 def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
-    """After a signal (`sft.preemption`): `results.json` says preempted and where the checkpoint is; raise
+    """After a signal (`sft.training.preemption`): `results.json` says preempted and where the checkpoint is; raise
     `Preempted`."""
-    from sft.preemption import Preempted
+    from sft.training.preemption import Preempted
 
     checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{preemption.stopped_at}")
     if trainer.is_world_process_zero():
@@ -173,13 +171,13 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     from hydra.utils import instantiate
     from transformers import set_seed
 
-    from sft.controllers import build_controllers
-    from sft.data import scores_used_by
-    from sft.losses import build_loss
-    from sft.trainer import WeightedLossTrainer
+    from sft.training.controllers import build_controllers
+    from sft.data.weights import scores_used_by
+    from sft.loss.base import build_loss
+    from sft.training.trainer import WeightedLossTrainer
 
     clip_policy = instantiate(cfg.clip)
-    # Positive, so that Trainer hands every step to WeightedLossTrainer._clip_grad_norm (sft.step_control).
+    # Positive, so that Trainer hands every step to WeightedLossTrainer._clip_grad_norm (sft.training.step_control).
     max_grad_norm = clip_policy.initial_threshold() or 1.0
     args = training_arguments(cfg, run_dir, resuming=checkpoint is not None, max_grad_norm=max_grad_norm)
     set_seed(args.seed)
@@ -227,7 +225,7 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_n
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     fields["output_dir"] = fields["output_dir"] or run_dir
-    fields["save_total_limit"] = None  # sft.checkpoints rotates, counting complete checkpoints only
+    fields["save_total_limit"] = None  # sft.training.checkpoints rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()
     fields["dataloader_pin_memory"] &= on_gpu  # pinning without a GPU only warns
     has_eval = evaluates(cfg)
@@ -239,7 +237,7 @@ def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_n
     try:
         return TrainingArguments(
             **fields,
-            max_grad_norm=max_grad_norm,  # the clip policy's; sft.step_control moves it as the policy says
+            max_grad_norm=max_grad_norm,  # the clip policy's; sft.training.step_control moves it as the policy says
             remove_unused_columns=False,  # loss_weights must reach compute_loss; the collator drops the rest
             label_names=["labels"],
             include_num_input_tokens_seen="non_padding",
@@ -319,7 +317,7 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
     import uuid
     from importlib.metadata import version
 
-    from sft.checkpoints import CheckpointState, LearningRateChange, check_resume_data, git_commit
+    from sft.training.checkpoints import CheckpointState, LearningRateChange, check_resume_data, git_commit
 
     trainer, data = recipe.trainer, recipe.data
     stateful = {"clip": recipe.clip_policy, "trainer": trainer, **recipe.controllers}
@@ -385,7 +383,7 @@ def disk_full_message(output_dir: str, step: int) -> str:
     """The disk is full: where, how much is free, about how much a checkpoint takes, and how to go on."""
     import shutil
 
-    from sft.checkpoints import latest_complete
+    from sft.training.checkpoints import latest_complete
 
     free = shutil.disk_usage(output_dir).free / 2**20
     last = latest_complete(output_dir)
@@ -407,8 +405,8 @@ def raise_if_failed(controllers: dict) -> None:
 def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     """The final evaluation (and exact match, if configured), row by row in `eval_rows.jsonl`; the model
     saved into `<run dir>/model`."""
-    from sft.generation import hardest_bucket_exact_match
-    from sft.results import write_eval_rows
+    from sft.eval.generation import hardest_bucket_exact_match
+    from sft.experiments.results import write_eval_rows
 
     trainer = recipe.trainer
     final_eval = final_evaluation(trainer) if evaluates(cfg) else {}
@@ -423,7 +421,7 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
 
 
 def eval_generation(cfg: DictConfig, data: SFTData):
-    """`sft.eval_generation.EvalGeneration` with its prompts chosen, where `eval_generation` is set and the run
+    """`sft.eval.samples.EvalGeneration` with its prompts chosen, where `eval_generation` is set and the run
     evaluates; else None."""
     from hydra.utils import instantiate
 
@@ -436,9 +434,11 @@ def eval_generation(cfg: DictConfig, data: SFTData):
 
 def read_eval_rows(cfg: DictConfig, data: SFTData) -> list[dict]:
     """The eval rows that the run evaluates on (those its data stage kept: valid, labelled, with a score where
-    the run needs one), as validation reads them (`sft.data.scan_source`): of `data.eval_file`, or of every
+    the run needs one), as validation reads them (`sft.data.rows.scan_source`): of `data.eval_file`, or of every
     eval source of a mixture, in its order."""
-    from sft.data import RowFormat, row_keys, scan_source
+    from sft.data.formats import RowFormat
+    from sft.data.split import row_keys
+    from sft.data.rows import scan_source
 
     kept = set(row_keys(data.eval)) if data.eval is not None else set()
     rows = []
@@ -527,8 +527,8 @@ def fail(message: str, code: int = 2) -> None:
 def main(cfg: DictConfig) -> float | None:
     from hydra.errors import InstantiationException
 
-    from sft.data import DataError
-    from sft.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from sft.data.rows import DataError
+    from sft.training.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     started = time.time()
     finished = start_sweep_job(cfg) if in_sweep() else None
@@ -561,7 +561,7 @@ def main(cfg: DictConfig) -> float | None:
 def start_sweep_job(cfg: DictConfig) -> RunResults | None:
     """A job of a multirun records its overrides in its dir; with `sweep.resume`, a job that finished before
     returns its results (it is not run again) and the others resume from their newest complete checkpoint."""
-    from sft.sweep import start_job
+    from sft.experiments.sweep import start_job
 
     hydra_cfg = HydraConfig.get()
     try:

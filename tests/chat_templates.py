@@ -6,7 +6,7 @@ than its eos (`stops`), and how an assistant answer `a` is trained (`answer`: th
 the chat's last answer may end differently, `last_answer`).
 """
 
-from sft.model import CHATML_TEMPLATE
+from sft.model.loading import CHATML_TEMPLATE
 
 # Qwen3: ChatML; reasoning (`reasoning_content`, or a `<think>` block in the content) is rendered only for
 # answers after the last user turn: earlier answers lose it once a later user turn follows.
@@ -297,8 +297,8 @@ QUIRKS = {
 def family_tokenizer(family: str):
     """The tiny tokenizer with `family`'s special tokens and chat template (a fresh copy: safe to change); a family
     of `FAMILIES` or `QUIRKS`."""
-    from sft.chat_template import configure_chat
-    from sft.model import load_tokenizer
+    from sft.data.templates import configure_chat
+    from sft.model.loading import load_tokenizer
 
     spec = FAMILIES.get(family) or QUIRKS[family]
     tokenizer = load_tokenizer("tiny", chat_template=spec["template"])

@@ -32,7 +32,7 @@ SMALL_EVAL = _small_eval_file()  # runs that evaluate on the command line use it
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from sft.model import load_tokenizer
+    from sft.model.loading import load_tokenizer
 
     return load_tokenizer("tiny")
 
@@ -49,7 +49,7 @@ def chat(question: str, answer: str, score: float = 1.0) -> dict:
 
 # Modules a `run_train` child finds imported: the fork server imports them once, and only imports them
 # (a process that ran torch's OpenMP kernels cannot fork safely: the child can deadlock in the next one).
-PRELOADED = ["torch", "transformers", "peft", "accelerate", "datasets", "sft.train", "sft.trainer", "sft.data"]
+PRELOADED = ["torch", "transformers", "peft", "accelerate", "datasets", "sft.train", "sft.training.trainer", "sft.data"]
 _fork_server = None
 
 
@@ -185,9 +185,10 @@ def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, 
     losses, parameters and the trainer."""
     from transformers import TrainingArguments
 
-    from sft.data import WeightedDataCollator, load_sft_datasets
-    from sft.model import load_model
-    from sft.trainer import WeightedLossTrainer
+    from sft.data.collator import WeightedDataCollator
+    from sft.data.load import load_sft_datasets
+    from sft.model.loading import load_model
+    from sft.training.trainer import WeightedLossTrainer
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     f = write_jsonl(tmp_path / "rows.jsonl", rows)

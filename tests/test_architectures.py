@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
 
-from sft.attention import register as register_sdpa_varlen
-from sft.losses import CrossEntropyLoss
-from sft.trainer import WeightedLossTrainer
+from sft.model.attention import register as register_sdpa_varlen
+from sft.loss.builtin import CrossEntropyLoss
+from sft.training.trainer import WeightedLossTrainer
 
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -119,7 +119,7 @@ NO_SDPA = {"gemma2"}  # transformers runs it with eager attention only (attentio
 @pytest.mark.parametrize("arch, attn", [(a, attn) for a in sorted(ARCHITECTURES) for attn in ("eager", "sdpa_varlen")
                                         if not (attn == "sdpa_varlen" and a in NO_SDPA)])
 def test_each_sample_of_a_packed_row_gets_its_logits_alone(arch, attn):
-    from sft.data import WeightedDataCollator
+    from sft.data.collator import WeightedDataCollator
 
     register_sdpa_varlen()
     model = tiny(arch, tie=False, attn=attn).eval()
@@ -146,7 +146,7 @@ def router_weights(model) -> list[torch.nn.Parameter]:
 
 @pytest.mark.parametrize("arch", MOE)
 def test_the_router_aux_loss_is_added_as_the_models_own_loss_adds_it_and_trains_the_router(tmp_path, arch):
-    from sft.trainer import input_tokens
+    from sft.training.trainer import input_tokens
 
     model = tiny(arch, tie=False, output_router_logits=True, router_aux_loss_coef=0.5)
     ids, mask, labels = batch()
@@ -195,7 +195,7 @@ def test_under_accumulation_the_router_aux_loss_is_the_steps_token_weighted_mean
 
 def test_a_config_override_the_model_does_not_have_is_refused():
     from sft.config import ConfigError
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     with pytest.raises(ConfigError, match="model.config_overrides.output_router_logits=True: Qwen2Config has no "
                                           "field 'output_router_logits'"):
@@ -208,7 +208,7 @@ def test_a_config_override_the_model_does_not_have_is_refused():
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_sft_merge_gives_the_logits_of_base_plus_adapter(tmp_path, arch, tokenizer):
     from sft.config import compose
-    from sft.merge import merge
+    from sft.model.merge import merge
     from sft.train import apply_lora
 
     tiny(arch, tie=False).save_pretrained(tmp_path / "base")
@@ -233,7 +233,7 @@ def test_sft_merge_gives_the_logits_of_base_plus_adapter(tmp_path, arch, tokeniz
 
 def test_an_attention_the_architecture_lacks_is_a_config_error_naming_the_alternative(tmp_path):
     from sft.config import ConfigError
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     tiny("gemma2", tie=False).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=r"model.attn_implementation='sdpa': Gemma2ForCausalLM does not support an "

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from sft.data import WeightedDataCollator
-from sft.model import load_model
+from sft.data.collator import WeightedDataCollator
+from sft.model.loading import load_model
 
 
 @pytest.mark.parametrize("attn, boundaries", [("sdpa", True), ("eager", True), ("sdpa_varlen", True),

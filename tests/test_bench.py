@@ -46,7 +46,7 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
 
 
 def test_ratios_at_each_batch_size_are_named_by_it_and_keep_their_targets():
-    from sft.bench import case_id, target_of, training_ratios
+    from sft.bench.run import case_id, target_of, training_ratios
 
     assert [case_id("ce", size, 64) for size in (64, 16)] == ["ce", "ce_b16"]
     cases = {f"{case}_b16": {"tokens_per_second": tps, "peak_memory_gb": mem}
@@ -58,10 +58,10 @@ def test_ratios_at_each_batch_size_are_named_by_it_and_keep_their_targets():
 
 
 def test_trl_cases_are_skipped_with_one_line_when_trl_is_missing(monkeypatch, capsys):
-    import sft.bench
+    import sft.bench.run
 
-    monkeypatch.setattr(sft.bench, "trl_missing", lambda: "trl is not installed (pip install -e '.[bench]')")
-    report = sft.bench.run_all(["bench.cases=[trl,trl_padding_free]"])  # nothing else: nothing is spawned
+    monkeypatch.setattr(sft.bench.run, "trl_missing", lambda: "trl is not installed (pip install -e '.[bench]')")
+    report = sft.bench.run.run_all(["bench.cases=[trl,trl_padding_free]"])  # nothing else: nothing is spawned
     assert report["raw"] == {} and report["ratios"] == {}
     assert set(report["skipped"]) == {"trl", "trl_padding_free"}
     assert "skipping trl, trl_padding_free: trl is not installed" in capsys.readouterr().err
@@ -75,7 +75,7 @@ def test_trl_case_trains_on_the_same_tokens_with_the_same_loss_as_sft(tmp_path, 
     """The bench's speed comparison is like for like: TRL's SFTTrainer, given `sft`'s rows, logs the same loss
     at every step (same model, rows, order, labels, optimizer, accumulation) as `sft` with `loss=ce`."""
     pytest.importorskip("trl", reason="the TRL cases need pip install -e '.[bench]'")
-    from sft.bench import CASE_OVERRIDES, case_trainer, compose
+    from sft.bench.run import CASE_OVERRIDES, case_trainer, compose
 
     shared = ["trainer.per_device_train_batch_size=4", "trainer.max_steps=3", "trainer.logging_steps=1",
               "trainer.eval_strategy=no", "trainer.save_strategy=no", "trainer.report_to=[]",

@@ -11,7 +11,9 @@ import torch
 
 from chat_templates import FAMILIES, family_tokenizer
 from conftest import labelled_runs, write_jsonl
-from sft.data import DataError, load_sft_datasets, tokenize_batch
+from sft.data.rows import DataError
+from sft.data.load import load_sft_datasets
+from sft.data.labels import tokenize_batch
 
 SYSTEM = {"role": "system", "content": "Be brief."}
 TURNS = [
@@ -111,10 +113,10 @@ def test_evaluation_counts_every_sequence_of_a_chat_once(tmp_path):
     token mean over both, as the model's own loss computes it on each."""
     from transformers import TrainingArguments
 
-    from sft.data import WeightedDataCollator
-    from sft.losses import CrossEntropyLoss
-    from sft.model import load_model
-    from sft.trainer import WeightedLossTrainer
+    from sft.data.collator import WeightedDataCollator
+    from sft.loss.builtin import CrossEntropyLoss
+    from sft.model.loading import load_model
+    from sft.training.trainer import WeightedLossTrainer
 
     tokenizer = family_tokenizer("qwen3")
     rows = [{"messages": [SYSTEM, *TURNS], "difficulty_score": 1.0},
@@ -141,7 +143,8 @@ def test_evaluation_counts_every_sequence_of_a_chat_once(tmp_path):
 # --- what published templates do (issue 28), on templates of our own that do the same (`QUIRKS`) -------------
 
 from chat_templates import QUIRKS  # noqa: E402
-from sft.chat_template import ChatRenderer, Refused, chat_views, stop_token_ids  # noqa: E402
+from sft.data.templates import ChatRenderer, Refused, stop_token_ids
+from sft.data.turns import chat_views
 
 PLAIN = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
          {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6"}]
@@ -262,7 +265,7 @@ def test_a_prefilled_generation_prompt_is_refused_naming_it_or_trained_after_it_
 
 
 def test_template_kwargs_reach_the_template_and_the_reasoning_it_then_drops_is_counted(tmp_path):
-    from sft.chat_template import configure_chat
+    from sft.data.templates import configure_chat
 
     reasoned = [PLAIN[0], {**PLAIN[1], "reasoning_content": "2 and 2."}]
     thinking = family_tokenizer("thinking_switch")
@@ -343,9 +346,9 @@ def test_the_stop_tokens_are_the_models_own_unless_named_and_a_template_may_be_a
     tokenizer.stop_tokens replaces them (each one token); tokenizer.chat_template may name a .jinja file."""
     import shutil
 
-    from sft.chat_template import chat_settings
+    from sft.data.templates import chat_settings
     from sft.config import ConfigError
-    from sft.model import load_tokenizer, tiny_model_dir
+    from sft.model.loading import load_tokenizer, tiny_model_dir
 
     tiny = load_tokenizer("tiny")
     assert chat_settings(tiny).stop_tokens == ("<|im_end|>",)

@@ -11,7 +11,7 @@ from conftest import RESUME_RUN as RUN
 from conftest import SMALL_EVAL, run_train, train_log, zero_bytes
 
 from sft import sample_data
-from sft.run_dir import run_outputs
+from sft.training.run_dir import run_outputs
 
 
 @pytest.mark.slow
@@ -61,7 +61,7 @@ DAMAGE = {
 
 
 def fake_checkpoint(folder, checksum_all=False):
-    from sft.checkpoints import STATE_FILE, manifest, write_json_atomic
+    from sft.training.checkpoints import STATE_FILE, manifest, write_json_atomic
 
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(bytes(range(256)) * 10)
@@ -73,7 +73,7 @@ def fake_checkpoint(folder, checksum_all=False):
 
 @pytest.mark.parametrize("name", sorted(DAMAGE))
 def test_verification_names_the_file_a_checkpoint_lost_or_changed(tmp_path, name):
-    from sft.checkpoints import verify
+    from sft.training.checkpoints import verify
 
     folder = fake_checkpoint(tmp_path / "checkpoint-3")
     assert verify(folder) is None
@@ -83,7 +83,7 @@ def test_verification_names_the_file_a_checkpoint_lost_or_changed(tmp_path, name
 
 
 def test_large_files_are_checksummed_only_when_asked(tmp_path, monkeypatch):
-    from sft import checkpoints
+    from sft.training import checkpoints
 
     monkeypatch.setattr(checkpoints, "SMALL_FILE", 1000)  # model.safetensors (2,560 bytes) is "large" now
     sizes_only, summed = fake_checkpoint(tmp_path / "a"), fake_checkpoint(tmp_path / "b", checksum_all=True)

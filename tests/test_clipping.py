@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SMALL_EVAL, log_history, plugin, run_patched, run_train
-from sft.clipping import AutoClip, GradClipPolicy, StaticClip, ZClip
+from sft.training.clipping import AutoClip, GradClipPolicy, StaticClip, ZClip
 
 
 def feed(policy, norms, known_norm=True):
@@ -69,7 +69,7 @@ def test_policy_state_round_trips():
 
 
 SPIKE = """
-from sft.trainer import WeightedLossTrainer
+from sft.training.trainer import WeightedLossTrainer
 _compute = WeightedLossTrainer.compute_loss
 def compute_loss(self, model, inputs, *args, **kwargs):
     loss = _compute(self, model, inputs, *args, **kwargs)
@@ -84,7 +84,7 @@ SGD = ["trainer.optim=sgd", "trainer.learning_rate=0.1", "trainer.lr_scheduler_t
        f"data.eval_file={SMALL_EVAL}"]
 
 
-# Under DeepSpeed the policy's threshold is handed to the engine before each step (sft.step_control);
+# Under DeepSpeed the policy's threshold is handed to the engine before each step (sft.training.step_control);
 # test_step_control.py checks on a real ZeRO-2 engine that the engine clips to it.
 @pytest.mark.slow
 @pytest.mark.parametrize("clip", [
@@ -107,7 +107,7 @@ def test_a_100x_gradient_spike_is_clipped_to_the_threshold(tmp_path, clip):
 
 
 HALVING = '''
-from sft.clipping import GradClipPolicy
+from sft.training.clipping import GradClipPolicy
 
 
 class HalvingClip(GradClipPolicy):

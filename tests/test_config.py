@@ -15,7 +15,7 @@ def composed(*overrides):
 def test_default_config_composes_and_passes_checks():
     cfg = composed()
     check(cfg)
-    assert cfg.loss._target_ == "sft.losses.HardSampleLoss" and cfg.model.name_or_path == "tiny"
+    assert cfg.loss._target_ == "sft.loss.builtin.HardSampleLoss" and cfg.model.name_or_path == "tiny"
     assert OmegaConf.to_container(cfg, resolve=True)["data"]["train_file"].endswith("sample_data/train.jsonl")
 
 
@@ -130,7 +130,7 @@ def test_gpu_7b_bench_preset_is_lora_on_qwen2_5_7b_shape_packed_bf16():
 
 
 def test_random_init_builds_the_given_architecture_without_weights_on_disk():
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     shape = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -158,7 +158,7 @@ def test_help_lists_the_choices_and_the_composed_config_and_falls_back_to_hydra(
     fast = help_of("loss=ce")
     assert fast.returncode == 0, fast.stderr
     assert "\nloss: ce, dft, focal, hard_sample, keywords, length\n" in fast.stdout  # no *_schema entries
-    assert "  _target_: sft.losses.CrossEntropyLoss\n" in fast.stdout  # the config as composed
+    assert "  _target_: sft.loss.builtin.CrossEntropyLoss\n" in fast.stdout  # the config as composed
     (tmp_path / "loss").mkdir()
     (tmp_path / "loss" / "mine.yaml").write_text("defaults:\n  - ce\n")
     own = help_of(f"hydra.searchpath=[file://{tmp_path}]", "loss=mine")  # a config dir of the user's

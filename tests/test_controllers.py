@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import log_history, plugin, run_train
-from sft.controllers import AdaptiveEvalInterval, Curriculum, CurriculumSampler, EarlyStopping, ReduceLROnPlateau
+from sft.training.controllers import (AdaptiveEvalInterval, Curriculum, CurriculumSampler, EarlyStopping, ReduceLROnPlateau)
 
 
 def test_early_stopping_after_patience_evaluations_without_improvement():
@@ -93,7 +93,7 @@ def test_all_controllers_in_one_real_run(tmp_path):
 
 
 STOP_AT = '''
-from sft.controllers import Controller
+from sft.training.controllers import Controller
 
 
 class StopAtStep(Controller):
@@ -140,8 +140,8 @@ def test_a_misspelt_knob_of_your_own_controller_is_refused_naming_it(tmp_path):
 def test_on_resume_the_knobs_come_from_the_config_and_only_the_learned_state_from_the_checkpoint():
     """`resume=auto clip.z_threshold=1` applies the new threshold: a checkpoint carries statistics, not
     settings (and a knob an older checkpoint did carry is ignored)."""
-    from sft.clipping import ZClip
-    from sft.controllers import TrainingGuard
+    from sft.training.clipping import ZClip
+    from sft.training.controllers import TrainingGuard
 
     old = ZClip(warmup_steps=2, z_threshold=2.5)
     for norm in (1.0, 2.0, 3.0):

@@ -8,10 +8,14 @@ import pytest
 import torch
 
 from conftest import chat, labelled_runs, write_jsonl
-from sft import data as sft_data
-from sft.data import DataError, WeightedDataCollator, load_sft_datasets, read_jsonl, tokenize_batch
-from sft.losses import HardSampleLoss
-from sft.sources import Source
+from sft.data import labels, preprocess, split
+from sft.data import rows as data_rows
+from sft.data.rows import DataError, read_jsonl
+from sft.data.collator import WeightedDataCollator
+from sft.data.load import load_sft_datasets
+from sft.data.labels import tokenize_batch
+from sft.loss.builtin import HardSampleLoss
+from sft.data.sources import Source
 
 MULTI_TURN = [
     {"role": "system", "content": "Be brief."},
@@ -86,7 +90,7 @@ HUGE_CHATS = {  # each far longer than twice the characters 64 tokens can cover:
 @pytest.mark.parametrize("name", sorted(HUGE_CHATS))
 def test_a_huge_row_is_tokenised_in_part_with_the_same_result(tokenizer, monkeypatch, name):
     in_part = encode(tokenizer, HUGE_CHATS[name], max_length=64)
-    monkeypatch.setattr(sft_data, "tokenized_part", lambda n_chars, answer_start, reach: (0, n_chars))
+    monkeypatch.setattr(labels, "tokenized_part", lambda n_chars, answer_start, reach: (0, n_chars))
     whole = encode(tokenizer, HUGE_CHATS[name], max_length=64)
     assert in_part["input_ids"] == whole["input_ids"] and in_part["labels"] == whole["labels"]
     assert in_part["truncated"] == whole["truncated"] == [True] * len(whole["input_ids"])
@@ -96,8 +100,8 @@ def test_a_huge_row_is_tokenised_in_part_with_the_same_result(tokenizer, monkeyp
 def test_a_50_mb_row_costs_memory_of_max_length_not_of_the_row():
     script = """
 import resource
-from sft.data import tokenize_batch
-from sft.model import load_tokenizer
+from sft.data.labels import tokenize_batch
+from sft.model.loading import load_tokenizer
 tok = load_tokenizer("tiny")
 chat = [{"role": "user", "content": "12 + 34 = 46. " * 3_600_000}, {"role": "assistant", "content": "46."}]
 batch = {"messages": [chat], "difficulty_score": [1.0], "source_line": [1]}
@@ -113,13 +117,13 @@ print(len(out["input_ids"][0]), (resource.getrusage(resource.RUSAGE_SELF).ru_max
 
 
 def test_a_score_is_required_only_where_the_run_uses_it(tokenizer, tmp_path):
-    from sft.data import row_scores
-    from sft.losses import CrossEntropyLoss
+    from sft.data.split import row_scores
+    from sft.loss.builtin import CrossEntropyLoss
 
     unscored = {k: v for k, v in chat("Add 7 and 8.", "15").items() if k != "difficulty_score"}
     f = write_jsonl(tmp_path / "mixed.jsonl", [chat("What is 1 + 1?", "2", 3.0), unscored])
     plain = load_sft_datasets(tokenizer, CrossEntropyLoss(), str(f), max_length=64)  # alpha 0 reads no score
-    assert sft_data.column(plain.train, "loss_weight") == [1.0, 1.0]
+    assert split.column(plain.train, "loss_weight") == [1.0, 1.0]
     assert row_scores(plain.train) == {(0, 1): 3.0}  # the unscored row is in no difficulty bucket
     missing = (f"{f}:2: difficulty_score: missing (used by loss.alpha=1: set data.default_score=<score> to give every "
                "such row one, map the file's score column with data.columns.score=<column>, or train without "
@@ -127,7 +131,7 @@ def test_a_score_is_required_only_where_the_run_uses_it(tokenizer, tmp_path):
     with pytest.raises(DataError, match=missing.replace("(", r"\(").replace(")", r"\)")):
         load_sft_datasets(tokenizer, HardSampleLoss(), str(f), max_length=64)  # the same cached rows
     skipped = load_sft_datasets(tokenizer, HardSampleLoss(), str(f), max_length=64, on_error="skip")
-    assert sft_data.column(skipped.train, "source_line") == [1] and skipped.summary["train"].rejected == 1
+    assert split.column(skipped.train, "source_line") == [1] and skipped.summary["train"].rejected == 1
     with pytest.raises(DataError, match="used by controllers.curriculum"):
         load_sft_datasets(tokenizer, CrossEntropyLoss(), str(f), max_length=64,
                           scores_needed_by=["controllers.curriculum"])
@@ -165,8 +169,8 @@ def test_second_load_reuses_the_cache_and_a_change_invalidates_it(tokenizer, tmp
     f = write_jsonl(tmp_path / "t.jsonl", [chat("What is 1 + 1?", "2", 1.0)] * 3)
     first = load_sft_datasets(tokenizer, None, train_file=str(f), max_length=128)
     calls = []
-    real = sft_data.iter_jsonl
-    monkeypatch.setattr(sft_data, "iter_jsonl", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = data_rows.iter_jsonl
+    monkeypatch.setattr(data_rows, "iter_jsonl", lambda *a, **k: calls.append(a) or real(*a, **k))
     again = load_sft_datasets(tokenizer, None, train_file=str(f), max_length=128)
     assert calls == [] and again.data_hash == first.data_hash
     assert again.train["input_ids"] == first.train["input_ids"]
@@ -241,8 +245,8 @@ def test_missing_score_uses_default_and_bom_crlf_blank_lines_are_accepted(tmp_pa
 def test_a_jsonl_file_validated_on_several_processes_gives_the_rows_and_rejections_of_one(tmp_path, processes):
     from datasets import Dataset, concatenate_datasets
 
-    from sft.data import write_rows_in_parallel
-    from sft.formats import RowFormat
+    from sft.data.preprocess import write_rows_in_parallel
+    from sft.data.formats import RowFormat
 
     lines = ['{"no": "format"}', "", "not json", json.dumps(chat("1 + 1?", "2", 1.0))]
     for i in range(40):
@@ -252,7 +256,7 @@ def test_a_jsonl_file_validated_on_several_processes_gives_the_rows_and_rejectio
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode("utf-8", "surrogateescape").replace(
         "\xff".encode(), b"\xff") + b"\n")
-    rows, rejected = sft_data.scan_jsonl(path, score_required=False)
+    rows, rejected = data_rows.scan_jsonl(path, score_required=False)
     found: list = []
     files, count, _ = write_rows_in_parallel(Source(str(path)), found, tmp_path / "shards", processes, None, False,
                                              RowFormat(), "all")
@@ -268,15 +272,15 @@ def test_a_jsonl_file_validated_on_several_processes_gives_the_rows_and_rejectio
 def test_a_table_validated_on_several_processes_gives_the_rows_and_rejections_of_one(tmp_path, processes):
     from datasets import Dataset, concatenate_datasets
 
-    from sft.data import write_rows_in_parallel
-    from sft.formats import RowFormat
+    from sft.data.preprocess import write_rows_in_parallel
+    from sft.data.formats import RowFormat
 
     rows = [{"text": "no format"}] + [chat(f"{i} + 1?", str(i + 1), 1.0 + i % 3) if i % 6 else
                                       {"messages": [{"role": "robot", "content": "x"}]} for i in range(30)]
     rows.append({"prompt": "q", "completion": "a"})  # prompt_completion, in a messages table
     keys = sorted({k for r in rows for k in r})  # (from_list would take the first row's keys alone)
     Dataset.from_dict({k: [r.get(k) for r in rows] for k in keys}).to_parquet(path := tmp_path / "rows.parquet")
-    scanned, rejected = sft_data.scan_table(Source(str(path)), score_required=False)
+    scanned, rejected = data_rows.scan_table(Source(str(path)), score_required=False)
     found: list = []
     files, count, _ = write_rows_in_parallel(Source(str(path)), found, tmp_path / "shards", processes, None, False,
                                              RowFormat(), "all")
@@ -290,8 +294,8 @@ def test_a_table_validated_on_several_processes_gives_the_rows_and_rejections_of
 def test_a_large_jsonl_file_preprocessed_on_several_processes_trains_the_same_rows(tmp_path, tokenizer, monkeypatch):
     f = write_jsonl(tmp_path / "rows.jsonl", [chat(f"What is {i} + {i}?", str(2 * i), 1.0 + i % 4) for i in range(60)])
     one = load_sft_datasets(tokenizer, None, str(f), max_length=64, num_proc=1)
-    monkeypatch.setattr(sft_data, "PARALLEL_BYTES", 1)
-    monkeypatch.setattr(sft_data, "PARALLEL_ROWS", 1)
+    monkeypatch.setattr(preprocess, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(preprocess, "PARALLEL_ROWS", 1)
     monkeypatch.setenv("SFT_CACHE", str(tmp_path / "other-cache"))
     several = load_sft_datasets(tokenizer, None, str(f), max_length=64, num_proc=2)
     assert several.train.to_dict() == one.train.to_dict() and several.data_hash == one.data_hash

@@ -62,12 +62,12 @@ def _turn_weighted_train_file():
 WEIGHTED = ["loss=keywords", "loss.alpha=1", f"data.train_file={_turn_weighted_train_file()}"]
 
 
-# A controller of the user's kind (sft.controllers.base.Controller) that sends its own process a signal when
+# A controller of the user's kind (sft.training.controllers.base.Controller) that sends its own process a signal when
 # a step begins: on every rank, as SLURM signals every process of a job step. SIGTERM lets the run save and
 # stop; SIGKILL ends it with no handler and no checkpoint, as a lost node would.
 SIGNAL_AT = """
 import os, signal
-from sft.controllers.base import Controller
+from sft.training.controllers.base import Controller
 
 class {cls}(Controller):
     name = "{name}"
@@ -95,7 +95,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, on
 
 
 def test_cpu_threads_share_the_cores_and_respect_the_users_setting():
-    from sft.distributed import cpu_threads
+    from sft.training.distributed import cpu_threads
 
     assert cpu_threads(16, 2, "1") == 8  # the 1 torchrun sets for a multi-process launch is replaced
     assert cpu_threads(16, 2, None) == 8 and cpu_threads(2, 4, None) == 1
@@ -130,11 +130,12 @@ def eval_loss_in_a_plain_process(adapter_dir):
 import json, sys
 from peft import PeftModel
 from transformers import TrainingArguments
-from sft.data import WeightedDataCollator, load_sft_datasets
-from sft.losses import HardSampleLoss
-from sft.model import load_model, load_tokenizer
+from sft.data.collator import WeightedDataCollator
+from sft.data.load import load_sft_datasets
+from sft.loss.builtin import HardSampleLoss
+from sft.model.loading import load_model, load_tokenizer
 from sft import sample_data
-from sft.trainer import WeightedLossTrainer
+from sft.training.trainer import WeightedLossTrainer
 tok = load_tokenizer("tiny")
 loss = HardSampleLoss(impl="naive")  # the run's own evaluation took the chunked path, sharded
 data = load_sft_datasets(tok, loss, str(sample_data.TRAIN_FILE), {str(SMALL_EVAL)!r}, 256)
@@ -285,7 +286,7 @@ def test_rank_0_decides_the_run_dir_for_every_rank(monkeypatch):
 
     from torch.distributed import TCPStore
 
-    import sft.distributed as distributed
+    import sft.training.distributed as distributed
 
     port = free_port()
     server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))  # the launcher's store

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import SMALL_EVAL, run_train
 from sft.config import ConfigError, check, compose
-from sft.eval_generation import exact_match, markdown_table, spread_over_buckets
+from sft.eval.samples import exact_match, markdown_table, spread_over_buckets
 
 
 def test_prompts_are_taken_in_turn_from_every_bucket():
@@ -24,8 +24,8 @@ def test_prompts_are_taken_in_turn_from_every_bucket():
      "eval_generation.metrics.bleu='nowhere.bleu': cannot be imported (ModuleNotFoundError"),
     (["+eval_generation.metrics.pi=math.pi"], "eval_generation.metrics.pi='math.pi': is not a function"),
     (["eval_generation.prompts=0"], "eval_generation.prompts=0: must be >= 1"),
-    (["+eval_generation.metrics.rouge_l=sft.eval_generation.rouge_l"],
-     "eval_generation.metrics.rouge_l='sft.eval_generation.rouge_l': needs rouge_score: pip install rouge-score"),
+    (["+eval_generation.metrics.rouge_l=sft.eval.samples.rouge_l"],
+     "eval_generation.metrics.rouge_l='sft.eval.samples.rouge_l': needs rouge_score: pip install rouge-score"),
     (["trainer.eval_strategy=no"], "eval_generation.prompts=8: generation samples are taken at evaluations"),
 ])
 def test_bad_generation_settings_are_one_config_error(monkeypatch, overrides, message):

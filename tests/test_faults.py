@@ -22,7 +22,7 @@ KILL_STEP, KILL_MICRO_BATCH = _draw.randint(9, 11), _draw.randint(1, 2)
 
 KILL_AFTER_CHECKPOINT_8 = """
 import os, signal
-from sft.checkpoints import CheckpointState
+from sft.training.checkpoints import CheckpointState
 _on_save = CheckpointState.on_save
 def on_save(self, args, state, control, **kwargs):
     _on_save(self, args, state, control, **kwargs)
@@ -33,7 +33,7 @@ CheckpointState.on_save = on_save
 
 KILL_INSIDE_ACCUMULATION = f"""
 import os, signal
-from sft.trainer import WeightedLossTrainer
+from sft.training.trainer import WeightedLossTrainer
 _compute = WeightedLossTrainer.compute_loss
 calls = {{}}
 def compute_loss(self, model, inputs, *args, **kwargs):

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from conftest import chat, labelled_runs, run_train, train_steps, write_jsonl
-from sft.data import DataError, WeightedDataCollator, load_sft_datasets
-from sft.losses import CrossEntropyLoss
+from sft.data.rows import DataError
+from sft.data.collator import WeightedDataCollator
+from sft.data.load import load_sft_datasets
+from sft.loss.builtin import CrossEntropyLoss
 
 TWO_TURNS = [{"role": "system", "content": "Add the numbers."}, {"role": "user", "content": "1 + 1?"},
              {"role": "assistant", "content": "2"}, {"role": "user", "content": "And 20 + 22?"},
@@ -115,7 +117,7 @@ def test_per_turn_weights_and_train_false_weigh_each_turns_tokens(tmp_path, toke
 def test_the_step_loss_with_turn_weights_is_the_weighted_mean_of_the_models_own_token_losses(tmp_path, tokenizer):
     """One row, one step of loss=ce: the logged loss is sum(w * ce) / sum(w) over its trained tokens, the
     per-token ce computed here from the model's own logits, w = 3 on the first answer and 1 on the second."""
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     weighted = [dict(m) for m in TWO_TURNS]
     weighted[2]["weight"] = 3.0
@@ -186,7 +188,7 @@ def test_the_columns_schema_names_every_field_of_every_format():
     import dataclasses
 
     from sft.config import ColumnsConfig
-    from sft.formats import COLUMN_KEYS
+    from sft.data.formats import COLUMN_KEYS
 
     assert {f.name for f in dataclasses.fields(ColumnsConfig)} == set(COLUMN_KEYS)
 
@@ -276,12 +278,12 @@ def test_content_parts_and_loss_weight_of_llama_factorys_v1_rows(tmp_path):
 def test_a_problem_of_every_row_is_one_line_naming_the_knob_before_any_row_is_tokenised(tmp_path, tokenizer,
                                                                                         monkeypatch):
     """The default loss on a file without scores: one line, with loss=ce among the ways out, and no tokenising."""
-    import sft.data
-    from sft.losses import HardSampleLoss
+    from sft.data import preprocess
+    from sft.loss.builtin import HardSampleLoss
 
     f = write_jsonl(tmp_path / "unscored.jsonl", [{"messages": chat(f"{a} + 1?", str(a + 1))["messages"]}
                                                   for a in range(999)])
-    monkeypatch.setattr(sft.data, "tokenize_batch", lambda *a, **k: pytest.fail("tokenised"))
+    monkeypatch.setattr(preprocess, "tokenize_batch", lambda *a, **k: pytest.fail("tokenised"))
     with pytest.raises(DataError) as e:
         load_sft_datasets(tokenizer, HardSampleLoss(), train_file=str(f), max_length=128)
     lines = str(e.value).splitlines()

@@ -44,7 +44,7 @@ def weighted_tokens(dtype=torch.bfloat16):
 def chunked_reference(hidden, weight, labels, coef):
     """`sum_t coef_t * ce_t` and its gradients through `sft`'s chunked loss (itself checked against the
     naive loss and autograd in test_losses.py)."""
-    from sft.losses import chunked_linear_cross_entropy
+    from sft.loss.kernels import chunked_linear_cross_entropy
 
     h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
     loss_sum, ce, _, _ = chunked_linear_cross_entropy(h, w, labels, coef, 1024, False)
@@ -59,7 +59,8 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float, w
 
 def test_cce_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradients():
     pytest.importorskip("cut_cross_entropy", reason="cut-cross-entropy is not installed (pip install -e '.[gpu]')")
-    from sft.losses import HardSampleLoss, _cce_problem
+    from sft.loss.builtin import HardSampleLoss
+    from sft.loss.kernels import _cce_problem
 
     assert _cce_problem() is None, _cce_problem()
     hidden, weight, labels, coef = weighted_tokens()
@@ -103,7 +104,8 @@ def test_liger_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradi
     assert_close_rel(weight.grad, grad_w, 2e-2, "gradient of the projection")
 
     # And `loss.impl=liger` as the trainer runs it, where this liger-kernel passes choose_impl's checks.
-    from sft.losses import HardSampleLoss, choose_impl
+    from sft.loss.builtin import HardSampleLoss
+    from sft.loss.kernels import choose_impl
 
     if choose_impl("liger", vocab_size=VOCAB, on_gpu=True) != "liger":
         pytest.skip("this liger-kernel is older than 0.8.2: loss.impl=liger falls back to chunked")
@@ -125,8 +127,8 @@ def test_liger_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradi
 def test_flash_attention_varlen_packing_gives_each_sample_its_own_logits(tokenizer):
     if importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash-attn is not installed (pip install flash-attn)")
-    from sft.data import WeightedDataCollator
-    from sft.model import load_model
+    from sft.data.collator import WeightedDataCollator
+    from sft.model.loading import load_model
 
     flash = load_model("tiny", dtype="bfloat16", attn_implementation="flash_attention_2").cuda().eval()
     torch.manual_seed(0)
@@ -169,7 +171,7 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_merges(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     ids = torch.tensor([[11, 42, 97, 5, 260, 31]])
     with torch.no_grad():

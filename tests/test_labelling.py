@@ -1,4 +1,4 @@
-"""`sft.data.tokenize_batch` gives exactly the rows of sft 0.1's labelling (`sft.bench_baseline`, which renders
+"""`sft.data.labels.tokenize_batch` gives exactly the rows of sft 0.1's labelling (`sft.bench.baseline`, which renders
 every prefix through `apply_chat_template` and reads every token's offsets) under every family's chat template:
 multi-turn chats with reasoning, tool calls, per-turn weights, text whose tokens' offsets are not one character
 each, rows cut, dropped or flagged as over-long, rows tokenised in part, and a loss's token weights."""
@@ -10,9 +10,12 @@ import pytest
 
 from chat_templates import FAMILIES, family_tokenizer
 from conftest import write_jsonl
-from sft import bench_baseline
-from sft.data import ChatRenderer, Refused, chat_views, scan_jsonl, tokenize_batch
-from sft.losses import KeywordLoss
+from sft.bench import baseline as bench_baseline
+from sft.data.templates import ChatRenderer, Refused
+from sft.data.turns import chat_views
+from sft.data.rows import scan_jsonl
+from sft.data.labels import tokenize_batch
+from sft.loss.builtin import KeywordLoss
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -30,7 +33,7 @@ CHATS = [
     [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
      {"role": "tool", "content": "18 C, sunny", "name": "get_weather"},
      {"role": "assistant", "content": "It is 18 C and sunny: no need to carry an umbrella."}],
-    # over-long at the test's max_length; the second is long enough to be tokenised in part (sft.data.tokenized_part)
+    # over-long at the test's max_length; the second is long enough to be tokenised in part (sft.data.labels.tokenized_part)
     [{"role": "user", "content": "Add these: " + " + ".join(str(7 * i) for i in range(60))},
      {"role": "assistant", "content": "The sum is " + str(sum(7 * i for i in range(60))) + ", with a carry."}],
     [{"role": "user", "content": "12 + 34 = 46. " * 1000}, {"role": "assistant", "content": "46, carry none."}],
@@ -130,7 +133,7 @@ def sentencepiece_style_tokenizer():
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from sft.model import CHATML_TEMPLATE
+    from sft.model.loading import CHATML_TEMPLATE
 
     corpus = [m["content"] for chat in CHATS for m in chat] * 3
     unigram = Tokenizer(models.Unigram())

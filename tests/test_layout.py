@@ -49,9 +49,9 @@ def test_the_module_graph_has_no_circle():
         visit(module)
     # The config layer stands alone: the bundled data's paths, the generated TrainingArguments fields, the
     # names of the row formats and the kinds of source, none of which imports anything of sft.
-    leaves = {"sft.sample_data", "sft.trainer_fields", "sft.formats", "sft.sources"}
-    assert "sft.config" not in graph["sft.batch"] and not graph["sft.config"] - leaves
-    assert not graph["sft.trainer_fields"] and not graph["sft.formats"] and not graph["sft.sources"]
+    leaves = {"sft.sample_data", "sft.config.trainer_fields", "sft.data.formats", "sft.data.sources"}
+    assert "sft.config" not in graph["sft.data.batch"] and not graph["sft.config"] - leaves
+    assert not graph["sft.config.trainer_fields"] and not graph["sft.data.formats"] and not graph["sft.data.sources"]
 
 
 def test_composing_the_config_imports_neither_torch_nor_transformers():

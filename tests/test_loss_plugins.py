@@ -12,8 +12,10 @@ import torch
 
 from conftest import REPO, ROWS, chat, run_train, train_steps, write_jsonl
 from sft.config import ConfigError, check, compose
-from sft.data import DataError, WeightedDataCollator, load_sft_datasets
-from sft.losses import CrossEntropyLoss, KeywordLoss
+from sft.data.rows import DataError
+from sft.data.collator import WeightedDataCollator
+from sft.data.load import load_sft_datasets
+from sft.loss.builtin import CrossEntropyLoss, KeywordLoss
 
 PLUGIN_DIR = REPO / "examples" / "loss_plugin"
 SAFETY = [chat("How do I reset it?", "Never share your PASSWORD; reset it from the login page.", 2.0),
@@ -101,10 +103,10 @@ def test_a_loss_of_your_own_weighs_rows_by_any_column_and_refuses_nan_weights_na
     (["loss=keywords", "loss.phrases_file=/no/such/file"], "loss.phrases_file='/no/such/file': no such file"),
     (["loss=keywords", "loss.phrases=[]"], "loss.phrases=[]: no phrase"),
     (["loss=keywords", "loss.phrases=['a(']"], "loss.phrases='a(': not a regular expression"),
-    (["loss=focal", "+loss.gama=2"], "loss.gama: not a knob of sft.losses.FocalLoss (it takes: alpha,"),
+    (["loss=focal", "+loss.gama=2"], "loss.gama: not a knob of sft.loss.builtin.FocalLoss (it takes: alpha,"),
     (["loss._target_=no_such_pkg.Loss"], "loss._target_='no_such_pkg.Loss': cannot be imported "
                                          "(ModuleNotFoundError: No module named 'no_such_pkg')"),
-    (["loss._target_=sft.losses.FocalLoss", "+loss.gamma=-1"], "loss.gamma=-1: must be a finite number >= 0"),
+    (["loss._target_=sft.loss.builtin.FocalLoss", "+loss.gamma=-1"], "loss.gamma=-1: must be a finite number >= 0"),
     (["+trainer.max_grad_norm=0.5"], "trainer.max_grad_norm: set by the clip policy: clip=static clip.max_norm=0.5"),
 ])
 def test_bad_loss_settings_are_refused_naming_the_key(overrides, message):
@@ -138,8 +140,8 @@ def my_losses(monkeypatch):
 
 
 def test_an_auxiliary_term_is_summed_over_the_step_as_the_main_loss_is(tmp_path, tokenizer, my_losses):
-    from sft.model import load_model
-    from sft.trainer import aux_batch
+    from sft.model.loading import load_model
+    from sft.training.trainer import aux_batch
 
     term = my_losses.GroupContrastive(coef=0.5)
     loss = CrossEntropyLoss(aux={"contrastive": term})

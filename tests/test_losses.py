@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from sft.losses import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, LengthLoss
+from sft.loss.builtin import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, LengthLoss
 
 # Two samples, 4 positions, vocabulary of 3. Position t's logits predict label t+1.
 LOGITS = torch.tensor(
@@ -78,7 +78,7 @@ def test_hard_sample_weight_is_clamped_power_of_the_score(score, alpha, lo, hi, 
 
 
 def test_ce_equals_the_models_own_loss(tokenizer):
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     torch.manual_seed(0)
     model = load_model("tiny")
@@ -163,7 +163,7 @@ def test_packed_sample_normalisation_counts_each_sample_on_its_own():
 
 
 def test_choose_impl_falls_back_with_a_logged_reason(caplog):
-    from sft.losses import choose_impl
+    from sft.loss.kernels import choose_impl
 
     with caplog.at_level("WARNING", logger="sft"):
         assert choose_impl("cce", vocab_size=151936, on_gpu=False) == "chunked"
@@ -190,7 +190,7 @@ TRANSFORMS = {"gemma2": {"final_logit_softcapping": 5.0}, "cohere": {"logit_scal
 def test_the_lean_loss_applies_the_models_own_logit_transform(model_type):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sft.losses import LogitTransform
+    from sft.loss.logits import LogitTransform
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, vocab_size=97, hidden_size=32, intermediate_size=64,
@@ -233,7 +233,7 @@ def test_liger_on_a_gpu_needs_a_version_with_a_per_token_gradient(monkeypatch, c
     so an older version (or none) falls back to chunked, saying why."""
     import importlib.metadata
 
-    from sft.losses import choose_impl
+    from sft.loss.kernels import choose_impl
 
     def version(name):
         if name != "liger-kernel" or installed is None:

@@ -26,7 +26,7 @@ def test_a_lora_run_saves_an_adapter_that_merges_to_the_logits_of_base_plus_adap
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     tok = AutoTokenizer.from_pretrained(tmp_path / "merged")
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True,

@@ -10,9 +10,9 @@ import pytest
 
 from conftest import ROWS, chat, run_train, write_jsonl
 from sft.config import ConfigError, check, compose
-from sft.data import load_sft_datasets
-from sft.losses import HardSampleLoss
-from sft.mixture import draw, draw_counts
+from sft.data.load import load_sft_datasets
+from sft.loss.builtin import HardSampleLoss
+from sft.data.mixture import draw, draw_counts
 
 MORE = [chat(f"What is {a} + {b}?", str(a + b), score) for a, b, score in
         ((12, 30, 1.0), (7, 7, 2.0), (400, 600, 3.0), (5, 9, 0.5))]
@@ -103,7 +103,7 @@ def test_epochs_repeat_a_source_and_a_fraction_takes_part_of_it(tokenizer, sourc
 
 
 def test_the_data_hash_covers_the_mixture_and_a_change_is_named(tokenizer, sources):
-    from sft.checkpoints import data_changes
+    from sft.training.checkpoints import data_changes
 
     base = load(tokenizer, mixture(sources, {"ratio": 1}, {"ratio": 1}))
     changed = {"ratio": load(tokenizer, mixture(sources, {"ratio": 1}, {"ratio": 3})),
@@ -139,7 +139,7 @@ def test_a_bad_mixture_is_one_config_error_naming_the_source_and_field(sources, 
 
 
 def test_a_source_whose_share_draws_no_row_is_refused(tokenizer, sources):
-    from sft.data import DataError
+    from sft.data.rows import DataError
 
     with pytest.raises(DataError, match=r"data.mixture\[1\] \(math\): its share draws no row of its 4"):
         load(tokenizer, mixture(sources, {"ratio": 1000}, {"ratio": 0.01}))
@@ -152,8 +152,8 @@ def test_a_mixture_run_reports_each_task_as_the_models_own_loss_and_a_changed_mi
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
 
-    from sft.report import write_report
-    from sft.results import RunResults
+    from sft.experiments.report import write_report
+    from sft.experiments.results import RunResults
 
     run = tmp_path / "run"
     mix = mixture(sources, {"ratio": 1}, {"ratio": 1, "loss_weight": 3})

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from real_templates import FAMILIES, template_tokens
-from sft.chat_template import ChatRenderer, Refused, chat_views, configure_chat
+from sft.data.templates import ChatRenderer, Refused, configure_chat
+from sft.data.turns import chat_views
 
 TEMPLATES = Path(os.environ.get("SFT_REAL_TEMPLATES", "/nonexistent"))
 pytestmark = pytest.mark.skipif(not TEMPLATES.is_dir(), reason="SFT_REAL_TEMPLATES names no folder of templates")
@@ -37,7 +38,7 @@ AGENT = [{"role": "user", "content": "Weather in Paris?"},
 
 def tokenizer_for(name: str):
     """The tiny tokenizer with the family's template, its tokens, bos/eos and its generation config's stop tokens."""
-    from sft.model import load_tokenizer
+    from sft.model.loading import load_tokenizer
 
     spec = FAMILIES[name]
     path = TEMPLATES / f"{name}.jinja"

@@ -10,8 +10,9 @@ import pytest
 import yaml
 from scipy import stats
 
-from sft.report import ReportError, main, write_report
-from sft.results import RunResults, write_eval_rows
+from sft.experiments.report import ReportError, write_report
+from sft.report import main
+from sft.experiments.results import RunResults, write_eval_rows
 
 
 def job(sweep, number, overrides, eval_ce=None, status="ok", rows=None):
@@ -108,7 +109,7 @@ def test_a_baseline_that_names_no_setting_is_refused_naming_the_settings(tmp_pat
 
 
 def test_eval_rows_give_each_metric_as_the_trainer_computes_it():
-    from sft.stats import EvalRows
+    from sft.experiments.stats import EvalRows
 
     rows = [{"line": 1, "view": 0, "ce_sum": 2.0, "tokens": 4, "loss_num": 6.0, "loss_den": 8.0, "correct": 1,
              "difficulty_score": 0.5},

@@ -1,11 +1,11 @@
-"""`results.json` has one schema: what the trainer writes, a failed job's record and what sft.report reads."""
+"""`results.json` has one schema: what the trainer writes, a failed job's record and what sft.experiments.report reads."""
 
 import json
 
 import pytest
 
-from sft.report import job_row
-from sft.results import RunResults
+from sft.experiments.report import job_row
+from sft.experiments.results import RunResults
 
 
 def test_a_finished_run_round_trips_with_its_buckets_as_flat_keys(tmp_path):

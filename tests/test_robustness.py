@@ -15,7 +15,7 @@ from sft import sample_data
 POISON = """
 POISON_LINES = set(map(int, os.environ["POISON_LINES"].split(",")))
 SCALE = float(os.environ.get("POISON_SCALE", "nan"))  # nan: a poisoned row; a number: a row that spikes
-from sft.trainer import WeightedLossTrainer
+from sft.training.trainer import WeightedLossTrainer
 _compute = WeightedLossTrainer.compute_loss
 def compute_loss(self, model, inputs, *args, **kwargs):
     lines = inputs.get("source_lines")
@@ -118,7 +118,7 @@ def test_a_loss_spike_is_reported_and_with_skip_spikes_skipped(tmp_path):
 
 STALL_RANK_1 = """
 import os, time
-from sft.trainer import WeightedLossTrainer
+from sft.training.trainer import WeightedLossTrainer
 _compute = WeightedLossTrainer.compute_loss
 def compute_loss(self, model, inputs, *args, **kwargs):
     if model.training and self.state.global_step == 2 and os.environ["RANK"] == "1":
@@ -146,7 +146,7 @@ def test_a_stalled_rank_makes_both_exit_with_its_stack_dumped(tmp_path):
 
 OOM = """
 import torch
-from sft.trainer import WeightedLossTrainer
+from sft.training.trainer import WeightedLossTrainer
 def compute_loss(self, *args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 WeightedLossTrainer.compute_loss = compute_loss
@@ -201,7 +201,7 @@ CORPUS = {
 
 @pytest.mark.parametrize("name", sorted(CORPUS))
 def test_each_malformed_file_is_rejected_with_line_and_reason(tmp_path, name):
-    from sft.data import DataError, read_jsonl
+    from sft.data.rows import DataError, read_jsonl
 
     lines, line, message = CORPUS[name]
     f = write_jsonl(tmp_path / f"{name}.jsonl", lines)

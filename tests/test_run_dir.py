@@ -1,4 +1,4 @@
-"""One run per run dir (sft.run_dir) and a resume that continues the same run (sft.checkpoints): the lock,
+"""One run per run dir (sft.training.run_dir) and a resume that continues the same run (sft.training.checkpoints): the lock,
 the refusal of a used dir, checkpoints after the resumed one set aside, rotation of this run's only, and
 the settings a resume applies or refuses."""
 
@@ -10,16 +10,9 @@ import sys
 
 import pytest
 
-from sft.checkpoints import (
-    STATE_FILE,
-    config_changes,
-    find_checkpoint,
-    fixed_on_resume,
-    manifest,
-    write_json_atomic,
-)
+from sft.training.checkpoints import (STATE_FILE, config_changes, find_checkpoint, fixed_on_resume, manifest, write_json_atomic)
 from sft.config import ConfigError
-from sft.run_dir import LOCK_FILE, RunDirLock, claim
+from sft.training.run_dir import LOCK_FILE, RunDirLock, claim
 
 
 def checkpoint(folder, run_id="run-a", config=None):
@@ -92,7 +85,7 @@ def test_resume_sets_aside_later_and_damaged_checkpoints(tmp_path):
 
 
 def test_rotation_deletes_only_this_runs_checkpoints(tmp_path):
-    from sft.checkpoints import CheckpointState
+    from sft.training.checkpoints import CheckpointState
 
     checkpoint(tmp_path / "checkpoint-2", run_id="other")
     for step in (4, 6, 8):

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from conftest import ROWS, chat, run_train, write_jsonl
-from sft.data import DataError, load_sft_datasets
+from sft.data.rows import DataError
+from sft.data.load import load_sft_datasets
 
 
 def tokenised(tokenizer, train_file, **data):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import REPO, ROWS, free_port, train_steps
-from sft.controllers import Controller, StepVerdict
-from sft.losses import CrossEntropyLoss
-from sft.step_control import mark_update_skipped
-from sft.trainer import WeightedLossTrainer
+from sft.training.controllers import Controller, StepVerdict
+from sft.loss.builtin import CrossEntropyLoss
+from sft.training.step_control import mark_update_skipped
+from sft.training.trainer import WeightedLossTrainer
 
 
 class SkipStep(Controller):
@@ -70,7 +70,7 @@ def test_deepspeed_engine_clips_to_the_threshold_set_on_it():
 import os, torch, deepspeed
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(%d), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 deepspeed.init_distributed("gloo")
-from sft.step_control import set_deepspeed_clip
+from sft.training.step_control import set_deepspeed_clip
 model = torch.nn.Linear(4, 4, bias=False)
 config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
           "zero_allow_untested_optimizer": True}  # a torch optimizer, as Trainer hands DeepSpeed
@@ -94,7 +94,7 @@ assert set_deepspeed_clip(engine, float("inf")) == float("inf") and engine.gradi
 
 def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parameters():
     # Three of them are private hooks of transformers (_clip_grad_norm, _get_train_sampler, _save): a rename or a
-    # new parameter there would silently bypass sft.step_control, the curriculum's sampler or the tied-copy filter.
+    # new parameter there would silently bypass sft.training.step_control, the curriculum's sampler or the tied-copy filter.
     from transformers import Trainer
 
     overrides = {name: f for name, f in vars(WeightedLossTrainer).items() if getattr(f, "__override__", False)}
@@ -116,9 +116,9 @@ def test_the_step_loss_and_every_ranks_stop_flag_share_one_all_reduce(monkeypatc
     import torch.distributed as dist
     from transformers import TrainerControl, TrainerState
 
-    from sft.clipping import StaticClip
-    from sft.preemption import Preemption
-    from sft.step_control import StepControl
+    from sft.training.clipping import StaticClip
+    from sft.training.preemption import Preemption
+    from sft.training.step_control import StepControl
 
     reductions = []
 

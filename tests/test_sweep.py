@@ -79,7 +79,7 @@ def model_weights(run_dir):
 KILL_JOB_1_AT_STEP_3 = """
 import os
 from transformers import TrainerCallback
-import sft.trainer
+import sft.training.trainer
 
 class Kill(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
@@ -87,11 +87,11 @@ class Kill(TrainerCallback):
         if HydraConfig.get().job.num == 1 and state.global_step == 3:
             os._exit(137)  # as a preempted node: no cleanup, no results.json
 
-init = sft.trainer.WeightedLossTrainer.__init__
+init = sft.training.trainer.WeightedLossTrainer.__init__
 def with_kill(self, *args, **kwargs):
     init(self, *args, **kwargs)
     self.add_callback(Kill())
-sft.trainer.WeightedLossTrainer.__init__ = with_kill
+sft.training.trainer.WeightedLossTrainer.__init__ = with_kill
 """
 
 
@@ -245,7 +245,7 @@ def test_the_loss_zoo_sweeps_each_loss_of_its_group_over_three_seeds():
     from hydra.utils import get_class
 
     from sft.config import compose
-    from sft.sweep import expand
+    from sft.experiments.sweep import expand
 
     jobs = [sorted(o for o in job if not o.startswith("+experiment=")) for job in expand(["+experiment=loss_zoo"])]
     zoo = {"ce": "CrossEntropyLoss", "hard_sample": "HardSampleLoss", "keywords": "KeywordLoss", "focal": "FocalLoss",

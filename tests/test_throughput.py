@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from conftest import train_steps
-from sft.losses import CrossEntropyLoss
-from sft.model import load_model
-from sft.throughput import ThroughputMeter, flops_per_token
-from sft.trainer import WeightedLossTrainer
+from sft.loss.builtin import CrossEntropyLoss
+from sft.model.loading import load_model
+from sft.training.throughput import ThroughputMeter, flops_per_token
+from sft.training.trainer import WeightedLossTrainer
 
 
 def test_flops_per_token_is_6n_for_full_fine_tuning_4n_frozen_plus_attention():

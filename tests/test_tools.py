@@ -8,7 +8,8 @@ import pytest
 
 from chat_templates import family_tokenizer
 from conftest import labelled_runs, write_jsonl
-from sft.data import DataError, load_sft_datasets
+from sft.data.rows import DataError
+from sft.data.load import load_sft_datasets
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -59,7 +60,7 @@ def test_sharegpt_function_call_and_observation_turns_are_tool_calls_and_results
      "agent.jsonl:1: tools: the chat template does not render the tool definitions ('get_weather'"),
 ])
 def test_a_template_that_renders_no_tool_calls_or_definitions_is_refused(tmp_path, rows, message):
-    from sft.model import load_tokenizer
+    from sft.model.loading import load_tokenizer
 
     with pytest.raises(DataError) as e:
         trained(tmp_path, load_tokenizer("tiny"), rows)  # its ChatML template knows no tools

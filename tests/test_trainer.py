@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import ROWS, chat, train_steps, write_jsonl
-from sft.data import load_sft_datasets
-from sft.losses import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
+from sft.data.load import load_sft_datasets
+from sft.loss.builtin import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
 
 # Every built-in loss, each with the difficulty weight on where it combines with it. ROWS' answers hold
 # "carries"/"carrying" (whole words) and sums after "=" (the regex), so the keyword weights differ by token.
@@ -96,8 +96,8 @@ def test_a_model_whose_logits_the_lean_loss_cannot_reproduce_gets_naive_or_a_cle
     from transformers import TrainingArguments
 
     from sft.config import ConfigError
-    from sft.model import load_model
-    from sft.trainer import WeightedLossTrainer
+    from sft.model.loading import load_model
+    from sft.training.trainer import WeightedLossTrainer
 
     model = load_model("tiny")
     model.lm_head.register_forward_hook(lambda module, args, output: output * 2)  # a transform no table knows
@@ -119,10 +119,10 @@ def test_evaluation_makes_no_collective_per_batch_and_keeps_the_exact_metrics(tm
     notwithstanding."""
     from transformers import TrainingArguments
 
-    from sft.data import WeightedDataCollator
-    from sft.losses import HardSampleLoss
-    from sft.model import load_model
-    from sft.trainer import WeightedLossTrainer
+    from sft.data.collator import WeightedDataCollator
+    from sft.loss.builtin import HardSampleLoss
+    from sft.model.loading import load_model
+    from sft.training.trainer import WeightedLossTrainer
 
     path = write_jsonl(tmp_path / "eval.jsonl", [chat(f"What is {i} + {i}?", f"{i} + {i} = {2 * i}", 1.0 + i % 4)
                                                  for i in range(7)])

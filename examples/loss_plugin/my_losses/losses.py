@@ -20,7 +20,8 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
-from sft.losses import AuxBatch, AuxTerm, WeightedTokenLoss
+from sft.loss.auxiliary import AuxBatch, AuxTerm
+from sft.loss.base import WeightedTokenLoss
 
 
 @dataclass(eq=False, kw_only=True)

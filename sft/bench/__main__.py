@@ -1,0 +1,5 @@
+"""`python -m sft.bench`: the benchmark (sft/bench/run.py)."""
+
+from sft.bench.run import main
+
+main()

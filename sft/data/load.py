@@ -1,0 +1,180 @@
+"""The data stage: validated, tokenised train and eval splits with the loss's static weights
+(`load_sft_datasets`), from one source each or a mixture of several."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+import numpy as np
+from sft.data.formats import RowFormat
+from sft.data.mixture import Part, draw_counts, drawn_sequences, log_mixture, parts_of
+from sft.data.sources import SourceError
+from sft.data.preprocess import SplitSummary, _tokenized_split, data_hash, log_template_profile, preprocessing_identity, reasoning_hint
+from sft.data.rows import DataError, report_rejected
+from sft.data.split import column
+from sft.data.weights import _require_scores, _with_static_weights, scores_used_by
+if TYPE_CHECKING:
+    import datasets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTData:
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+    identity: dict  # what decides the data, part by part: sources' contents, settings, tokenizer (load_sft_datasets)
+    packing: bool = False  # how the collator forms batches (data.packing)
+    summary: dict[str, SplitSummary] = field(default_factory=dict)  # by split: train, eval
+    parts: list[Part] = field(default_factory=list)  # the sources, by the rows' `source` number (sft.data.mixture)
+
+    @property
+    def data_hash(self) -> str:
+        return data_hash(self.identity)
+
+    @property
+    def tasks(self) -> dict[int, str]:
+        """The task of each source that has one, by source number (a mixture's; none without one)."""
+        return {i: p.task for i, p in enumerate(self.parts) if p.task is not None}
+
+    def source_name(self, split: str, number: int = 0) -> str:
+        """The train or eval source of a row's `source` number, as errors and reports name it."""
+        return str(getattr(self.parts[number], split)) if self.parts else "?"
+
+
+def load_sft_datasets(
+    tokenizer,
+    loss,
+    train_file: str | None,
+    eval_file: str | None = None,
+    max_length: int = 2048,
+    default_score: float | None = None,
+    num_proc: int | None = None,
+    on_error: str = "raise",
+    overlong: str = "truncate",
+    rejected_file: str | None = None,
+    packing: bool = False,
+    rewritten_turns: str = "split",
+    prefill: str = "refuse",
+    scores_needed_by: list[str] | None = None,
+    format: str = "auto",  # noqa: A002 - the config's name (data.format)
+    columns: dict | None = None,
+    train_on: str = "all",
+    train_split: str = "train",
+    eval_split: str = "test",
+    hub_name: str | None = None,
+    hub_revision: str | None = None,
+    mixture: list | None = None,
+    mixture_seed: int = 0,
+) -> SFTData:
+    """Validated, tokenised train and eval splits with the loss's static weights: a per-row `loss_weight`
+    (`loss.sample_weight`), per-token `token_weights` when the loss has them, and an `aux_<name>` value
+    per row for each auxiliary term (`loss.aux`). `loss=None` weighs every row 1.
+
+    `on_error`: `raise` stops at the first bad rows with `DataError`; `skip` trains on the valid rows
+    and reports the others (`report_rejected`). `overlong` and `rewritten_turns`: see `tokenize_batch`
+    and `chat_views`. `packing` changes only how batches are formed (`WeightedDataCollator`); it is kept
+    with the data settings it describes. `scores_needed_by`: what in the run uses `difficulty_score` (by
+    default the loss, if its `alpha` is not 0); a row without a score is refused only then. `format` and
+    `columns`: the files' row format (`sft.data.formats`); `train_on`: `all` assistant turns or the `last` only
+    (`turn_weights`). `train_file`/`eval_file` are sources (`sft.data.sources`: JSONL and other files, globs,
+    save_to_disk folders, `hub:<id>`), the splits and hub settings for those that have them. `mixture`
+    (`data.mixture` entries) replaces them by several sources drawn into one training split (`sft.data.mixture`),
+    each row numbered by its source in a `source` column.
+    """
+    if scores_needed_by is None:
+        scores_needed_by = scores_used_by(loss)
+    log_template_profile(tokenizer, prefill)
+    token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
+    shared = {**preprocessing_identity(tokenizer, max_length, default_score), "overlong": overlong,
+              "rewritten_turns": rewritten_turns, "prefill": prefill}
+    if token_weights is not None:
+        shared["token_weights"] = loss.token_weight_identity()
+    try:
+        parts = parts_of(train_file, eval_file, mixture, format, columns, train_split, eval_split, hub_name,
+                         hub_revision)
+        if mixture:
+            sources = [p.identity() for p in parts]  # each source's files hashed once
+            identity = {**shared, "train_on": train_on, "mixture": sources, "mixture_seed": mixture_seed}
+        else:
+            (part,) = parts
+            identity = {"train_file": part.train.fingerprint(),
+                        "eval_file": None if part.eval is None else part.eval.fingerprint(), **shared}
+            if (format, part.columns, train_on) != ("auto", {}, "all"):  # (else as before: earlier caches stand)
+                identity.update(format=format, columns=dict(sorted(part.columns.items())), train_on=train_on)
+    except SourceError as e:
+        raise DataError([str(e)], header="the data cannot be read") from None
+
+    splits, rejected, summaries = {"train": [], "eval": []}, [], {}
+    for number, part in enumerate(parts):
+        # the tokenised rows of a source are cached by what decides them, whatever mixture they are part of
+        key = data_hash(identity) if not mixture else data_hash(
+            {**shared, "train_on": train_on, **{k: v for k, v in sources[number].items()
+                                                if k in ("train_file", "eval_file", "format", "columns")}})
+        for name in ("train", "eval"):
+            source = getattr(part, name)
+            if source is None:
+                continue
+            ds, bad, summary = _tokenized_split(source, tokenizer, max_length, default_score, num_proc, key,
+                                                on_error, overlong, rewritten_turns, token_weights,
+                                                RowFormat(part.format, part.columns), train_on, prefill,
+                                                scores_needed_by)
+            ds, unscored = _require_scores(ds, source, scores_needed_by, on_error)
+            rejected += bad + unscored
+            summary.rejected += len(unscored)
+            if token_weights is not None and name == "train" and not summary.reweighted_tokens:
+                log.warning("loss: its token weights leave every one of the %d trained tokens of %s at 1 (for "
+                            "loss.phrases: no phrase occurs in an assistant turn)", summary.trained_tokens, source)
+            if summary.untrained_reasoning:
+                log.warning("data: %s: %d trained assistant turn(s) have reasoning that the chat template does not "
+                            "render: their reasoning is not trained (%s)", source, summary.untrained_reasoning,
+                            reasoning_hint(tokenizer))
+            summaries[name] = summary if name not in summaries else summaries[name] + summary
+            ds = _with_static_weights(ds, loss, str(source), part.loss_weight)
+            splits[name].append(ds if not mixture else _numbered(ds, number))
+    report_rejected(rejected, rejected_file)
+    if not mixture:
+        train, evaluation = splits["train"][0], (splits["eval"] or [None])[0]
+    else:
+        train, evaluation = _mixed(parts, splits["train"], mixture_seed), _concatenated(splits["eval"])
+    return SFTData(train=train, eval=evaluation, identity=identity, packing=packing, summary=summaries, parts=parts)
+
+
+def _numbered(ds: datasets.Dataset, number: int) -> datasets.Dataset:
+    """The split with its source's number in a `source` column."""
+    fingerprint = hashlib.sha256(f"{ds._fingerprint}-source-{number}".encode()).hexdigest()[:16]
+    return ds.add_column("source", [number] * len(ds), new_fingerprint=fingerprint)
+
+
+def _mixed(parts: list[Part], splits: list[datasets.Dataset], seed: int) -> datasets.Dataset:
+    """The training split of a mixture: each source's rows drawn as its ratio or epochs say (`sft.data.mixture`)."""
+    lines = [np.asarray(column(ds, "source_line")) for ds in splits]
+    sizes = [len(np.unique(x)) for x in lines]
+    counts = draw_counts(sizes, [p.ratio for p in parts], [p.epochs for p in parts])
+    for i, (part, count) in enumerate(zip(parts, counts)):
+        if count == 0:
+            raise DataError([f"data.mixture[{i}] ({part.name}): its share draws no row of its {sizes[i]} (raise its "
+                             "ratio or epochs)"], header="the mixture cannot be drawn")
+    log_mixture(parts, sizes, counts)
+    drawn = [ds.select(drawn_sequences(x, count, np.random.default_rng([seed, i])))
+             for i, (ds, x, count) in enumerate(zip(splits, lines, counts))]
+    return _concatenated(drawn)
+
+
+def _concatenated(splits: list[datasets.Dataset]) -> datasets.Dataset | None:
+    """Splits of several sources as one; `token_weights` of 1 where a source has none and another has them; the
+    columns all have (a source cached by an older version may lack one), of the first's types."""
+    from datasets import concatenate_datasets
+
+    if not splits:
+        return None
+    if any("token_weights" in ds.column_names for ds in splits):
+        splits = [ds if "token_weights" in ds.column_names else ds.map(
+            lambda b: {"token_weights": [np.ones(len(ids), dtype=np.float32) for ids in b["input_ids"]]},
+            batched=True, keep_in_memory=True) for ds in splits]
+    common = [c for c in splits[0].column_names if all(c in ds.column_names for ds in splits)]
+    splits = [ds.select_columns(common) for ds in splits]
+    splits = [ds if ds.features == splits[0].features else ds.cast(splits[0].features) for ds in splits]
+    return concatenate_datasets(splits) if len(splits) > 1 else splits[0]

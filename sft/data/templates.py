@@ -1,0 +1,453 @@
+"""TEMPLATES_DOC"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from functools import cached_property
+
+
+
+log = logging.getLogger(__name__)
+
+
+PREFILL_MODES = ("refuse", "after", "drop")
+
+
+# A plain answer text for the probes (`TemplateProfile`): no template rewrites it.
+PROBE_ANSWER = "Probe answer 7."
+
+
+PROBE_ARGUMENTS = {"probe_arg": "probe value"}
+
+
+class Refused(ValueError):
+    """A chat whose trained tokens cannot be located with this chat template: the field and why."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What training needs beside the template: the keyword arguments it is rendered with
+    (`tokenizer.chat_template_kwargs`, e.g. `enable_thinking`) and the model's stop tokens, with where they came
+    from (for messages)."""
+
+    kwargs: dict = field(default_factory=dict)
+    stop_tokens: tuple[str, ...] = ()
+    stops_from: str = "the tokenizer's eos_token"
+    template_name: str = "the chat template"
+
+    def identity(self) -> dict:
+        """What of these settings decides the labels (part of the data hash)."""
+        return {"chat_template_kwargs": dict(sorted(self.kwargs.items())), "stop_tokens": list(self.stop_tokens)}
+
+
+def chat_settings(tokenizer) -> ChatSettings:
+    """The settings `configure_chat` gave the tokenizer; for one it did not (a tokenizer made by hand), no kwargs
+    and its `eos_token` as the only stop token."""
+    settings = getattr(tokenizer, "sft_chat", None)
+    if settings is None:
+        settings = ChatSettings(stop_tokens=(tokenizer.eos_token,) if tokenizer.eos_token else ())
+    return settings
+
+
+def configure_chat(tokenizer, kwargs: dict | None = None, stop_tokens: list[str] | None = None,
+                   model_dir: str | None = None, template_name: str | None = None):
+    """Give the tokenizer its `ChatSettings` (as `tokenizer.sft_chat`, read by `chat_settings`): the template
+    kwargs, and the stop tokens: `stop_tokens` where given, else the eos ids of the model's
+    `generation_config.json` (in `model_dir`, where there is one) and the tokenizer's `eos_token`. A stop token
+    must be one token of the vocabulary. Returns the tokenizer."""
+    if stop_tokens:
+        stops, source = list(stop_tokens), "tokenizer.stop_tokens"
+        for token in stops:
+            ids = tokenizer.encode(token, add_special_tokens=False)
+            if len(ids) != 1 or tokenizer.convert_ids_to_tokens(ids[0]) != token:
+                raise ValueError(f"tokenizer.stop_tokens: {token!r} is not one token of the vocabulary (it encodes as "
+                                 f"{len(ids)} tokens); a stop token is a special token such as the template's "
+                                 "end-of-turn token")
+    else:
+        stops, sources = [], []
+        for token_id in _generation_eos_ids(model_dir):
+            token = tokenizer.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tokenizer) else None
+            if token is not None and token not in stops:
+                stops.append(token)
+        if stops:
+            sources.append("generation_config.json's eos_token_id")
+        if tokenizer.eos_token and tokenizer.eos_token not in stops:
+            stops.append(tokenizer.eos_token)
+            sources.append("the tokenizer's eos_token")
+        source = " and ".join(sources) or "none (no generation_config.json eos_token_id, no eos_token)"
+    tokenizer.sft_chat = ChatSettings(dict(kwargs or {}), tuple(stops), source,
+                                      template_name or "the chat template")
+    return tokenizer
+
+
+def _generation_eos_ids(model_dir: str | None) -> list[int]:
+    """The eos ids of a model's generation config (one id or a list), where the model has one on disk."""
+    if model_dir is None:
+        return []
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json (a local folder without one, or a hub id offline)
+        return []
+    return [eos] if isinstance(eos, int) else [int(e) for e in eos or []]
+
+
+class ChatRenderer:
+    """The tokenizer's chat template as `apply_chat_template(messages, tokenize=False, ...)` renders it, with the
+    settings' kwargs, without that call's per-call work (resolving the template, copying and normalising the
+    messages: two thirds of its time on a short chat). The messages must be plain JSON values (`prepare`
+    makes them from stored rows). Any failure of the template, its own refusal (`raise_exception`) or a Python
+    error in it, is `Refused` with the template's message.
+
+        ChatRenderer(tokenizer)([{"role": "user", "content": "2+2?"}], add_generation_prompt=True)
+            == tokenizer.apply_chat_template([...], tokenize=False, add_generation_prompt=True)
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.settings = chat_settings(tokenizer)
+        self.variables = {**tokenizer.special_tokens_map, **self.settings.kwargs}
+        self._templates: dict[bool, object] = {}  # compiled, by whether tools are given (a template may be named)
+
+    def __call__(self, messages: list[dict], tools: list[dict] | None = None,
+                 add_generation_prompt: bool = False) -> str:
+        try:
+            return self._render(messages, tools, add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a template is code: TypeError, RecursionError, ... as well as its own
+            raise self._refusal(e, messages, tools, add_generation_prompt) from e
+
+    def _render(self, messages, tools, add_generation_prompt) -> str:
+        template = self._template(tools)
+        if template is None:  # transformers without the functions below: its own, slower path
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **self.settings.kwargs)
+        if any("reasoning_content" in m for m in messages):
+            messages = _alias_reasoning(messages)
+        return template.render(messages=messages, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **self.variables)
+
+    def _refusal(self, error: Exception, messages, tools, add_generation_prompt) -> Refused:
+        """The template's failure as a refusal naming its message; `tools` when it fails on the row's tool
+        definitions (the chat renders with well-formed ones)."""
+        from jinja2 import TemplateError
+
+        if isinstance(error, TemplateError) and not isinstance(error, _undefined_errors()):
+            return Refused("messages", f"the chat template refuses this chat: {error}")
+        message = f"{type(error).__name__}: {str(error)[:300]}"
+        if tools is not None:
+            try:  # the chat with definitions known to be well-formed instead of the row's
+                self._render(messages, _PROBE_TOOLS, add_generation_prompt)
+            except Exception:  # noqa: BLE001 - it fails with them too: the chat is the cause
+                pass
+            else:
+                return Refused("tools", f"the chat template fails on these tool definitions ({message}); it may "
+                               "expect another form of them (each {type: function, function: {name, description, "
+                               "parameters}} with JSON-schema types)")
+        return Refused("messages", f"the chat template fails on this chat ({message})"
+                       + ("; a tool-use template may need the row's tools" if tools is None and "NoneType" in message
+                          else ""))
+
+    def compile(self) -> None:
+        """Compile the template now: a syntax error is jinja's `TemplateSyntaxError`, not a refusal of each chat."""
+        self._template(None)
+
+    def _template(self, tools):
+        key = tools is not None
+        if key not in self._templates:
+            try:
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+            except ImportError:
+                self._templates[key] = None
+            else:
+                self._templates[key] = _compile_jinja_template(self.tokenizer.get_chat_template(None, tools))
+        return self._templates[key]
+
+    @cached_property
+    def profile(self) -> TemplateProfile:
+        return TemplateProfile(self)
+
+    def prepare(self, messages: list[dict]) -> list[dict]:
+        """Stored messages (`sft.data`'s rows) as the template takes them: tool calls decoded from their JSON text,
+        each call's `arguments` in a form the template renders (`TemplateProfile.arguments`: the row's own, an
+        object or its JSON text, unless the template needs the other), no `weight`, and no null values but a
+        tool-calling turn's null `content` (OpenAI's form, which some templates test for)."""
+        out = []
+        for m in messages:
+            message = {k: v for k, v in m.items()
+                       if k != "weight" and (v is not None or (k == "content" and m.get("tool_calls")))}
+            calls = message.get("tool_calls")
+            if isinstance(calls, str):
+                calls = json.loads(calls)
+            if calls:
+                message["tool_calls"] = [self._call(c) for c in calls]
+                if message["content"] is None and not self.profile.null_content:
+                    message["content"] = ""
+            out.append(message)
+        return out
+
+    def _call(self, call: dict) -> dict:
+        arguments = call["function"].get("arguments")
+        form = "text" if isinstance(arguments, str) else "object"
+        usable = self.profile.arguments
+        if form in usable or not usable:
+            return call
+        converted = json.dumps(arguments, ensure_ascii=False) if form == "object" else json.loads(arguments)
+        return {**call, "function": {**call["function"], "arguments": converted}}
+
+
+def _undefined_errors() -> tuple:
+    """jinja's UndefinedError: a template reading what the chat lacks, a failure rather than a refusal."""
+    from jinja2 import UndefinedError
+
+    return (UndefinedError,)
+
+
+def _alias_reasoning(messages: list[dict]) -> list[dict]:
+    """What `apply_chat_template` shows a template of a message's reasoning: also as `thinking` (gpt-oss's name)."""
+    try:
+        from transformers.utils.chat_template_utils import _alias_reasoning_fields
+    except ImportError:
+        return [{"thinking": m["reasoning_content"], **m} if "reasoning_content" in m else m for m in messages]
+    return _alias_reasoning_fields(messages)
+
+
+def prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The generation prompt for a chat's stored messages (`sft.data`'s rows), as the labelling renders it: the
+    chat with the template's kwargs and the generation prompt (a prefill included: the model answers after it)."""
+    render = ChatRenderer(tokenizer)
+    return render(render.prepare(messages), tools, add_generation_prompt=True)
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The ids of the tokens that end a generated answer: the model's stop tokens and, where the template ends its
+    turns with another token, that one (`TemplateProfile.end_of_turn`)."""
+    render = ChatRenderer(tokenizer)
+    tokens = list(render.profile.stops)
+    return [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+
+
+class TemplateProfile:
+    """What a chat template does around an answer, found by rendering a probe chat (user, answer, user) once:
+
+    - `stops`: the tokens a turn ends at: the model's stop tokens, and the template's own `end_of_turn` token
+      where no stop token of the model closes an answer (a base model's eos under a ChatML template);
+    - `prefill`: text the generation prompt adds that an answer as the template renders it does not begin with
+      (`<think>\\n` of DeepSeek-R1 distills and QwQ, an empty thinking block), or "";
+    - `arguments`: the forms of tool-call arguments it renders as JSON (`object`, `text`), found when first asked;
+    - `notes`: what a user should know (a turn end that is no stop token of the model, no end at all).
+    """
+
+    def __init__(self, render: ChatRenderer):
+        self.render = render
+        settings = render.settings
+        self.model_stops = tuple(settings.stop_tokens)
+        self.end_of_turn: str | None = None
+        self.prefill = ""
+        self.notes: list[str] = []
+        self.final_end = self.chat_end = ""  # what follows the probe answer in a chat that ends with it, goes on
+        try:
+            try:
+                self._probe(None)
+            except Refused:  # a tool-use template may need tools even for a plain answer
+                self._probe(_PROBE_TOOLS)
+        except Refused as e:  # a template that refuses the probe chat: rows will say why
+            self.notes.append(f"the probe chat could not be rendered ({e})")
+        self.stops = self.model_stops + ((self.end_of_turn,) if self.end_of_turn else ())
+
+    @cached_property
+    def following(self) -> dict[str, str]:
+        """The stop token (and the white space before it) the template writes after an answer (`answer`) and after
+        a tool-calling turn (`call`) once the chat goes on, where it writes none within the turn (GLM's next role
+        token); "" where it writes none."""
+        out = {}
+        for kind, chat, more, tools in (("answer", [_PROBE_USER, _PROBE_ANSWER], _PROBE_NEXT, (None, _PROBE_TOOLS)),
+                                        ("call", [_PROBE_USER, _probe_call(self._arguments())], _PROBE_RESULT,
+                                         (_PROBE_TOOLS,))):
+            out[kind] = ""
+            for given in tools:  # (a tool-use template may need tools even for a plain answer)
+                try:
+                    final, going_on = self.render(chat, given), self.render(chat + [more], given)
+                except Refused:
+                    continue
+                k = token_boundary(final, common_prefix(final, going_on), added_tokens(self.render.tokenizer))
+                out[kind] = _stop_at(going_on[k:], self.stops) if _first_stop(final[k:], self.stops) is None else ""
+                break
+        return out
+
+    def _probe(self, tools) -> None:
+        render, name = self.render, self.render.settings.template_name
+        user, answer = _PROBE_USER, _PROBE_ANSWER
+        prompt = render([user], tools, add_generation_prompt=True)
+        final = render([user, answer], tools)
+        going_on = render([user, answer, _PROBE_NEXT], tools)
+        at = final.find(PROBE_ANSWER)
+        if at < 0 or going_on.find(PROBE_ANSWER) != at:
+            return
+        self.final_end = final[at + len(PROBE_ANSWER):]
+        self.chat_end = going_on[at + len(PROBE_ANSWER):]
+        if not final.startswith(prompt):
+            k = token_boundary(prompt, common_prefix(prompt, final), added_tokens(render.tokenizer))
+            self.prefill = prompt[token_start(render.tokenizer, prompt, k):]
+        specials = special_tokens(render.tokenizer)
+        shared = self.final_end[:common_prefix(self.final_end, self.chat_end)]
+        if _first_stop(self.final_end, self.model_stops) or any(self.chat_end.lstrip().startswith(t)
+                                                                 for t in self.model_stops):
+            return
+        # No stop token of the model after an answer: the template's own end-of-turn token, the first special token
+        # an answer is followed by whether or not the chat goes on.
+        own = next((t for _, t in sorted((shared.find(t), t) for t in specials if t in shared)), None)
+        if own is not None:
+            self.end_of_turn = own
+            self.notes.append(f"{name} ends an answer with {own!r}, which is not among the model's stop tokens "
+                              f"({_listed(self.model_stops)}: {render.settings.stops_from}): {own!r} is trained as the "
+                              "end of every answer, and a server must stop at it (add its id to "
+                              "generation_config.json's eos_token_id, or set tokenizer.stop_tokens)")
+        else:
+            self.notes.append(f"{name} writes no token after an answer that the model could learn to stop at (after "
+                              f"an answer: {self.final_end[:40]!r}; the model's stop tokens: "
+                              f"{_listed(self.model_stops)}): the model will not learn to stop; set "
+                              "tokenizer.chat_template to a template that ends turns with an end-of-turn token, or "
+                              "tokenizer.stop_tokens")
+
+    @cached_property
+    def arguments(self) -> tuple[str, ...]:
+        """The forms of a tool call's `arguments` the template renders: `object` (it serialises them, `| tojson`, or
+        writes their keys and values) and/or `text` (it writes them as they are, or needs a string); only `object`
+        where it renders both but differently (GLM-4.5's fallback for text); () where neither renders."""
+        usable, renderings = [], []
+        for form, arguments in (("object", PROBE_ARGUMENTS), ("text", json.dumps(PROBE_ARGUMENTS))):
+            try:
+                rendered = self.render([_PROBE_USER, _probe_call(arguments)], _PROBE_TOOLS)
+            except Refused:
+                continue
+            # The value shown (the definitions hold the key), not as Python's repr nor escaped inside a JSON string
+            if "probe value" in rendered and "'probe value'" not in rendered and '\\"probe value\\"' not in rendered:
+                usable.append(form)
+                renderings.append(rendered)
+        if len(renderings) == 2 and renderings[0] != renderings[1]:
+            return ("object",)  # it reads the two differently (a fallback for text): the form chat templates document
+        return tuple(usable)
+
+    def _arguments(self):
+        """The probe call's arguments in a form the template reads."""
+        return json.dumps(PROBE_ARGUMENTS) if self.arguments == ("text",) else PROBE_ARGUMENTS
+
+    @cached_property
+    def null_content(self) -> bool:
+        """Whether the template renders a tool-calling turn whose `content` is null (OpenAI's form): some test for
+        it (DeepSeek's `is none`), others would add the null to text and fail, or write it out."""
+        chats = [[_PROBE_USER, {**_probe_call(self._arguments()), "content": content}, _PROBE_RESULT, _PROBE_ANSWER]
+                 for content in (None, "")]
+        try:
+            null, empty = (self.render(chat, _PROBE_TOOLS) for chat in chats)
+        except Refused:
+            return False
+        return null.count("None") == empty.count("None")  # not written out as "None" (GLM's, MiniMax's)
+
+
+# The probe chats: a question, an answer, the next question; a call of a tool and its result.
+_PROBE_USER = {"role": "user", "content": "Probe question?"}
+
+
+_PROBE_ANSWER = {"role": "assistant", "content": PROBE_ANSWER}
+
+
+_PROBE_NEXT = {"role": "user", "content": "Next question?"}
+
+
+_PROBE_RESULT = {"role": "tool", "content": "Probe result.", "tool_call_id": "call_0", "name": "probe_tool"}
+
+
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool", "description": "A probe.", "parameters": {
+    "type": "object", "properties": {"probe_arg": {"type": "string"}}}}}]
+
+
+def _probe_call(arguments) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}]}
+
+
+def _listed(tokens) -> str:
+    return ", ".join(map(repr, tokens)) or "none"
+
+
+def special_tokens(tokenizer) -> list[str]:
+    """The tokenizer's special tokens (its added tokens marked special, the named ones)."""
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return list(dict.fromkeys(added + list(tokenizer.all_special_tokens)))
+
+
+def added_tokens(tokenizer) -> list[str]:
+    """Every added token of the tokenizer (special or not: `<think>` of Qwen3 is not), which text never splits."""
+    return [t.content for t in tokenizer.added_tokens_decoder.values()]
+
+
+def common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of two texts."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # bisect on the first difference: a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def token_boundary(text: str, k: int, tokens: list[str]) -> int:
+    """`k`, moved back to the start of an added token of `text` that it falls inside (the common prefix of
+    `<|START_THINKING|>` and `<|START_RESPONSE|>` is `<|START_`, not a place between tokens)."""
+    moved = True
+    while moved:
+        moved = False
+        for t in tokens:
+            j = text.find(t, max(0, k - len(t) + 1), k + len(t) - 1)
+            if j != -1 and j < k < j + len(t):
+                k, moved = j, True
+    return k
+
+
+def token_start(tokenizer, text: str, k: int) -> int:
+    """`k`, moved back to the start of the token of `text`'s encoding that it falls inside."""
+    for start, end in tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).offsets:
+        if start < k < end:
+            return start
+    return k
+
+
+def _first_stop(text: str, stops) -> tuple[int, str] | None:
+    """The first stop token in `text`: (where it ends, the token)."""
+    found = [(at, t) for t in stops if (at := text.find(t)) != -1]
+    if not found:
+        return None
+    at, token = min(found)
+    return at + len(token), token
+
+
+def _divergence(a: str, b: str) -> str:
+    """Where two renderings part: a few characters of each from the first difference."""
+    i = common_prefix(a, b)
+    return f"{a[max(0, i - 20):i + 30]!r} vs {b[max(0, i - 20):i + 30]!r}"
+
+
+def _stop_at(text: str, stops) -> str:
+    """The stop token `text` begins with, after white space (with that white space), or ""."""
+    gap = len(text) - len(text.lstrip())
+    return next((text[:gap + len(t)] for t in stops if text.startswith(t, gap)), "")
+
+
+def _tool_name(tool: dict) -> str | None:
+    """A tool definition's name: OpenAI's {"type": "function", "function": {"name"}} or a bare {"name"}."""
+    function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    return function.get("name") if isinstance(function.get("name"), str) else None

@@ -1,0 +1,170 @@
+"""TURNS_DOC"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from sft.data.templates import ChatRenderer, Refused, _divergence, _first_stop, _stop_at, _tool_name, common_prefix
+
+
+
+class Views(list):
+    """`chat_views`' texts, each `(text, [(start, end, weight), ...])`, and what the labelling noticed of the chat:
+    `untrained_reasoning`, the trained turns whose reasoning the template does not render."""
+
+    untrained_reasoning = 0
+
+
+@dataclass
+class _Turn:
+    text: str  # the chat through the turn as the model saw and wrote it
+    start: int  # where the answer begins in `text` (after the generation prompt)
+    end: int  # where it ends: after its stop token
+    own_text: bool = False  # `text` differs from the whole chat's rendering before the answer (a kept prefill)
+
+
+def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split", tools: list[dict] | None = None,
+               render: ChatRenderer | None = None, prefill: str = "refuse") -> Views:
+    """The texts a chat trains as, each with the character spans of its trained assistant turns and their
+    weights (a message's `weight`, as `sft.data.rows.scan_jsonl` sets it: 0 leaves the turn untrained; default 1).
+
+    An assistant turn is trained as the model generates it: after the rendering of the chat before it with the
+    generation prompt, through its first stop token (`TemplateProfile.stops`) in the chat that ends with it.
+    Where the turn holds none, the stop token that follows it once the chat goes on (GLM's next role token;
+    for the chat's last turn, from the chat continued by a user turn) ends it, and is added to the text.
+    Usually every turn is found so in the whole chat's rendering: one text.
+
+        [user "1+1?", assistant "2", user "2+2?", assistant "4"], ChatML  ->
+            [("<|im_start|>system ... assistant\\n2<|im_end|>\\n<|im_start|>user ... assistant\\n4<|im_end|>\\n",
+              [(start of "2", end of its <|im_end|>, 1.0), (start of "4", end of its <|im_end|>, 1.0)])]
+
+    Some templates render a turn differently once later turns follow (Qwen3 drops the reasoning of earlier
+    answers; gpt-oss ends an earlier answer with `<|end|>`, not the `<|return|>` the model writes). Such a turn,
+    by `rewritten_turns`: `split` trains it in a text of its own, the chat up to and including it (as the model
+    saw it when answering); `skip` trains it not at all (it stays context); `refuse` raises `Refused`.
+
+    A generation prompt that prefills text the answer does not begin with (`TemplateProfile.prefill`), by
+    `prefill`: `refuse` (`Refused`, naming the prefill and the ways out), `after` (the answer trains after the
+    prefill, as the model answers at inference: a text of its own per turn), `drop` (the answer trains as the
+    template renders it in the whole chat, its prompt without the prefill).
+
+    Tool calls are part of their assistant turn and train with it; `tool` results are context. `tools` (the
+    row's definitions) go to the template. A template that renders neither a turn's calls nor the tools
+    (`Refused`) would train the turn without what it is for.
+
+    Cost: 2 x (trained turns) renders (`render`, the tokenizer's `ChatRenderer` by default), the last message's
+    rendering being the whole chat's, and one more for a last turn that only a following stop token ends.
+    """
+    render = render or ChatRenderer(tokenizer)
+    weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
+    messages = render.prepare(messages)
+    full = render(messages, tools=tools)
+    missing = [name for name in map(_tool_name, tools or []) if name and name not in full]
+    if missing:
+        raise Refused("tools", f"the chat template does not render the tool definitions ({missing[0]!r} "
+                      "is not in the chat's text): the model would learn to call tools it is never shown; set "
+                      "tokenizer.chat_template to one that renders tools")
+    views, whole_chat, own_texts = Views(), [], []
+    for i, m in enumerate(messages):
+        if weights[i] == 0:  # context: not trained
+            continue
+        turn = _locate(render, messages, i, tools, full, prefill, rewritten_turns)
+        if turn is None:  # its prompt is rendered otherwise in the chat, and data.rewritten_turns=skip
+            continue
+        answer = turn.text[turn.start:turn.end]
+        for call in m.get("tool_calls") or []:
+            if call["function"]["name"] not in answer:
+                raise Refused(f"messages[{i}].tool_calls", "the chat template does not render this turn's tool call "
+                              f"({call['function']['name']!r}): the turn would train without it; set "
+                              "tokenizer.chat_template to one that renders tool calls")
+        reasoning = _reasoning(m)
+        if reasoning and reasoning not in answer:
+            views.untrained_reasoning += 1
+        if not turn.own_text and full.startswith(turn.text[:turn.end]):
+            whole_chat.append((turn.start, turn.end, weights[i]))
+        elif not turn.own_text and i == len(messages) - 1:
+            full = turn.text[:turn.end]  # the last answer with the stop token that follows it, added
+            whole_chat.append((turn.start, turn.end, weights[i]))
+        elif rewritten_turns == "refuse" and not turn.own_text:
+            raise Refused(f"messages[{i}]", "the chat template renders this turn differently once later turns "
+                          f"follow ({_divergence(turn.text[:turn.end], full)}); data.rewritten_turns=split trains it "
+                          "from its own rendering, skip leaves it untrained")
+        elif rewritten_turns == "split" or turn.own_text:
+            own_texts.append((turn.text, [(turn.start, turn.end, weights[i])]))
+    views += ([(full, whole_chat)] if whole_chat else []) + own_texts
+    return views
+
+
+def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str, prefill: str,
+            rewritten_turns: str) -> _Turn | None:
+    """Where assistant turn `i` is trained: its text, and the answer's start and end in it (see `chat_views`)."""
+    prompt = render(messages[:i], tools=tools, add_generation_prompt=True)
+    last = i == len(messages) - 1
+    through = full if last else render(messages[: i + 1], tools=tools)
+    text, start, own_text = through, len(prompt), False
+    if not through.startswith(prompt):
+        tail = render.profile.prefill  # the generation prompt's prefill, which this answer does not begin with
+        k = len(prompt) - len(tail)
+        if not tail or not prompt.endswith(tail) or not through.startswith(prompt[:k]):
+            placed = _after_own_prompt(render, messages, i, tools, prompt, through, rewritten_turns)
+            if placed is None:
+                return None
+            text, start, own_text = placed, len(prompt), True
+        elif prefill == "refuse":
+            raise Refused(f"messages[{i}]", f"the chat template's generation prompt ends with {tail!r}, which this "
+                          f"answer does not begin with as the template renders it ({through[k:k + 30]!r}): the model "
+                          "answers after it at inference. Give the answer what the prefill opens (its reasoning, as "
+                          "reasoning_content or a <think> block, where the template renders it), pass the template a "
+                          "kwarg that changes its generation prompt (tokenizer.chat_template_kwargs, e.g. "
+                          "enable_thinking or thinking), or set data.prefill=after (train the answer after the "
+                          "prefill, as the model answers) or data.prefill=drop (as the template renders it)")
+        elif prefill == "after":  # what the prefill already wrote is not written twice (DeepSeek-V3.2's </think>)
+            rest = through[k:]
+            overlap = next((n for n in range(len(tail), 0, -1) if rest.startswith(tail[-n:])), 0)
+            text, own_text = prompt + rest[overlap:], True
+        else:
+            start = k
+    profile = render.profile
+    stop = _first_stop(text[start:], profile.stops)
+    if stop is not None:
+        return _Turn(text, start, start + stop[0], own_text)
+    # No stop token in the turn as the template renders it: the one that follows once the chat goes on (in the
+    # whole chat; after the last turn, or one the whole chat shows otherwise, as the template writes it after an
+    # answer or a call once the chat goes on, `TemplateProfile.following`).
+    end = start + len(text[start:].rstrip())
+    if end <= start:
+        raise Refused(f"messages[{i}]", "the chat template renders this turn as no text")
+    following = _stop_at(full[end:], profile.stops) if not last and full.startswith(text[:end]) else None
+    following = following or profile.following["call" if messages[i].get("tool_calls") else "answer"]
+    if following:
+        return _Turn(text[:end] + following, start, end + len(following), own_text)
+    return _Turn(text, start, end, own_text)  # no stop at all: `TemplateProfile.notes` says so once
+
+
+def _after_own_prompt(render: ChatRenderer, messages: list[dict], i: int, tools, prompt: str, through: str,
+                      rewritten_turns: str) -> str | None:
+    """A turn whose prompt the template renders otherwise once the turn follows (Hermes-3 writes a last tool result
+    without the newline it writes before a following turn), by `rewritten_turns`: `split`, its text of its own, the
+    prompt the model answers and the answer after it (found in the chat through the turn after the generation
+    prompt); `skip`, None (untrained); `refuse`, `Refused`. Where the generation prompt cannot place the answer (a
+    template without one, or that moves earlier text, as Mistral's system prompt into the last user turn), refused."""
+    before = render(messages[:i], tools=tools)
+    header = prompt[len(before):] if prompt.startswith(before) else ""
+    at = through.find(header, common_prefix(prompt, through)) if header else -1
+    if at < 0 or rewritten_turns == "refuse":
+        raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently once the "
+                      f"turn is added ({_divergence(prompt, through)}), so the turn cannot be located"
+                      + ("" if at < 0 else "; data.rewritten_turns=split trains it after its own prompt")
+                      + "; set tokenizer.chat_template to a template that keeps earlier text unchanged")
+    if rewritten_turns == "skip":
+        return None
+    return prompt + through[at + len(header):]
+
+
+def _reasoning(message: dict) -> str:
+    """A turn's reasoning text (its `reasoning_content`, or the `<think>` block its content opens with), stripped."""
+    if isinstance(message.get("reasoning_content"), str):
+        return message["reasoning_content"].strip()
+    content = message.get("content")
+    if isinstance(content, str) and "</think>" in content:
+        return content.split("</think>")[0].split("<think>")[-1].strip()
+    return ""

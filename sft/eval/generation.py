@@ -1,0 +1,78 @@
+"""Exact-match accuracy of generated answers: does greedy decoding reproduce the reference answer?
+
+Used for the hardest difficulty bucket of the eval set (`exact_match` config node): the prompt is the
+chat up to its last assistant turn, the answer is compared to that turn's content after stripping.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+
+import torch
+
+from sft.data.templates import prompt_text, stop_token_ids
+
+log = logging.getLogger("sft")
+
+
+def hardest_bucket_rows(rows: list[dict], bucket_edges: list[float], max_rows: int) -> list[dict]:
+    """The eval rows (`sft.data.rows.read_jsonl`'s) of the highest non-empty difficulty bucket, in their order, at
+    most `max_rows`; a row without a score counts as 0."""
+    bucket = [bisect.bisect_right(bucket_edges, r.get("difficulty_score") or 0.0) for r in rows]
+    hardest = max(bucket)
+    return [r for r, b in zip(rows, bucket) if b == hardest][:max_rows]
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 32,
+                   synced_gpus: bool = False) -> list[str]:
+    """Each row's greedy answer to its chat up to the last assistant turn, prompted as the labelling renders it
+    (`sft.data.templates.prompt_text`) and ended by the tokens answers are trained to end with (left-padded
+    batches; the model's train/eval mode and the tokenizer's padding side are restored)."""
+    was_training = model.training
+    model.eval()
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    answers = []
+    try:
+        stops = stop_token_ids(tokenizer)  # the tokens answers are trained to end with
+        for start in range(0, len(rows), batch_size):
+            prompts = [prompt_text(tokenizer, r["messages"][:-1], _tools(r)) for r in rows[start:start + batch_size]]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, synced_gpus=synced_gpus,
+                                 eos_token_id=stops or tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return answers
+
+
+def _tools(row: dict) -> list | None:
+    """A validated row's tool definitions (`sft.data` keeps them as JSON text)."""
+    tools = row.get("tools")
+    return json.loads(tools) if isinstance(tools, str) and tools else (tools or None)
+
+
+def reference(row: dict) -> str:
+    """The answer a row's chat ends with (a call-only turn's null content: empty)."""
+    return row["messages"][-1].get("content") or ""
+
+
+def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 32, batch_size: int = 32,
+                synced_gpus: bool = False) -> float:
+    """Fraction of rows whose greedy answer equals the reference answer."""
+    answers = greedy_answers(model, tokenizer, rows, max_new_tokens, batch_size, synced_gpus)
+    hits = sum(a.strip() == reference(r).strip() for a, r in zip(answers, rows))
+    return hits / max(len(rows), 1)
+
+
+def hardest_bucket_exact_match(trainer, tokenizer, eval_rows: list[dict], bucket_edges: list[float], max_rows: int,
+                               max_new_tokens: int) -> float:
+    """Exact match of greedy answers on the hardest eval bucket (every rank generates; rank 0 reports)."""
+    rows = hardest_bucket_rows(eval_rows, bucket_edges, max_rows)
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped if trainer.is_zero3 else trainer.model)
+    score = exact_match(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.shards_parameters)
+    log.info("exact match of greedy answers on the hardest eval bucket (%d rows): %.4f", len(rows), score)
+    return score

@@ -1,0 +1,115 @@
+"""Generation samples during evaluation (`eval_generation=default`): what the model answers, as training goes.
+
+At every `every`-th evaluation, greedy answers to a fixed set of eval prompts (`prompts`, chosen once from
+the eval file, spread over the difficulty buckets) are generated on every rank (synced under ZeRO-3), scored
+by each metric in `metrics` (name -> the import path of a function `(answer, reference) -> float`) and
+logged as `eval_gen/<name>` (their mean) and `eval_gen/seconds` with the evaluation's other metrics; the
+table (step, prompt, reference, answer) goes to TensorBoard as text and to W&B as a table.
+
+    metrics={exact_match: sft.eval.samples.exact_match}, answers ["4", "5 "], references ["4", "5"]
+      ->  eval_gen/exact_match 1.0
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+from sft.config import EvalGenerationConfig, _import_target
+
+log = logging.getLogger("sft")
+
+
+def exact_match(answer: str, reference: str) -> float:
+    """1.0 where the answer equals the reference, surrounding white space aside."""
+    return float(answer.strip() == reference.strip())
+
+
+def rouge_l(answer: str, reference: str) -> float:
+    """ROUGE-L F1 (`pip install rouge-score`)."""
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeL"]).score(reference, answer)["rougeL"].fmeasure
+
+
+rouge_l.requires = "rouge_score rouge-score"  # checked with the config ("module pip-name"), not mid-training
+
+
+def spread_over_buckets(rows: list[dict], bucket_edges: list[float], n: int) -> list[dict]:
+    """`n` rows taken in turn from each difficulty bucket (in file order within each), so every bucket is
+    represented; rows without a score form a group of their own.
+
+        scores [1, 1, 1, 3, 3], edges [2], n=3  ->  the rows scored 1, 3, 1
+    """
+    groups: dict = {}
+    for row in rows:
+        score = row.get("difficulty_score")
+        key = -1 if score is None else bisect.bisect_right(bucket_edges, score)
+        groups.setdefault(key, []).append(row)
+    queues = [groups[k] for k in sorted(groups)]
+    chosen, depth = [], 0
+    while len(chosen) < n and any(depth < len(q) for q in queues):
+        chosen += [q[depth] for q in queues if depth < len(q)][: n - len(chosen)]
+        depth += 1
+    return chosen
+
+
+@dataclass(eq=False, kw_only=True)
+class EvalGeneration(EvalGenerationConfig):
+    def __post_init__(self):
+        self.scorers = {name: _import_target(path) for name, path in self.metrics.items()}
+        self.rows: list[dict] = []
+        self.evaluations = 0
+
+    def choose(self, rows: list[dict], bucket_edges: list[float]) -> None:
+        """Fix the prompts for the whole run (a resumed run chooses the same ones) among the eval rows (as
+        `sft.data.rows.read_jsonl` reads them)."""
+        self.rows = spread_over_buckets(rows, bucket_edges, self.prompts)
+
+    def due(self) -> bool:
+        """Counts an evaluation; whether this one generates."""
+        self.evaluations += 1
+        return bool(self.rows) and (self.evaluations - 1) % self.every == 0
+
+    def generate(self, model, tokenizer, synced_gpus: bool) -> tuple[dict[str, float], list[list[str]]]:
+        """The metrics (`eval_gen/<name>`, `eval_gen/seconds`) and the table rows (prompt, reference, answer)."""
+        from sft.eval.generation import greedy_answers, reference
+
+        started = time.perf_counter()
+        answers = greedy_answers(model, tokenizer, self.rows, self.max_new_tokens, batch_size=len(self.rows),
+                                 synced_gpus=synced_gpus)
+        references = [reference(r) for r in self.rows]
+        metrics = {f"eval_gen/{name}": sum(score(a, ref) for a, ref in zip(answers, references)) / len(answers)
+                   for name, score in self.scorers.items()}
+        metrics["eval_gen/seconds"] = time.perf_counter() - started
+        prompts_shown = [r["messages"][-2].get("content") or "" for r in self.rows]  # the last user turn
+        return metrics, [list(t) for t in zip(prompts_shown, references, answers)]
+
+
+def markdown_table(step: int, table: list[list[str]]) -> str:
+    """The samples as a Markdown table, which TensorBoard's text tab renders."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| step | prompt | reference | answer |", "|---|---|---|---|"]
+    lines += [f"| {step} | {cell(p)} | {cell(r)} | {cell(a)} |" for p, r, a in table]
+    return "\n".join(lines)
+
+
+def log_samples(callbacks, step: int, table: list[list[str]]) -> None:
+    """The samples to TensorBoard (through Trainer's own writer, into the run's event file) and W&B."""
+    from transformers.integrations import TensorBoardCallback
+
+    for callback in callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
+            callback.tb_writer.add_text("eval_gen/samples", markdown_table(step, table), step)
+            callback.tb_writer.flush()
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.log({"eval_gen/samples": wandb.Table(columns=["step", "prompt", "reference", "answer"],
+                                                       data=[[step, *row] for row in table])}, commit=False)

@@ -1,0 +1,46 @@
+"""Auxiliary terms of a loss (`loss.aux.<name>`): their interface and what they see of a micro-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+import torch
+from sft.loss.base import Targets, select_targets
+
+
+
+@dataclass
+class AuxBatch:
+    """What an auxiliary term sees of a micro-batch besides the hidden states: the labels and loss weights,
+    `position_ids` of a packed batch, and each sequence's `values` (its `AuxTerm.row_value`, [sequences])."""
+
+    labels: torch.Tensor
+    loss_weights: torch.Tensor
+    position_ids: torch.Tensor | None
+    values: torch.Tensor
+
+    def targets(self) -> Targets:
+        """The assistant tokens and the positions predicting them, with each one's sequence (`Targets`)."""
+        return select_targets(self.labels, self.loss_weights, self.position_ids)
+
+
+class AuxTerm:
+    """An auxiliary term of a loss (`loss.aux.<name>`), added as `coef * sum of numerators / sum of
+    denominators` over the optimizer step (all micro-batches, all ranks), as the main loss is; logged as
+    `aux/<name>` without the coef. A term of your own overrides the three methods (see `examples/`).
+    """
+
+    coef: float = 1.0
+
+    def row_value(self, row: Mapping) -> float:
+        """A number per sequence computed at preprocessing from its row (e.g. a group id): `AuxBatch.values`."""
+        return 0.0
+
+    def denominator(self, batch: AuxBatch) -> torch.Tensor:
+        """This micro-batch's share of the step's denominator (before any forward pass)."""
+        raise NotImplementedError
+
+    def numerator(self, hidden: torch.Tensor, batch: AuxBatch) -> torch.Tensor:
+        """This micro-batch's share of the step's numerator, differentiable, from the final hidden states
+        [rows, positions, hidden]."""
+        raise NotImplementedError

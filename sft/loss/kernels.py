@@ -1,0 +1,177 @@
+"""How the cross entropy is computed (`loss.impl`): the memory-lean chunked kernel of this project, and the
+choice among it, the model's own logits (`naive`), cut-cross-entropy and Liger (`choose_impl`)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from typing import Callable
+import torch
+from sft.config import (LOSS_IMPLS, ConfigError)
+from sft.loss.logits import LogitTransform
+
+
+
+LARGE_VOCAB = 32768  # from here on `auto` never materialises the logits
+
+
+log = logging.getLogger("sft")
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum_t coef_t * f_t * CE(transform(hidden_t @ weight.T), label_t), a chunk of tokens at a time, with
+    f_t = factor(ce_t) a detached per-token factor (1 without one).
+
+    The gradients are computed chunk by chunk in the forward pass, while each chunk's logits exist (as
+    Liger's fused linear cross entropy does): the backward only scales them, so nothing is recomputed and
+    at most one chunk of logits is ever held. The loss is linear in what the backward receives, so this is
+    exact for any upstream gradient. Every chunk reuses one logits buffer and works on it in place: a new
+    buffer per chunk would cost fresh pages from the OS each time on CPU.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, coef, chunk_tokens, accuracy, transform, factor):
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        scale, softcap = transform.scale, transform.softcap
+        n = hidden.size(0)
+        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        coef = coef.clone() if factor is not None else coef  # becomes coef * factor, chunk by chunk
+        correct = torch.empty(n, dtype=torch.bool, device=hidden.device) if accuracy else None
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        # Project in the hidden states' dtype, as autocast would (bf16 activations over fp32 master weights).
+        weight_in = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+        rows = min(chunk_tokens, n)
+        buffer = torch.empty(rows, weight.size(0), dtype=hidden.dtype, device=hidden.device)
+        buffer32 = buffer if hidden.dtype == torch.float32 else torch.empty_like(buffer, dtype=torch.float32)
+        capped = torch.empty_like(buffer32) if softcap and (need_hidden or need_weight) else None
+        autocast_off = torch.autocast(hidden.device.type, enabled=False)
+        autocast_off.__enter__()
+        for start in range(0, n, chunk_tokens):
+            end = min(start + chunk_tokens, n)
+            h, y = hidden[start:end], labels[start:end]
+            logits = torch.mm(h, weight_in.T, out=buffer[: end - start])
+            if logits.dtype != torch.float32:
+                logits = buffer32[: end - start].copy_(logits)
+            if scale != 1.0:
+                logits.mul_(scale)
+            if softcap:  # t = c * tanh(z / c), whose derivative 1 - tanh^2 the gradient needs below
+                logits.div_(softcap).tanh_()
+                if capped is not None:
+                    capped[: end - start].copy_(logits)
+                logits.mul_(softcap)
+            if accuracy:
+                correct[start:end] = logits.argmax(-1) == y
+            target = logits.gather(1, y[:, None]).squeeze(1)
+            top = logits.amax(-1)
+            probs = logits.sub_(top[:, None]).exp_()  # in place: the logits become unnormalised probabilities
+            total = probs.sum(-1)
+            ce[start:end] = top + total.log() - target
+            if factor is not None:
+                coef[start:end] *= factor(ce[start:end])
+            if need_hidden or need_weight:
+                probs.mul_((coef[start:end] / total)[:, None])  # coef * softmax
+                probs[torch.arange(end - start, device=y.device), y] -= coef[start:end]  # minus coef * one-hot
+                if capped is not None:  # back through the softcap, then the scale
+                    probs.mul_(capped[: end - start].square_().neg_().add_(1.0))
+                if scale != 1.0:
+                    probs.mul_(scale)
+                grad_logits = probs if hidden.dtype == torch.float32 else buffer[: end - start].copy_(probs)
+                if need_hidden:
+                    torch.mm(grad_logits, weight_in, out=grad_hidden[start:end])
+                if need_weight:
+                    grad_weight.addmm_(probs.T, h.float())
+        autocast_off.__exit__(None, None, None)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        if accuracy:
+            ctx.mark_non_differentiable(ce, correct, coef)
+        else:
+            ctx.mark_non_differentiable(ce, coef)
+        return (coef * ce).sum(), ce, correct, coef
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_correct, _grad_coef):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                 coef: torch.Tensor, chunk_tokens: int = 1024, accuracy: bool = False,
+                                 transform: LogitTransform | None = None, factor: Callable | None = None):
+    """`(sum_t c_t * ce_t, ce [N], correct [N] or None, c [N])` for hidden states [N, H] and a projection
+    weight [V, H], the logits `transform(hidden @ weight.T)`, without ever holding more than
+    `chunk_tokens` rows of logits; `c = coef * factor(ce)` (detached), or `coef` without a factor."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, coef.float(), chunk_tokens, accuracy,
+                                            transform or LogitTransform(), factor)
+
+
+def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainable_head: bool = False) -> str:
+    """The implementation to run for `loss.impl=requested`, logging why a requested one is not used."""
+    if requested not in LOSS_IMPLS:
+        raise ConfigError("loss.impl", requested, f"must be one of {', '.join(LOSS_IMPLS)}")
+    # DeepSpeed ZeRO-3 updates a sharded lm_head only through its module's own forward and backward.
+    lean = "naive" if zero3_trainable_head else "chunked"
+    if requested == "cce" or (requested == "auto" and on_gpu):
+        problem = ("needs a CUDA GPU" if not on_gpu else "the lm_head is trainable and sharded by ZeRO-3"
+                   if zero3_trainable_head else _cce_problem())
+        if problem is None:
+            return "cce"
+        if requested == "cce":
+            log.warning("loss.impl=cce: %s; using %s", problem, lean)
+            return lean
+    if requested == "liger":
+        problem = ("needs a CUDA GPU" if not on_gpu else "the lm_head is trainable and sharded by ZeRO-3"
+                   if zero3_trainable_head else _liger_problem())
+        if problem is None:
+            return "liger"
+        log.warning("loss.impl=liger: %s; using %s", problem, lean)
+        return lean
+    if requested == "chunked" and zero3_trainable_head:
+        log.warning("loss.impl=chunked: the lm_head is trainable and sharded by ZeRO-3, which updates it only "
+                    "through its module's own forward; using naive (with LoRA the lm_head is frozen and chunked works)")
+    if requested == "auto":
+        return lean if not on_gpu or vocab_size >= LARGE_VOCAB else "naive"
+    return lean if requested == "chunked" else requested
+
+
+def _cce_problem() -> str | None:
+    """Why cut-cross-entropy cannot give per-token losses here, or None if it can."""
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except Exception as e:  # not installed, or it fails to import (no triton ...)
+        return f"cut-cross-entropy is not usable ({type(e).__name__}: {e})"
+    if "reduction" not in inspect.signature(linear_cross_entropy).parameters:
+        return "this cut-cross-entropy has no reduction='none' (per-token losses), which the weights need"
+    return None
+
+
+LIGER_PER_TOKEN = (0, 8, 2)  # the first liger-kernel whose reduction="none" has a per-token gradient
+
+
+def _liger_problem() -> str | None:
+    """Why Liger's fused linear cross entropy cannot give weighted per-token losses here, or None if it can.
+    Before 0.8.2 its backward scaled a gradient computed in the forward by one scalar, which per-token
+    weights would make wrong."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("liger-kernel")
+    except PackageNotFoundError:
+        return "liger-kernel is not installed (pip install 'liger-kernel>=0.8.2')"
+    numbers = tuple(int(part) for part in re.findall(r"\d+", found)[:3])
+    if numbers < LIGER_PER_TOKEN:
+        return (f"liger-kernel {found} scales the gradient it computes in the forward by one scalar, so per-token "
+                "weights would get a wrong gradient (0.8.2 and later compute a per-token one)")
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception as e:  # it fails to import (no triton ...)
+        return f"liger-kernel {found} is not usable ({type(e).__name__}: {e})"
+    if "reduction" not in inspect.signature(liger_fused_linear_cross_entropy).parameters:
+        return f"liger-kernel {found} has no reduction='none' (per-token losses)"
+    return None

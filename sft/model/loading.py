@@ -1,0 +1,245 @@
+"""Tokenizer and causal LM loading, including the embedded `tiny` model built locally without a hub.
+
+`name_or_path: tiny` resolves to a directory under the sft cache holding a small Qwen2-architecture model
+(random init, seeded) and a byte-level BPE tokenizer with the ChatML tokens and a Qwen2.5-style chat
+template. It is built once, atomically, and from then on loaded through the same Auto classes as a real
+checkpoint, so every code path (save, resume, merge) is the one users run on Qwen2.5-7B-Instruct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from filelock import FileLock
+
+from sft.data.cache import building, cache_dir
+
+log = logging.getLogger(__name__)
+
+TINY = "tiny"
+CHATML_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Qwen2.5's template without tool calls: default system turn, ChatML framing, generation prompt.
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Architecture of the embedded model: small enough to train in minutes on two CPU cores.
+TINY_ARCH = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+TINY_VOCAB_MERGES = 400
+TINY_SEED = 0
+
+
+def tiny_model_dir() -> Path:
+    """Directory of the embedded tiny model, built on first use (safe when several ranks race)."""
+    from sft import sample_data
+
+    recipe = json.dumps(
+        {"arch": TINY_ARCH, "merges": TINY_VOCAB_MERGES, "seed": TINY_SEED, "template": CHATML_TEMPLATE,
+         "corpus": hashlib.sha256(sample_data.TRAIN_FILE.read_bytes()).hexdigest()},
+        sort_keys=True,
+    )
+    target = cache_dir() / f"tiny-qwen2-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):  # ranks of one launch share the cache: one builds, the others wait
+        if not (target / "config.json").exists():
+            shutil.rmtree(target, ignore_errors=True)  # a dir without config.json would block the rename
+            with building(target) as tmp:
+                _build_tiny(tmp)
+    return target
+
+
+def _build_tiny(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    import torch
+
+    from sft import sample_data
+
+    bpe = Tokenizer(models.BPE())
+    # Digits one per token, as in Qwen2: arithmetic sees every digit on its own.
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + len(CHATML_TOKENS) + TINY_VOCAB_MERGES,
+        special_tokens=CHATML_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = []
+    for line in sample_data.TRAIN_FILE.read_text(encoding="utf-8").splitlines():
+        corpus.extend(m["content"] for m in json.loads(line)["messages"])
+    corpus += ["system", "user", "assistant", "You are a helpful assistant."]
+    bpe.train_from_iterator(corpus, trainer=trainer)
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=TINY_ARCH["max_position_embeddings"],
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(out)
+
+    torch.manual_seed(TINY_SEED)
+    vocab = -(-len(tokenizer) // 64) * 64  # padded like real checkpoints' embedding matrices
+    config = Qwen2Config(
+        vocab_size=vocab,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_ARCH,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.save_pretrained(out)
+    log.info("built the embedded tiny model in %s", out)
+
+
+def resolve(name_or_path: str) -> str:
+    """A hub id or local directory as given; `tiny` as the embedded model's directory."""
+    return str(tiny_model_dir()) if name_or_path == TINY else name_or_path
+
+
+def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False,
+                   chat_template_kwargs: dict | None = None, stop_tokens: list[str] | None = None):
+    """Load a tokenizer for training: right padding, a pad token, a chat template (`chat_template`: its Jinja text,
+    or the path of a `.jinja` file holding it, as llama.cpp keeps them), and the settings the labelling reads
+    (`sft.data.templates.configure_chat`): the template's kwargs and the model's stop tokens (those of its
+    `generation_config.json` and the tokenizer's eos; `stop_tokens` replaces them)."""
+    from transformers import AutoTokenizer
+
+    from sft.data.templates import configure_chat
+    from sft.config import ConfigError
+
+    path = resolve(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "right"
+    name = f"{name_or_path}'s chat template"
+    if chat_template is not None:
+        name = "tokenizer.chat_template"
+        if chat_template.endswith(".jinja") and "{" not in chat_template:
+            try:
+                name, chat_template = f"tokenizer.chat_template ({Path(chat_template).name})", \
+                    Path(chat_template).read_text(encoding="utf-8")
+            except OSError as e:
+                raise ConfigError("tokenizer.chat_template", chat_template, f"cannot be read ({e.strerror})") from None
+        tokenizer.chat_template = chat_template
+    if tokenizer.chat_template is None:
+        raise ConfigError("tokenizer.chat_template", None, f"tokenizer {name_or_path!r} has no chat template; set "
+                          "tokenizer.chat_template (its text, or a .jinja file)")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        return configure_chat(tokenizer, chat_template_kwargs, stop_tokens, path, name)
+    except ValueError as e:
+        raise ConfigError("tokenizer.stop_tokens", list(stop_tokens or []), str(e).split(": ", 1)[-1]) from None
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str = "float32",
+    attn_implementation: str | None = "sdpa",
+    trust_remote_code: bool = False,
+    quantization: str | None = None,
+    random_init: dict | None = None,
+    config_overrides: dict | None = None,
+):
+    """Load a causal LM with the Auto classes (the tiny preset included); `quantization=nf4` for QLoRA.
+
+    `attn_implementation` is one of transformers' (`sdpa`, `eager`, `flash_attention_2` ...) or
+    `sdpa_varlen` (`sft.model.attention`: sdpa per sample of a packed row). `random_init` (a transformers
+    config as a dict, e.g. Qwen2.5-7B's shape; empty or None: load the weights) builds that architecture with random weights instead of
+    loading `name_or_path`'s, on the GPU when there is one: benchmarks at full size with no download.
+    `config_overrides` changes fields of the model's config (e.g. a mixture of experts' router aux loss:
+    `output_router_logits`, `router_aux_loss_coef`); a name the config does not have is refused.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if attn_implementation == "sdpa_varlen":
+        from sft.model import attention
+
+        attention.register()
+
+    extra = {}
+    if quantization == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        extra["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=getattr(torch, dtype),
+        )
+    if random_init:
+        config = AutoConfig.for_model(**random_init)
+    else:
+        config = AutoConfig.from_pretrained(resolve(name_or_path), trust_remote_code=trust_remote_code)
+    _override_config(config, config_overrides or {})
+    try:
+        if random_init:
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
+                                                        attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(
+            resolve(name_or_path),
+            config=config,
+            dtype=getattr(torch, dtype),
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            **extra,
+        )
+    except ValueError as e:
+        if "does not support an attention implementation" not in str(e):
+            raise
+        from sft.config import ConfigError
+
+        raise ConfigError("model.attn_implementation", attn_implementation,
+                          str(e).split(". Please")[0] + ": use eager (or flash_attention_2 on a GPU)") from e
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e):
+            raise
+        from sft.config import ConfigError
+
+        raise ConfigError("model.config_overrides", dict(config_overrides or {}), f"changes the shape of "
+                          f"{name_or_path}'s weights, which then cannot load; model.random_init builds another "
+                          "shape with random weights") from e
+
+
+def _override_config(config, overrides: dict) -> None:
+    """Set fields of a transformers config; an unknown name is a config error (it would be ignored)."""
+    from sft.config import ConfigError
+
+    for name, value in overrides.items():
+        if not hasattr(config, name):
+            raise ConfigError(f"model.config_overrides.{name}", value,
+                              f"{type(config).__name__} has no field {name!r}")
+        setattr(config, name, value)

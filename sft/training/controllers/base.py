@@ -1,0 +1,136 @@
+"""The controller protocol: a Trainer callback whose decisions survive a crash.
+
+A controller is an entry of the `controllers` config node (`conf/controllers/<name>.yaml`, switched on
+with `+controllers=<name>`), built by `build_controllers` and added to the Trainer's callbacks. Besides
+Trainer's events (`on_evaluate`, `on_step_end` ...) the trainer and the recipe reach it only through:
+
+- `state_dict` / `load_state_dict`: its whole state as a plain dict, written into each checkpoint's
+  `sft_state.json` and restored on resume, so a resumed run takes the same decisions;
+- `log_values`: its current setting, added to each training log;
+- `judge_step`: an optional verdict on each optimizer step once its loss and gradient norm are known
+  (`sft.training.step_control`): a `StepVerdict` can skip the update and asks for a report of the step's rows;
+- `train_sampler`: an optional sampler for the training rows (one controller at most provides one);
+- `results`: values for `results.json` (fields of `sft.experiments.results.RunResults`);
+- `failure`: why the run must end as failed once training stopped (exit code 1), or None.
+
+A controller of your own is one class (a subclass of `Controller`) and one YAML file; see the README.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from transformers import TrainerCallback
+
+from sft.config import learned_state, restore_learned_state
+
+log = logging.getLogger("sft")
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """A controller's judgement of a finished optimizer step that is not ok."""
+
+    kind: str  # what went wrong, e.g. "nonfinite" or "spike"
+    skip: bool  # drop the step's update: parameters, optimizer state and schedule stay as they are
+    folder: str  # the run dir's folder for the step's report, e.g. "nan_batches"
+    summary: str  # for the log line, e.g. "non-finite loss or gradient"
+
+
+class Controller(TrainerCallback):
+    """Base of every controller; each method below is a no-op unless a controller needs it."""
+
+    name = "controller"  # for log lines
+    needs_difficulty_score = False  # True: every training row must have a difficulty_score
+
+    def __post_init__(self):  # the built-in controllers are dataclasses extending their schema
+        """Set up the state that is not a knob (the knobs are the schema's fields)."""
+
+    def state_dict(self) -> dict:
+        """What a resume needs: the learned state, not the knobs (those come from the run's config)."""
+        return learned_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_learned_state(self, state)
+
+    def log_values(self) -> dict:
+        return {}
+
+    def judge_step(self, step: int, loss: float, grad_norm: float) -> StepVerdict | None:
+        """A verdict on a finished step (mean loss over ranks, global pre-clip gradient norm); None: ok."""
+        return None
+
+    def train_sampler(self, dataset, seed: int):
+        """A `torch.utils.data.Sampler` over the training rows, or None to keep Trainer's."""
+        return None
+
+    def results(self) -> dict:
+        """Fields of `results.json` this controller decides."""
+        return {}
+
+    def failure(self) -> str | None:
+        """Why the run failed, once training has stopped (the message for the user), or None."""
+        return None
+
+
+def implements(controller: Controller, method: str) -> bool:
+    """Whether a controller's class has its own `method` of the protocol (not the base's no-op)."""
+    return getattr(type(controller), method) is not getattr(Controller, method)
+
+
+def build_controllers(nodes) -> dict[str, Controller]:
+    """Every non-null entry of the `controllers` node, built with `hydra.utils.instantiate`."""
+    from hydra.utils import instantiate
+
+    from sft.config import ConfigError
+
+    controllers = {}
+    for name, node in (nodes or {}).items():
+        if node is None:
+            continue
+        controller = instantiate(node, _convert_="all")
+        if not isinstance(controller, Controller):
+            raise ConfigError(f"controllers.{name}._target_", node.get("_target_"),
+                              "must build an sft.training.controllers.Controller (a TrainerCallback with state)")
+        controllers[name] = controller
+    samplers = [name for name, c in controllers.items() if implements(c, "train_sampler")]
+    if len(samplers) > 1:
+        raise ConfigError("controllers", None, f"{' and '.join(samplers)} both choose the training rows; keep one")
+    return controllers
+
+
+class MetricWatch:
+    """Best value of a metric and the number of evaluations since it last improved by `min_delta`."""
+
+    def __init__(self, mode: str = "min", min_delta: float = 0.0):
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode={mode!r}: must be min or max")
+        self.mode, self.min_delta = mode, min_delta
+        self.best: float | None = None
+        self.bad_evals = 0
+
+    def update(self, value: float) -> bool:
+        """Record a value; True when it improves on the best by more than `min_delta`."""
+        better = self.best is None or (
+            value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+        )
+        if better:
+            self.best, self.bad_evals = value, 0
+        else:
+            self.bad_evals += 1
+        return better
+
+    def state_dict(self) -> dict:  # mode and min_delta are knobs: the resumed run's config sets them
+        return {"best": self.best, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.bad_evals = state["best"], state["bad_evals"]
+
+
+def metric_value(metrics: dict | None, key: str, owner: str) -> float | None:
+    """The watched metric from an evaluation, or None (with a warning) when it was not computed."""
+    if not metrics or key not in metrics:
+        log.warning("%s: metric %r not in this evaluation (%s)", owner, key, ", ".join(sorted(metrics or {})))
+        return None
+    return float(metrics[key])

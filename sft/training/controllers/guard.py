@@ -1,0 +1,89 @@
+"""Non-finite and spiking steps: skip the update, record the rows, stop after too many in a row.
+
+`sft.training.step_control` asks for a verdict on each optimizer step once its global gradient norm is known
+(`judge_step`). A step whose loss or gradient norm is not finite is skipped: gradients are dropped before
+the optimizer step, so parameters and optimizer state stay bit-identical, and the scheduler does not
+advance. A step whose loss exceeds `spike_factor` times the running EMA of step losses is a spike:
+recorded, and skipped too with `skip_spikes`. After `max_consecutive` skipped steps in a row the run
+saves a checkpoint and stops, and ends as failed (`failure`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sft.config import GuardConfig
+from sft.training.controllers.base import Controller, StepVerdict, log
+
+NONFINITE = "nonfinite"
+SPIKE = "spike"
+
+
+@dataclass(eq=False, kw_only=True)
+class TrainingGuard(GuardConfig, Controller):
+    name = "guard"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.consecutive = 0
+        self.loss_ema: float | None = None
+        self.good_steps = 0
+        self.skipped_steps: list[int] = []
+        self.spike_steps: list[int] = []
+        self.stopped_at_step: int | None = None
+        self._output_dir = "."
+
+    def judge(self, step: int, loss: float, grad_norm: float) -> str:
+        """`ok`, `nonfinite` or `spike` for a finished step; updates the counters and the loss EMA."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            verdict = NONFINITE
+        elif (self.spike_factor > 0 and self.loss_ema is not None and self.good_steps >= self.spike_warmup
+              and loss > self.spike_factor * self.loss_ema):
+            verdict = SPIKE
+            self.spike_steps.append(step)
+        else:
+            verdict = "ok"
+        if self.skips(verdict):
+            self.consecutive += 1
+            self.skipped_steps.append(step)
+            return verdict
+        self.consecutive = 0
+        self.good_steps += 1
+        self.loss_ema = loss if self.loss_ema is None else self.spike_ema * self.loss_ema + (1 - self.spike_ema) * loss
+        return verdict
+
+    def skips(self, verdict: str) -> bool:
+        return verdict == NONFINITE or (verdict == SPIKE and self.skip_spikes)
+
+    def judge_step(self, step: int, loss: float, grad_norm: float) -> StepVerdict | None:
+        verdict = self.judge(step, loss, grad_norm)
+        if verdict == NONFINITE:
+            return StepVerdict(NONFINITE, skip=True, folder="nan_batches", summary="non-finite loss or gradient")
+        if verdict == SPIKE:
+            return StepVerdict(SPIKE, skip=self.skip_spikes, folder="spikes", summary="loss spike")
+        return None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stopped_at_step = None
+        self._output_dir = args.output_dir
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.consecutive >= self.max_consecutive and self.stopped_at_step is None:
+            self.stopped_at_step = state.global_step
+            control.should_save = True  # a resumable checkpoint of the last good parameters
+            control.should_training_stop = True
+            log.error("guard: %d bad steps in a row (last: step %d): stopping with a checkpoint",
+                      self.consecutive, state.global_step)
+
+    def log_values(self) -> dict:
+        return {"guard/skipped_steps": len(self.skipped_steps), "guard/spikes": len(self.spike_steps)}
+
+    def failure(self) -> str | None:
+        if self.stopped_at_step is None:
+            return None
+        out = self._output_dir
+        return (f"{self.consecutive} bad steps in a row (non-finite loss or gradient, or skipped spikes), the last at "
+                f"step {self.stopped_at_step}: stopped with checkpoint-{self.stopped_at_step} in {out}. "
+                f"The rows are named in {out}/nan_batches/ (and spikes/); fix or drop them (data.on_error, "
+                "controllers.guard.*), then resume with resume=auto")

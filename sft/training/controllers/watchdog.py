@@ -1,0 +1,75 @@
+"""Hang watchdog: when no optimizer step completes in time, every rank dumps its stacks and exits.
+
+Each rank arms `faulthandler.dump_traceback_later` (a C-level timer thread that needs no GIL, so it
+fires even inside a stuck collective) and re-arms it after every step and evaluation batch. When it
+fires, the rank's `hangs/rank-<k>.txt` in the run dir gets the stack of every thread under a header
+naming the rank and its last completed step, and the process exits with status 1 instead of hanging.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sft.config import WatchdogConfig
+from sft.training.controllers.base import Controller
+
+
+@dataclass(eq=False, kw_only=True)
+class HangWatchdog(WatchdogConfig, Controller):
+    name = "watchdog"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._file = None
+        self._rank = int(os.environ.get("RANK", "0"))
+
+    def state_dict(self) -> dict:
+        return {}  # nothing to carry over: a resumed run arms its own timer
+
+    def _arm(self, step: int) -> None:
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(
+            f"rank {self._rank}: no optimizer step completed within {self.timeout_s:g} s after step {step} "
+            f"(armed {time.strftime('%Y-%m-%d %H:%M:%S')}); the stacks of every thread follow.\n\n"
+        )
+        self._file.flush()
+        faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._file)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / "hangs"
+        folder.mkdir(parents=True, exist_ok=True)
+        self._path = folder / f"rank-{self._rank}.txt"
+        self._file = open(self._path, "w")
+        # A run that ends by an exception (or sys.exit) never reaches on_train_end: disarm at exit all the
+        # same, or the armed header would read as a hang. A real hang exits through faulthandler (_exit).
+        atexit.register(self._disarm)
+        self._arm(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._file is not None:
+            self._arm(state.global_step)
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if self._file is not None:
+            self._arm(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._disarm()
+
+    def _disarm(self) -> None:
+        """Cancel the timer and remove the report that did not happen."""
+        if self._file is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._file.close()
+            self._file = None
+            self._path.unlink(missing_ok=True)  # no hang: no report
+            try:
+                self._path.parent.rmdir()
+            except OSError:
+                pass

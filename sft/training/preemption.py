@@ -1,0 +1,105 @@
+"""Graceful preemption: on SIGTERM or SIGINT, finish the optimizer step, save a complete checkpoint, stop.
+
+SLURM, Kubernetes and spot instances send SIGTERM some time before they kill; Ctrl-C sends SIGINT. Each
+rank's handler only notes the signal; at the end of the step every rank learns whether any rank got one,
+so all of them save the same checkpoint and stop together. The flag travels in the step's one all-reduce
+of `sft.training.step_control` (with the step loss the guard judges), right before the optimizer step: a signal
+that arrives during the optimizer step itself stops the run after the next step. The run then
+writes `results.json` with `status: "preempted"` and the checkpoint, says how to continue (`resume=auto`
+with the same run dir) and exits with `PREEMPTED_EXIT_CODE`.
+
+A second signal exits at once, except within `DUPLICATE_S` of the first: launchers (torchrun, accelerate,
+SLURM's job step) deliver the same signal to a worker that the process group already got.
+`signal_grace_s` bounds the wait for the step and the checkpoint: past it the process exits without one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from transformers import TrainerCallback
+
+log = logging.getLogger("sft")
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL ("try again"): SLURM's --requeue, a Kubernetes restart policy
+DUPLICATE_S = 2.0
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(RuntimeError):
+    """The run stopped at a signal after saving `checkpoint`; the message says how to continue."""
+
+    def __init__(self, message: str, checkpoint: str | None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class Preemption(TrainerCallback):
+    """Notes SIGTERM/SIGINT (`install`), and at the end of the step in which any rank got one, asks
+    Trainer to save and stop (`stopped_at` is then that step)."""
+
+    def __init__(self, grace_s: float = 600.0, step_control=None):
+        """`step_control` (the trainer's `StepControl`) carries the flag across the ranks in its per-step
+        all-reduce; without one, each step end makes an all-reduce of its own."""
+        self.grace_s = grace_s
+        self.signal: str | None = None
+        self._received_at = 0.0
+        self.stopped_at: int | None = None
+        self.step_control = step_control
+        if step_control is not None:
+            step_control.stop_requests.append(lambda: self.signal is not None)
+
+    def install(self) -> None:
+        """Take over SIGTERM and SIGINT (from the main thread, where Python runs signal handlers)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.signal is None:
+            self.signal, self._received_at = signal.Signals(signum).name, now
+            log.warning("%s: finishing the current step, then saving a checkpoint and stopping (a second signal "
+                        "exits at once; at most signal_grace_s=%g s)", self.signal, self.grace_s)
+            timer = threading.Timer(self.grace_s, self._give_up)
+            timer.daemon = True
+            timer.start()
+        elif now - self._received_at > DUPLICATE_S:
+            log.warning("%s again: exiting now, without a checkpoint", signal.Signals(signum).name)
+            logging.shutdown()
+            os._exit(128 + signum)
+
+    def _give_up(self) -> None:
+        log.error("%s: the step and its checkpoint did not finish within signal_grace_s=%g s: exiting without "
+                  "one (resume=auto continues from the last complete checkpoint)", self.signal, self.grace_s)
+        logging.shutdown()
+        os._exit(128 + signal.SIGTERM)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._any_rank_signalled(args.device):
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+
+    def _any_rank_signalled(self, device) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        flag = self.signal is not None
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed and self.step_control is not None:
+            return self.step_control.stop_requested  # every rank's flag, from this step's all-reduce
+        if distributed:
+            t = torch.tensor([float(flag)], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag

@@ -1,0 +1,168 @@
+"""One run per run dir: a lock while a run uses it, and no new run over another run's outputs.
+
+- `RunDirLock`: rank 0 holds `<run dir>/.sft.lock` (pid, host, start) from start to exit, so a second run
+  given the same `hydra.run.dir` refuses to start instead of interleaving checkpoints with the first. A lock
+  left by a killed process on this host is taken over; one held on another host is refused, naming it.
+- `claim`: a new run (no `resume`) into a dir holding another run's checkpoints or results is refused in
+  one line naming that run, unless `overwrite=true` (which deletes those outputs first).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from sft.config import ConfigError
+
+log = logging.getLogger("sft")
+
+LOCK_FILE = ".sft.lock"
+# What a run writes into its dir (besides Hydra's .hydra/ and log): what `overwrite=true` deletes.
+RUN_OUTPUTS = ("checkpoint-*", "model", "results.json", "eval_initial.json", "eval_rows.jsonl", "rejected.jsonl",
+               "nan_batches", "spikes", "hangs", "runs")
+_YOUNG_LOCK_S = 10.0  # an empty lock file younger than this is being written by its holder
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When a process started (clock ticks since boot, /proc), to tell a reused pid from its first owner."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(holder: dict) -> bool:
+    """Whether the process a lock names still runs (on this host)."""
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    ticks = _start_ticks(int(holder["pid"]))
+    return holder.get("start_ticks") is None or ticks is None or ticks == holder["start_ticks"]
+
+
+class RunDirLock:
+    """`<run dir>/.sft.lock` while this process runs in the dir (`acquire` ... `release`, also at exit)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = str(run_dir)
+        self.path = Path(run_dir) / LOCK_FILE
+        self.held = False
+
+    def acquire(self) -> None:
+        """Take the lock, or raise `ConfigError` naming the run that holds it."""
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": _start_ticks(os.getpid()),
+              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
+            self.held = True
+            atexit.register(self.release)
+            return
+        raise ConfigError("hydra.run.dir", self.run_dir, f"could not take {self.path}: another run keeps taking it")
+
+    def _take_over_if_stale(self) -> None:
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return  # released meanwhile
+        except (OSError, ValueError):
+            holder = None
+        if holder is None:  # being written now, or left half-written by a crash
+            try:
+                young = time.time() - self.path.stat().st_mtime < _YOUNG_LOCK_S
+            except FileNotFoundError:
+                return
+            if young:
+                raise ConfigError("hydra.run.dir", self.run_dir, f"another run is starting in it ({self.path})")
+        elif holder.get("host") != socket.gethostname() or _alive(holder):
+            raise ConfigError(
+                "hydra.run.dir", self.run_dir,
+                f"another run is using it: pid {holder.get('pid')} on {holder.get('host')} since "
+                f"{holder.get('started')} (lock {self.path}; if that run is gone, delete the file). Two runs in "
+                "one dir would overwrite each other's checkpoints: give this one another hydra.run.dir")
+        log.warning("run dir lock: %s was left by %s, which no longer runs: taking it over", self.path,
+                    f"pid {holder['pid']}" if holder else "a crashed start")
+        self.path.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        try:
+            if json.loads(self.path.read_text()).get("pid") == os.getpid():
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+def run_outputs(run_dir: str | os.PathLike) -> list[Path]:
+    """What earlier runs left in a run dir (`RUN_OUTPUTS`)."""
+    root = Path(run_dir)
+    return sorted({p for pattern in RUN_OUTPUTS for p in root.glob(pattern)}) if root.is_dir() else []
+
+
+def config_hash(config: dict) -> str:
+    """A short hash of a resolved config, to tell runs apart in messages."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def describe_run(run_dir: str | os.PathLike) -> str:
+    """The run whose outputs a dir holds, in a few words: its newest checkpoint and config hash, or its
+    results."""
+    from sft.training.checkpoints import checkpoints, read_state
+
+    found = [(step, path) for step, path, complete in checkpoints(run_dir) if complete]
+    for step, path in reversed(found):
+        try:
+            state = read_state(path)
+        except (OSError, ValueError):
+            continue
+        run = f"run {state['run_id']}, " if state.get("run_id") else ""
+        return f"{path.name} ({run}config {config_hash(state.get('config', {}))}, step {step})"
+    results = Path(run_dir, "results.json")
+    if results.is_file():
+        try:
+            status = json.loads(results.read_text()).get("status", "ok")
+        except (OSError, ValueError):
+            status = "unreadable"
+        return f"results.json (status {status})"
+    outputs = run_outputs(run_dir)
+    return ", ".join(p.name for p in outputs[:3]) + (" ..." if len(outputs) > 3 else "")
+
+
+def claim(run_dir: str | os.PathLike, overwrite: bool, sweep_job: bool = False) -> None:
+    """A new run (no `resume`) starts only in a dir without another run's outputs; `overwrite` deletes them
+    (on rank 0) instead of refusing. `sweep_job`: the dir is a job's of a multirun, whose choices differ."""
+    outputs = run_outputs(run_dir)
+    if not outputs:
+        return
+    if not overwrite:
+        choices = ("sweep.resume=true continues that sweep; another hydra.sweep.dir starts a new one beside it"
+                   if sweep_job else "resume=auto continues it; another hydra.run.dir starts a new run beside it")
+        raise ConfigError("hydra.sweep.dir" if sweep_job else "hydra.run.dir", str(run_dir),
+                          f"holds another run: {describe_run(run_dir)}. {choices}; overwrite=true deletes its "
+                          "checkpoints and results and starts over")
+    if os.environ.get("RANK", "0") == "0":
+        log.warning("overwrite=true: deleting what an earlier run left in %s: %s", run_dir,
+                    ", ".join(p.name for p in outputs))
+        for path in outputs:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()

@@ -1,0 +1,435 @@
+"""`WeightedLossTrainer`: the stock `transformers.Trainer` with a weighted loss that stays exact.
+
+Every override, and why it is needed (each is marked `@override`; a test checks that transformers
+still has each one, with the same parameters):
+- `get_batch_samples` (public) sums the loss's denominator over the optimizer step's micro-batches and
+  all ranks (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to
+  `compute_loss`; it also opens the step in `sft.training.step_control` (DeepSpeed's clip threshold is set there);
+- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines`/`source_views`/`source_ids`/`aux_*` (the
+  model's forward never sees them) and divides the micro-batch's numerator by that global denominator, times the world
+  size because DDP and DeepSpeed average gradients over ranks. A mixture of experts' router aux loss (when
+  its config enables it, `sft.loss.logits.router_aux_loss_coef`) is added with the model's coefficient, each
+  micro-batch's weighted by its share of the step's tokens (so accumulation neither sums nor drops it).
+  The loss's auxiliary terms (`loss.aux`, `sft.loss.auxiliary.AuxTerm`) are added as `coef * numerator / the
+  step's denominator`, their denominators summed with the loss's in `get_batch_samples`.
+  With a lean loss implementation (`loss.impl`, see `sft.losses`) the model runs without its output
+  projection (`logits_to_keep` selects no position) and the loss takes the final hidden states, captured
+  from the decoder, and the projection's weight (gathered under ZeRO-3);
+- `_clip_grad_norm` (private: Trainer's only hook between the backward passes and `optimizer.step()`
+  that receives the model) hands the step to `sft.training.step_control.StepControl.finish`: controllers' verdicts,
+  skip, clip policy;
+- `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
+  curriculum's) when one provides it (`Controller.train_sampler`);
+- `evaluation_loop` (public) replaces the mean of per-batch losses by the exact ratio over the eval set
+  (each row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
+  `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
+- `prediction_step` (public) runs `compute_loss` for the per-row sums and returns no loss, which spares
+  two collectives per eval batch that Trainer would make for a loss nothing reads (`num_items_in_batch`
+  over the ranks, the batch loss gathered);
+- with `eval_generation`, `evaluation_loop` also adds `eval_gen/<metric>` of greedy answers to fixed prompts
+  (`sft.eval.samples`), their samples going to TensorBoard and W&B;
+- `create_accelerator_and_postprocess` (public) lets accelerate's FSDP2 plugin take a CPU process group too
+  (`sft.training.distributed.fsdp_without_gpus`), and refuses to go on where FSDP was asked for and is not on;
+- `_save` (private: the one place every engine's state dict reaches `save_pretrained`) leaves out the tied
+  copies (a tied lm_head) that a gathered FSDP state dict carries as separate tensors;
+- `log` (public) adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`,
+  `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
+  each auxiliary term (its numerators over its denominators since the last log, without the coef), the
+  throughput values (`sft.training.throughput`), the clip policy's and the controllers' `log_values`.
+
+Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
+difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`, and
+`eval_loss_hardest_bucket`; with a mixture (`sft.data.mixture`), `eval_loss_task_<task>` (the weighted loss) and
+`eval_ce_task_<task>` over the eval rows of each task.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+
+import torch
+from accelerate.utils import gather_object
+from transformers import Trainer
+from typing_extensions import override
+
+from sft.training.clipping import GradClipPolicy
+from sft.config import ConfigError
+from sft.training.controllers import Controller
+from sft.data.split import row_scores
+from sft.training.distributed import fsdp_without_gpus
+from sft.loss.auxiliary import AuxBatch
+from sft.loss.logits import LogitTransform, router_aux_loss_coef
+from sft.loss.base import WeightedTokenLoss
+from sft.loss.kernels import choose_impl
+from sft.training.step_control import StepControl
+from sft.training.throughput import ThroughputMeter
+
+log = logging.getLogger("sft")
+
+
+class WeightedLossTrainer(Trainer):
+    # compute_loss normalises over the whole accumulated step itself: Trainer must not divide by GA.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
+                 controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
+                 sources: list[str] | None = None, tasks: dict[int, str] | None = None,
+                 throughput: ThroughputMeter | None = None, eval_generation=None, **kwargs):
+        self.controllers = dict(controllers or {})
+        self.throughput = throughput or ThroughputMeter()
+        callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+        self.loss = loss
+        self.clip_policy = clip_policy or GradClipPolicy()
+        self.step_control = StepControl(self, self.clip_policy, self.controllers, sources)
+        self.eval_buckets = list(eval_buckets)
+        self.eval_generation = eval_generation  # sft.eval.samples.EvalGeneration: samples at evaluations
+        self.eval_scores = {}  # (source, line) -> difficulty score
+        if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
+            self.eval_scores = row_scores(self.eval_dataset)
+        self.tasks = dict(tasks or {})  # a mixture's task of each source number: eval_loss_task_<task>
+        self._train_stats = torch.zeros(len(self.TRAIN_STATS), dtype=torch.float64, device=self.args.device)
+        # (source, line, view) -> numerator, denominator, ce, tokens, correct: each eval sequence counted once
+        self._eval_rows: dict[tuple[int, int, int], list[float]] | None = None
+        self.last_eval_rows: dict[tuple[int, int, int], list[float]] = {}
+        self._decoder = self.model.get_decoder()
+        self._lm_head = self.model.get_output_embeddings()
+        self._zero3_head = self.is_zero3 and hasattr(self._lm_head.weight, "ds_id")
+        self.loss_impl = choose_impl(loss.impl, vocab_size=self.model.config.vocab_size,
+                                     on_gpu=self.args.device.type == "cuda",
+                                     zero3_trainable_head=self._zero3_head and self._lm_head.weight.requires_grad)
+        self.logit_transform = LogitTransform.of(self.model.config)
+        self.router_aux_coef = router_aux_loss_coef(self.model.config)
+        self._step_tokens = None  # input tokens of the optimizer step over all ranks (weights the aux loss)
+        self.aux_terms = dict(getattr(loss, "aux", None) or {})  # the loss's auxiliary terms, by name
+        self._aux_denominators = None  # each term's denominator summed over the step and all ranks
+        self._aux_stats = torch.zeros(2 * len(self.aux_terms), dtype=torch.float64, device=self.args.device)
+        if self.loss_impl != "naive":
+            self._check_lean_loss_reproduces_the_logits()
+        log.info("loss: %s cross entropy (loss.impl=%s)%s", self.loss_impl, loss.impl,
+                 "" if self.logit_transform == LogitTransform() else f", logits {self.logit_transform}")
+
+    def _check_lean_loss_reproduces_the_logits(self) -> None:
+        """A lean loss projects the decoder's output itself: on a short probe, its logits (with the model's
+        known transform) must be the model's own. Otherwise `auto` falls back to `naive`, and an explicit
+        `loss.impl` is refused: never a silently different loss."""
+        if self._zero3_head:  # sharded until DeepSpeed's engine runs: the transform table alone decides
+            return
+        model = self.model
+        ids = torch.arange(1, 9, device=next(model.parameters()).device)[None]
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                outputs, hidden = self._forward_keeping_hidden(model, input_ids=ids)
+                theirs = outputs.logits.float()
+                ours = self.logit_transform(hidden.float() @ self._lm_head.weight.float().T)
+        finally:
+            model.train(was_training)
+        relative = 1e-4 if self._lm_head.weight.dtype == torch.float32 else 2e-2  # bf16/fp16 rounding
+        tolerance = relative * max(1.0, theirs.abs().max().item())
+        error = (ours - theirs).abs().max().item()
+        if error <= tolerance:
+            return
+        reason = (f"this {type(model).__name__}'s logits are not its decoder's output projected by its output "
+                  f"layer ({self.logit_transform}): they differ by up to {error:.3g}")
+        if self.loss.impl != "auto":
+            raise ConfigError("loss.impl", self.loss.impl, f"{reason}; use loss.impl=naive (or auto)")
+        log.warning("loss.impl=auto: %s; using naive", reason)
+        self.loss_impl = "naive"
+
+    @override
+    def create_accelerator_and_postprocess(self):
+        """Trainer's, with FSDP2 also on a CPU process group (`fsdp_without_gpus`); asked for and not on is an error,
+        never a run with DDP in its place."""
+        with fsdp_without_gpus(bool(self.args.fsdp)):
+            super().create_accelerator_and_postprocess()
+        if self.args.fsdp and not self.is_fsdp_enabled:
+            raise RuntimeError(f"fsdp: asked for, but accelerate set up {self.accelerator.distributed_type}")
+
+    @property
+    def is_zero3(self) -> bool:
+        """DeepSpeed ZeRO stage 3: parameters are sharded and gathered only around their use."""
+        return self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+
+    @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3 or FSDP: each rank holds a shard of every weight, and each forward gathers them on all ranks
+        together, so generation runs in step on every rank (`synced_gpus`)."""
+        return self.is_zero3 or self.is_fsdp_enabled
+
+    @override
+    def _save(self, output_dir=None, state_dict=None):
+        """Trainer's, without the tied copies in a gathered (FSDP) state dict: `save_pretrained` leaves out a
+        tied weight (Qwen2.5-0.5B's lm_head) only where it shares storage with its source, and gathered
+        tensors are separate copies; the model would be saved one embedding matrix larger."""
+        tied = getattr(self.accelerator.unwrap_model(self.model), "all_tied_weights_keys", None) or {}
+        if state_dict is not None and tied:
+            state_dict = {k: v for k, v in state_dict.items() if not (k in tied and tied[k] in state_dict)}
+        super()._save(output_dir, state_dict=state_dict)
+
+    # Summed since the last log: ce, weights and count of assistant tokens, samples, input tokens (not
+    # padding), positions, and the router aux loss times the input tokens it was computed on.
+    TRAIN_STATS = ("ce", "weight", "tokens", "samples", "input_tokens", "positions", "aux")
+
+    def state_dict(self) -> dict:
+        """What a resume needs to log exactly as an uninterrupted run: statistics since the last log."""
+        return {"train_stats": self._train_stats.tolist(), "aux_stats": self._aux_stats.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("train_stats", "aux_stats"):
+            saved = torch.tensor(state.get(name, []), dtype=torch.float64, device=self.args.device)
+            getattr(self, f"_{name}")[: len(saved)] = saved
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(t, reduction="sum") if self.accelerator.num_processes > 1 else t
+
+    @override
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Fetch the step's micro-batches and the loss denominator summed over them and all ranks."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        # the loss's denominator, input tokens, each auxiliary term's denominator
+        sums = torch.zeros(2 + len(self.aux_terms), dtype=torch.float64, device=device)
+        for batch in batches:
+            sums[0] += self.loss.normaliser(batch["labels"], batch["loss_weights"],
+                                            batch.get("position_ids")).to(device)
+            sums[1] += input_tokens(batch).to(device)
+            for i, (name, term) in enumerate(self.aux_terms.items()):
+                sums[2 + i] += term.denominator(aux_batch(batch, name)).to(device)
+        self.step_control.begin(device)
+        sums = self._sum_over_ranks(sums)
+        self._step_tokens, self._aux_denominators = sums[1], sums[2:]
+        return batches, sums[0]
+
+    @override
+    def _clip_grad_norm(self, model):
+        """Once per optimizer step, after the backward passes: `StepControl.finish` judges, skips or clips it.
+
+        Trainer calls this (when `max_grad_norm > 0`, which the recipe ensures) right before
+        `optimizer.step()`, and logs the pre-clip norm returned.
+        """
+        return self.step_control.finish(model)
+
+    @override
+    def _get_train_sampler(self, train_dataset=None):
+        """The first controller's sampler (`Controller.train_sampler`: the curriculum's), else Trainer's."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        for controller in self.controllers.values():
+            sampler = controller.train_sampler(dataset, seed)
+            if sampler is not None:
+                return sampler
+        return super()._get_train_sampler(train_dataset)
+
+    @override
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        loss_weights = inputs.pop("loss_weights")
+        source_lines = inputs.pop("source_lines", None)
+        source_views = inputs.pop("source_views", None)
+        source_ids = inputs.pop("source_ids", None)
+        aux_values = {k: inputs.pop(k) for k in [k for k in inputs if k.startswith("aux_")]}
+        evaluating = not model.training and self._eval_rows is not None and source_lines is not None
+        training = model.training and num_items_in_batch is not None
+        outputs, terms, hidden = self._forward_terms(model, inputs, labels, loss_weights, accuracy=evaluating,
+                                                     keep_hidden=training and bool(self.aux_terms))
+        if training:
+            denominator = num_items_in_batch.clamp_min(1e-12).to(terms.loss_sum.dtype)
+            loss = terms.loss_sum / denominator
+            if self.aux_terms:
+                loss = loss + self._aux_loss(hidden, {**inputs, **aux_values, "labels": labels,
+                                                      "loss_weights": loss_weights}).to(loss.dtype)
+            tokens = input_tokens(inputs)
+            aux = outputs.aux_loss.float() if self.router_aux_coef else torch.zeros((), device=loss.device)
+            if self.router_aux_coef:  # the step's aux loss: its micro-batches' mean, weighted by their tokens
+                step_tokens = self._step_tokens if self._step_tokens is not None else tokens
+                loss = loss + self.router_aux_coef * aux * (tokens / step_tokens.clamp_min(1)).to(loss.dtype)
+            loss = loss * self.accelerator.num_processes
+            stats = (terms.ce_sum.sum(), terms.weight_sum.sum(), terms.tokens.sum(), len(terms.tokens), tokens,
+                     labels.numel(), aux.detach() * tokens)
+            self._train_stats += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self._train_stats.device)
+                                              for v in stats])
+            batch = [inputs.get(k) for k in ("input_ids", "attention_mask", "position_ids")]
+            self.step_control.add_micro_batch(loss, source_lines, source_ids, terms.ce_sum / terms.tokens.clamp_min(1),
+                                              batch)
+        else:
+            loss = terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
+            if evaluating:
+                per_row = torch.stack([terms.numerator, terms.denominator, terms.ce_sum, terms.tokens, terms.correct], 1)
+                n = len(source_lines)
+                views = source_views.tolist() if source_views is not None else [0] * n
+                sources = source_ids.tolist() if source_ids is not None else [0] * n
+                self._eval_rows.update(zip(zip(sources, source_lines.tolist(), views), per_row.double().tolist()))
+        return (loss, outputs) if return_outputs else loss
+
+    def _aux_loss(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The auxiliary terms' share of this micro-batch: `coef * numerator / the step's denominator` each."""
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        for i, (name, term) in enumerate(self.aux_terms.items()):
+            part = aux_batch(batch, name)
+            numerator = term.numerator(hidden, part)
+            total = total + term.coef * numerator.double() / self._aux_denominators[i].clamp_min(1e-12)
+            self._aux_stats[2 * i] += numerator.detach().double()
+            self._aux_stats[2 * i + 1] += term.denominator(part).double().to(self._aux_stats.device)
+        return total
+
+    def _forward_terms(self, model, inputs, labels, loss_weights, accuracy: bool, keep_hidden: bool = False):
+        """The model's forward, the loss terms, and the final hidden states (None unless a lean loss or
+        `keep_hidden` needs them); the logits either materialised (`naive`) or not."""
+        position_ids = inputs.get("position_ids")
+        if self.loss_impl == "naive":
+            if keep_hidden:
+                outputs, hidden = self._forward_keeping_hidden(model, **inputs)
+            else:
+                outputs, hidden = model(**inputs, use_cache=False), None
+            return outputs, self.loss.terms(labels, loss_weights, logits=outputs.logits, position_ids=position_ids,
+                                            accuracy=accuracy), hidden
+        no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
+        outputs, hidden = self._forward_keeping_hidden(model, **inputs, logits_to_keep=no_logits)
+        # cce computes no argmax: evaluation (no gradient) takes the chunked path, which gives the accuracy.
+        impl = self.loss_impl if model.training else "chunked"
+        with self._gathered_lm_head():
+            terms = self.loss.terms(labels, loss_weights, hidden=hidden, lm_head=self._lm_head.weight,
+                                    position_ids=position_ids, impl=impl, accuracy=accuracy,
+                                    transform=self.logit_transform)
+        return outputs, terms, hidden
+
+    def _forward_keeping_hidden(self, model, **inputs):
+        """The model's forward (no KV cache), and the decoder's output: the final hidden states."""
+        hidden = {}
+
+        def keep_hidden_states(module, args, output):  # returns None: the output itself goes on unchanged
+            hidden["states"] = output[0]
+
+        hook = self._decoder.register_forward_hook(keep_hidden_states)
+        try:
+            outputs = model(**inputs, use_cache=False)
+        finally:
+            hook.remove()
+        return outputs, hidden["states"]
+
+    def _gathered_lm_head(self):
+        """Under ZeRO-3 the projection's weight is sharded; gather it for the loss (read-only)."""
+        if not self._zero3_head:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([self._lm_head.weight], modifier_rank=None)
+
+    @override
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._eval_rows = {}
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            rows = self._eval_rows
+            if self.accelerator.num_processes > 1:
+                rows = dict(item for part in gather_object([rows]) for item in part.items())
+        finally:
+            self._eval_rows = None
+        self.last_eval_rows = rows  # the latest evaluation row by row (sft.experiments.results.write_eval_rows)
+        output.metrics.update(self._eval_metrics(rows, metric_key_prefix))
+        if self.eval_generation is not None and metric_key_prefix == "eval" and self.eval_generation.due():
+            output.metrics.update(self._generation_samples())
+        return output
+
+    def _generation_samples(self) -> dict[str, float]:
+        """`eval_generation`'s greedy answers (every rank generates; synced under ZeRO-3/FSDP), their metrics, and the
+        table to TensorBoard and W&B from rank 0."""
+        from sft.eval.samples import log_samples
+
+        model = self.accelerator.unwrap_model(self.model_wrapped if self.is_zero3 else self.model)
+        metrics, table = self.eval_generation.generate(model, self.processing_class,
+                                                       synced_gpus=self.shards_parameters)
+        if self.is_world_process_zero():
+            log_samples(self.callback_handler.callbacks, self.state.global_step, table)
+        return metrics
+
+    @override
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation's forward: `compute_loss` records the batch's per-row sums, from which
+        `evaluation_loop` computes every metric. No loss is returned, so Trainer does not count
+        `num_items_in_batch` over the ranks nor gather a per-batch loss: two collectives per eval batch
+        whose results were never used. Predictions (`prediction_loss_only=False`) take Trainer's path."""
+        if not prediction_loss_only or self._eval_rows is None or inputs.get("source_lines") is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            self.compute_loss(model, inputs)
+        return None, None, None
+
+    def _eval_metrics(self, rows: dict, prefix: str) -> dict:
+        """Exact ratios over the eval rows (each counted once): loss, ce, token accuracy, buckets."""
+        numerator, denominator, ce_sum, tokens, correct = (sum(col) for col in zip(*rows.values()))
+        metrics = {
+            f"{prefix}_loss": numerator / max(denominator, 1e-12),
+            f"{prefix}_ce": ce_sum / max(tokens, 1),
+            f"{prefix}_token_accuracy": correct / max(tokens, 1),
+        }
+        if self.tasks:
+            by_task: dict[str, list[float]] = {}
+            for (source, _, _), (num, den, ce, n, _) in rows.items():
+                if source in self.tasks:
+                    acc = by_task.setdefault(self.tasks[source], [0.0] * 4)
+                    for i, v in enumerate((num, den, ce, n)):
+                        acc[i] += v
+            for task, (num, den, ce, n) in sorted(by_task.items()):
+                metrics[f"{prefix}_loss_task_{task}"] = num / max(den, 1e-12)
+                metrics[f"{prefix}_ce_task_{task}"] = ce / max(n, 1)
+        if self.eval_scores:
+            buckets: dict[int, list[float]] = {}
+            for (source, line, _), (_, _, ce, n, _) in rows.items():
+                if (source, line) not in self.eval_scores:  # a row without a score is in no bucket
+                    continue
+                k = bisect.bisect_right(self.eval_buckets, self.eval_scores[(source, line)])
+                acc = buckets.setdefault(k, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + ce, acc[1] + n
+            for k, (ce, n) in sorted(buckets.items()):
+                metrics[f"{prefix}_loss_bucket_{k}"] = ce / max(n, 1)
+            if buckets:
+                metrics[f"{prefix}_loss_hardest_bucket"] = metrics[f"{prefix}_loss_bucket_{max(buckets)}"]
+        return metrics
+
+    @override
+    def log(self, logs, start_time=None):
+        if "loss" in logs:  # a training log: every rank gets here together
+            ce_sum, weight_sum, tokens, samples, inputs, positions, aux = (
+                self._sum_over_ranks(self._train_stats).tolist())
+            self._train_stats.zero_()
+            if tokens:
+                logs["ce"] = ce_sum / tokens
+                logs["weight_mean"] = weight_sum / tokens
+            if self.router_aux_coef and inputs:
+                logs["aux_loss"] = aux / inputs
+            if self.aux_terms:
+                sums = self._sum_over_ranks(self._aux_stats).tolist()
+                self._aux_stats.zero_()
+                for i, name in enumerate(self.aux_terms):
+                    logs[f"aux/{name}"] = sums[2 * i] / max(sums[2 * i + 1], 1e-12)
+            logs.update(self.throughput.log_values(samples, inputs, positions, tokens))
+            logs.update(self.clip_policy.log_values())
+            for controller in self.controllers.values():
+                logs.update(controller.log_values())
+        super().log(logs, start_time)
+
+
+
+def aux_batch(batch: dict, name: str) -> AuxBatch:
+    """What the auxiliary term `name` sees of a micro-batch (`sft.loss.auxiliary.AuxBatch`)."""
+    return AuxBatch(batch["labels"], batch["loss_weights"], batch.get("position_ids"), batch[f"aux_{name}"])
+
+
+def input_tokens(batch: dict) -> torch.Tensor:
+    """The tokens of a micro-batch that are not padding (all of a packed row's)."""
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return mask.sum()
+    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
