@@ -1,6 +1,6 @@
 """`python -m sft.gpu_pack [--out gpu_pack] [--no-readme]`: every check that needs a CUDA GPU, in one command.
 
-1. `pytest -m gpu` (tests/test_gpu.py: cut-cross-entropy and Liger per-token losses against the chunked loss,
+1. `pytest -m gpu` (tests/e2e/test_gpu.py: cut-cross-entropy and Liger per-token losses against the chunked loss,
    flash attention varlen packing against padded logits, QLoRA trains and merges, bf16 follows fp32);
 2. `python -m sft.bench preset=gpu_7b` (LoRA on Qwen2.5-7B's shape, bf16, packed ~4k-token rows: tokens/s,
    MFU, peak memory; the lean loss against the naive one).
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"machine": machine(), "parts": {}}
     junit = out / "gpu_tests.xml"
-    report["parts"]["tests"] = run_part([sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-rA",
+    report["parts"]["tests"] = run_part([sys.executable, "-m", "pytest", "-m", "gpu", "tests/e2e/test_gpu.py", "-rA",
                                          "-p", "no:cacheprovider", f"--junitxml={junit}"],
                                         args.tests_timeout, out / "gpu_tests.log")
     report["tests"] = test_outcomes(junit)

@@ -4,10 +4,10 @@ The config and overrides are `sft.train`'s (`model=...`, `data.train_file=...`, 
 the tokenizer and the data are built as training builds them (validation, chat template, labels,
 truncation, the preprocessing cache) and the model never is. For the first N sequences of the split it
 prints the text as the model reads it, the trained tokens highlighted (green on a terminal, in ⟦brackets⟧
-otherwise) with the loss weight of each trained stretch (a loss's token weights, e.g. `loss=keywords`,
-split a turn into stretches), and then the split's totals:
+otherwise) with the weight of each trained stretch (a loss's token weights, e.g. `loss=keywords`, split a
+turn into stretches), and then the split's totals:
 
-    -- train.jsonl:1 · 52 tokens, 13 trained · loss weight 1
+    -- train.jsonl:1 · 52 tokens, 13 trained · sample weight 1
     <|im_start|>system
     You are a helpful assistant.<|im_end|>
     <|im_start|>user
@@ -35,7 +35,7 @@ GREEN, RESET = "\033[42;30m", "\033[0m"
 
 
 def stretches(tokenizer, input_ids: list[int], weights: list[float]) -> list[tuple[str, float]]:
-    """The sequence as decoded stretches of consecutive tokens of one loss weight (0: not trained).
+    """The sequence as decoded stretches of consecutive tokens of one weight (0: not trained).
 
         [5, 6, 7, 8] with weights [0, 0, 1.5, 1.5]  ->  [("<|im_start|>user", 0.0), ("4<|im_end|>", 1.5)]
     """
@@ -48,14 +48,14 @@ def stretches(tokenizer, input_ids: list[int], weights: list[float]) -> list[tup
 
 
 def show(tokenizer, row: dict, file: str, color: bool) -> str:
-    """One sequence as the model reads it, its trained stretches marked with their loss weight."""
+    """One sequence as the model reads it, its trained stretches marked with their weight."""
     from sft.data.collator import WeightedDataCollator
 
-    weights = WeightedDataCollator(tokenizer)([row])["loss_weights"][0]  # exactly what the trainer gets
+    weights = WeightedDataCollator(tokenizer)([row])["weights"][0]  # exactly what the trainer gets
     trained = int((weights > 0).sum())
     view = f" (turn trained from its own rendering, {row['view']})" if row.get("view") else ""
     header = (f"-- {file}:{row['source_line']}{view} · {len(row['input_ids'])} tokens, {trained} trained · "
-              f"loss weight {row['loss_weight']:g}")
+              f"sample weight {row['sample_weight']:g}")
     body = []
     for text, weight in stretches(tokenizer, row["input_ids"], weights.tolist()):
         if weight == 0:
@@ -82,18 +82,19 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     """The report for a config given as `sft.train` overrides (see the module docstring)."""
     from hydra.utils import instantiate
 
-    from sft.config import ConfigError, check, compose
+    from sft.config.registry import compose
+    from sft.config.schema import ConfigError
+    from sft.config.validate import check
+    from sft.data.load import load_sft_datasets
     from sft.loss.base import build_loss
+    from sft.training.arguments import has_eval_data
 
     cfg = compose("train", overrides)
     check(cfg)
-    from sft.train import has_eval_data
-
     if split == "eval" and not has_eval_data(cfg.data):
         raise ConfigError("data.eval_file", None, "no eval file to inspect (--split eval)")
     tokenizer = instantiate(cfg.tokenizer)
-    loss = build_loss(cfg.loss)
-    data = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer, loss=loss)
+    data = load_sft_datasets(instantiate(cfg.data, _convert_="object"), tokenizer, build_loss(cfg.loss))
     dataset = data.train if split == "train" else data.eval
     shown = [show(tokenizer, row, data.source_name(split, row.get("source", 0)), color)
              for row in (dataset[i] for i in range(min(rows, len(dataset))))]
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import ConfigCompositionException, InstantiationException
     from omegaconf.errors import OmegaConfBaseException
 
-    from sft.config import ConfigError
+    from sft.config.schema import ConfigError
     from sft.data.rows import DataError
     from sft.train import fail
 

@@ -10,6 +10,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from sft.model.merge import MergeConfig, MergeError, merge
 
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:

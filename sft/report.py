@@ -7,6 +7,7 @@ from pathlib import Path
 
 from sft.experiments.report import ReportError, write_report
 
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 

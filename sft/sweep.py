@@ -11,14 +11,30 @@ import sys
 import time
 from pathlib import Path
 
-from sft.experiments.sweep import expand, start_job
+from sft.experiments.sweep import start_job
+
+
+def expand(overrides: list[str]) -> list[list[str]]:
+    """The override list of every job, in Hydra's order."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from sft.config.registry import compose
+
+    plain = [o for o in overrides if not o.startswith("hydra.sweep.dir=")]
+    cfg = compose("train", [o for o in plain if "," not in o], return_hydra_config=True)
+    params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]
+    parsed = OverridesParser.create().parse_overrides(params + plain)
+    return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
+
 
 def main(argv: list[str] | None = None) -> None:
-    from sft.config import ConfigError, compose
-    from sft.training.preemption import PREEMPTED_EXIT_CODE
+    from sft.config.registry import compose
+    from sft.config.schema import ConfigError
     from sft.experiments.report import ReportError, write_report
     from sft.experiments.results import RunResults
     from sft.experiments.tracking import log_sweep_report, sweep_experiment
+    from sft.training.preemption import PREEMPTED_EXIT_CODE
 
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
@@ -67,7 +83,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     log_sweep_report(sweep_dir, cfg.trainer.report_to)
     print((Path(sweep_dir) / "sweep_summary.md").read_text())
-
 
 
 if __name__ == "__main__":

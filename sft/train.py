@@ -2,7 +2,7 @@
 
 The recipe, top to bottom (`train`): find the checkpoint to resume from; build the training arguments
 (before the model, as DeepSpeed ZeRO-3 requires), tokenizer, loss, data, model (+ LoRA), controllers,
-collator and trainer (`build`, which `sft.bench.run` shares); restore the checkpoint's state; train
+collator and trainer (`build`, which the bench's cases share); restore the checkpoint's state; train
 (evaluating before, during and after); save the model and `results.json` in the run dir.
 """
 
@@ -21,10 +21,17 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from sft.config import CONF_DIR, ConfigError, check, key_of_engine_left_off, owned_field_override, register
-from sft.training.distributed import (end_process_group, process_fields, rank_overrides, refuse_multirun_in_launch, set_cpu_threads, share_run_dir, slurm_distributed_env)
+from sft.config.registry import CONF_DIR, register
+from sft.config.schema import ConfigError
+from sft.config.validate import check
 from sft.experiments.results import RunResults
-from sft.experiments.tracking import (finish_mlflow, finish_trackers, in_sweep, job_overrides, log_hparams, name_the_run, start_mlflow)
+from sft.experiments.tracking import (finish_mlflow, finish_trackers, in_sweep, job_overrides, log_hparams,
+                                      name_the_run, start_mlflow)
+from sft.training.advice import TrainingStopped, raise_if_failed, train_with_advice
+from sft.training.arguments import evaluates, training_arguments
+from sft.training.distributed import (end_process_group, rank_overrides, refuse_multirun_in_launch, set_cpu_threads,
+                                      share_run_dir, slurm_distributed_env)
+from sft.training.engines import check_fsdp_resume
 
 if TYPE_CHECKING:
     from sft.data.load import SFTData
@@ -32,10 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sft")
 register()
-
-
-class TrainingStopped(RuntimeError):
-    """A controller stopped the run as failed (the guard, after too many bad steps); the message says why."""
 
 
 @dataclass
@@ -55,7 +58,6 @@ class Recipe:
 def train(cfg: DictConfig) -> RunResults:
     """Run the recipe for a checked config; return the results written to `results.json`."""
     from sft.training.checkpoints import find_checkpoint
-    from sft.training.preemption import Preemption
 
     started = time.time()
     slurm_distributed_env()
@@ -71,8 +73,7 @@ def train(cfg: DictConfig) -> RunResults:
         recipe = build(cfg, run_dir, checkpoint)
         track_checkpoints(recipe, cfg, checkpoint, changes)
         start_mlflow(cfg, run_dir)
-        preemption = Preemption(cfg.signal_grace_s, recipe.trainer.step_control)
-        recipe.trainer.add_callback(preemption)
+        preemption = recipe.controllers["preemption"]
         preemption.install()
         try:
             train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
@@ -131,23 +132,8 @@ def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) 
         claim(output_dir, cfg.overwrite, sweep_job=in_sweep())
     if checkpoint is None:
         return []
-    return check_resume_config(checkpoint, OmegaConf.to_container(cfg, resolve=True), cfg.resume_force)
-
-
-def check_fsdp_resume(cfg: DictConfig, checkpoint: str | None) -> None:
-    """Refuse, before any model is built, an FSDP resume that torch cannot load: `set_optimizer_state_dict`
-    needs a tensor in the saved optimizer state, and plain SGD (no momentum) keeps none (torch 2.13)."""
-    if checkpoint is None or cfg.fsdp is None or cfg.trainer.optim != "sgd":
-        return
-    args = dict(kv.split("=", 1) for kv in (cfg.trainer.optim_args or "").replace(" ", "").split(",") if "=" in kv)
-    try:
-        momentum = float(args.get("momentum", 0))
-    except ValueError:
-        return  # transformers reports a bad value itself
-    if momentum == 0:
-        raise ConfigError("resume", checkpoint, "FSDP cannot reload plain SGD's optimizer state, which holds no "
-                          "tensor (torch's set_optimizer_state_dict needs one), so this run cannot be resumed; "
-                          'train FSDP runs with momentum (trainer.optim_args="momentum=0.9") or another optimizer')
+    current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return check_resume_config(checkpoint, current, cfg.resume_force)
 
 
 def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
@@ -171,25 +157,32 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     from hydra.utils import instantiate
     from transformers import set_seed
 
-    from sft.training.controllers import build_controllers
+    from sft.data.load import load_sft_datasets
     from sft.data.weights import scores_used_by
     from sft.loss.base import build_loss
+    from sft.training.controllers import build_controllers
+    from sft.training.preemption import Preemption
     from sft.training.trainer import WeightedLossTrainer
 
     clip_policy = instantiate(cfg.clip)
-    # Positive, so that Trainer hands every step to WeightedLossTrainer._clip_grad_norm (sft.training.step_control).
-    max_grad_norm = clip_policy.initial_threshold() or 1.0
-    args = training_arguments(cfg, run_dir, resuming=checkpoint is not None, max_grad_norm=max_grad_norm)
+    # 0 for a policy that does not clip (at first): Trainer then calls no clipping, and the step still goes to
+    # WeightedLossTrainer._get_grad_norm (sft.training.step_control)
+    args = training_arguments(cfg, run_dir, resuming=checkpoint is not None,
+                              max_grad_norm=clip_policy.initial_threshold())
     set_seed(args.seed)
 
     tokenizer = instantiate(cfg.tokenizer)
     loss = build_loss(cfg.loss)
     controllers = build_controllers(cfg.controllers)
+    if "preemption" in controllers:
+        raise ConfigError("controllers.preemption", None, "is the name of the controller every run has (SIGTERM: "
+                          "save and stop; signal_grace_s): name yours otherwise")
+    spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
     with args.main_process_first(desc="preprocessing"):
-        # A partial, then the objects: passed to instantiate, the loss (a dataclass) would become a config node.
-        data = instantiate(cfg.data, _partial_=True)(
-            tokenizer=tokenizer, loss=loss, scores_needed_by=scores_used_by(loss, controllers),
-            rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0 else None)
+        data = load_sft_datasets(spec, tokenizer, loss, scores_needed_by=scores_used_by(loss, controllers),
+                                 rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0
+                                 else None)
+    controllers["preemption"] = Preemption(grace_s=cfg.signal_grace_s)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
 
     # Seeded again: tokenising (a cold data cache) draws random numbers and a warm one does not, which would
@@ -218,50 +211,11 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
 # --- the steps of `build` and `train` -----------------------------------------------------------------
 
 
-def training_arguments(cfg: DictConfig, run_dir: str, resuming: bool, max_grad_norm: float):
-    """`TrainingArguments` from the `trainer` group, plus what the recipe decides itself."""
-    import torch
-    from transformers import TrainingArguments
-
-    fields = OmegaConf.to_container(cfg.trainer, resolve=True)
-    fields["output_dir"] = fields["output_dir"] or run_dir
-    fields["save_total_limit"] = None  # sft.training.checkpoints rotates, counting complete checkpoints only
-    on_gpu = torch.cuda.is_available()
-    fields["dataloader_pin_memory"] &= on_gpu  # pinning without a GPU only warns
-    has_eval = evaluates(cfg)
-    if not has_eval:
-        fields["eval_strategy"] = "no"
-    fields.update(process_fields(deepspeed=bool(cfg.deepspeed), fsdp=cfg.fsdp is not None, on_gpu=on_gpu))
-    if cfg.fsdp is not None:
-        fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"]))
-    try:
-        return TrainingArguments(
-            **fields,
-            max_grad_norm=max_grad_norm,  # the clip policy's; sft.training.step_control moves it as the policy says
-            remove_unused_columns=False,  # loss_weights must reach compute_loss; the collator drops the rest
-            label_names=["labels"],
-            include_num_input_tokens_seen="non_padding",
-            eval_on_start=has_eval and not resuming,
-            activation_checkpointing_kwargs={"use_reentrant": False} if fields["activation_checkpointing"] else None,
-            deepspeed=OmegaConf.to_container(cfg.deepspeed, resolve=True) if cfg.deepspeed else None,
-        )
-    except ValueError as e:
-        raise ConfigError("trainer", None, str(e).splitlines()[0]) from e
-
-
-def fsdp_fields(fsdp: DictConfig, activation_checkpointing: bool) -> dict:
-    """TrainingArguments' FSDP2 fields for the `fsdp` node. Activation checkpointing becomes FSDP's own
-    (each layer wrapped before sharding): Trainer's would gather every layer's weights once more in backward."""
-    config = {"version": 2, "reshard_after_forward": fsdp.reshard_after_forward, "cpu_offload": fsdp.cpu_offload,
-              "activation_checkpointing": activation_checkpointing, "state_dict_type": "FULL_STATE_DICT"}
-    if fsdp.layers is not None:
-        config["transformer_layer_cls_to_wrap"] = list(fsdp.layers)
-    return {"fsdp": True, "fsdp_config": config, "activation_checkpointing": False}
-
-
 def build_model(cfg: DictConfig, activation_checkpointing: bool):
     """The model (+ LoRA) of the `model` and `lora` groups, with the attention packed batches need."""
     from hydra.utils import instantiate
+
+    from sft.model.lora import apply_lora
 
     attn = cfg.model.attn_implementation
     if cfg.data.packing and attn == "sdpa":  # sdpa would attend across the whole packed row, under a mask
@@ -280,37 +234,6 @@ def build_model(cfg: DictConfig, activation_checkpointing: bool):
     return model
 
 
-def apply_lora(model, lora_node: DictConfig):
-    """PEFT's LoRA as the `lora` node says, with its targets checked against the model."""
-    from hydra.utils import instantiate
-    from peft import get_peft_model
-
-    lora = instantiate(lora_node, _convert_="all")
-    check_lora_targets(model, lora.target_modules)
-    try:
-        return get_peft_model(model, lora)
-    except ValueError as e:
-        if "lora_dropout" not in str(e):
-            raise
-        raise ConfigError("lora.lora_dropout", lora.lora_dropout, "this model's fused expert weights (mixture of "
-                          "experts) take LoRA through PEFT's parameter wrappers, which have no dropout: set "
-                          "lora.lora_dropout=0") from e
-
-
-def check_lora_targets(model, targets) -> None:
-    """Each module name of `lora.target_modules` must name a linear layer of this model (PEFT would wrap
-    the others and train a subset without a word)."""
-    import torch
-
-    if isinstance(targets, str):  # "all-linear", or a regex PEFT matches itself
-        return
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-    missing = [t for t in targets if t not in linear]
-    if missing:
-        raise ConfigError("lora.target_modules", list(targets), f"{', '.join(missing)} name no linear layer of "
-                          f"{type(model).__name__}; its linear layers: {', '.join(linear)} (or all-linear)")
-
-
 def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, changes: list) -> None:
     """Every checkpoint gets `sft_state.json` (run info, each stateful part's state); on resume that state
     comes back, once the data is checked to be the checkpoint's, and a new learning rate takes effect."""
@@ -324,7 +247,7 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
     if len(stateful) < 2 + len(recipe.controllers):
         raise ConfigError("controllers", None, "a controller cannot be named clip or trainer")
     saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
-    run_info = {"config": OmegaConf.to_container(cfg, resolve=True), "data_hash": data.data_hash,
+    run_info = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "data_hash": data.data_hash,
                 "data": data.identity, "sft_version": version("sft"), "git_commit": git_commit(),
                 # a resume goes on with the run it resumes: rotation deletes only that run's checkpoints
                 "run_id": saved.get("run_id") if saved is not None else uuid.uuid4().hex[:12]}
@@ -336,70 +259,6 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
     for key, old, new in changes:
         if key == "trainer.learning_rate" and old:
             trainer.add_callback(LearningRateChange(old, new))
-
-
-def train_with_advice(trainer, cfg: DictConfig, checkpoint: str | None):
-    """`trainer.train`, turning a CUDA out-of-memory error into the settings that lower memory, and a full
-    disk while saving into one line (`TrainingStopped`) saying so."""
-    import torch
-
-    try:
-        return trainer.train(resume_from_checkpoint=checkpoint)
-    except torch.OutOfMemoryError as e:  # a RuntimeError: before the disk-full clause
-        t = cfg.trainer
-        in_use = (f"trainer.per_device_train_batch_size={t.per_device_train_batch_size}, "
-                  f"data.max_length={cfg.data.max_length}, trainer.activation_checkpointing={t.activation_checkpointing}, "
-                  f"lora={'on' if cfg.lora is not None else 'off'}, "
-                  f"deepspeed stage={(cfg.deepspeed or {}).get('zero_optimization', {}).get('stage', 'none')}, "
-                  f"fsdp={'off' if cfg.fsdp is None else 'offload' if cfg.fsdp.cpu_offload else 'on'}")
-        raise torch.OutOfMemoryError(
-            f"CUDA out of memory with {in_use}. To lower memory, in this order: "
-            "1) a smaller trainer.per_device_train_batch_size with a larger trainer.gradient_accumulation_steps "
-            "(the loss is unchanged); 2) a smaller data.max_length; 3) trainer.activation_checkpointing=true; "
-            "4) lora=default instead of full fine-tuning; 5) deepspeed=zero3 (or fsdp=full_shard), then "
-            "deepspeed=zero3_offload (or fsdp=full_shard_offload). "
-            f"Original error: {str(e).splitlines()[0]}") from e
-    except (OSError, RuntimeError) as e:
-        if checkpoint and "size mismatch" in str(e):  # the config matched (or resume_force), the weights do not
-            mismatch = next(line.strip() for line in str(e).splitlines() if "size mismatch" in line)
-            raise ConfigError("resume", checkpoint, f"its weights do not fit this model ({mismatch}): a checkpoint "
-                              "of another model or LoRA shape") from e
-        if not disk_full(e):
-            raise
-        raise TrainingStopped(disk_full_message(trainer.args.output_dir, trainer.state.global_step)) from e
-
-
-def disk_full(error: BaseException) -> bool:
-    """Whether an error while training is a full disk: ENOSPC, or how torch.save reports a short write."""
-    import errno
-
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    text = str(error)
-    return "No space left on device" in text or "unexpected pos" in text or "file write failed" in text
-
-
-def disk_full_message(output_dir: str, step: int) -> str:
-    """The disk is full: where, how much is free, about how much a checkpoint takes, and how to go on."""
-    import shutil
-
-    from sft.training.checkpoints import latest_complete
-
-    free = shutil.disk_usage(output_dir).free / 2**20
-    last = latest_complete(output_dir)
-    needed = (f"; {last.name} took {sum(f.stat().st_size for f in last.rglob('*') if f.is_file()) / 2**20:,.0f} MiB"
-              if last else "")
-    return (f"the disk is full: saving checkpoint-{step} in {output_dir} failed with {free:,.0f} MiB free{needed}. "
-            "That checkpoint is incomplete, so no resume uses it, and the earlier ones are untouched: free space "
-            "(or lower trainer.save_total_limit), then run again with resume=auto")
-
-
-def raise_if_failed(controllers: dict) -> None:
-    """A controller that stopped training as a failure ends the run with its reason."""
-    for controller in controllers.values():
-        reason = controller.failure()
-        if reason:
-            raise TrainingStopped(reason)
 
 
 def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
@@ -415,7 +274,7 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     trainer.save_model(os.path.join(run_dir, "model"))
     if cfg.exact_match is not None and recipe.data.eval is not None:
         final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
-            trainer, recipe.tokenizer, read_eval_rows(cfg, recipe.data), list(cfg.eval_buckets),
+            trainer, recipe.tokenizer, recipe.data.eval_rows(), list(cfg.eval_buckets),
             cfg.exact_match.max_rows, cfg.exact_match.max_new_tokens)
     return final_eval
 
@@ -428,36 +287,8 @@ def eval_generation(cfg: DictConfig, data: SFTData):
     if cfg.eval_generation is None or not evaluates(cfg):
         return None
     samples = instantiate(cfg.eval_generation, _convert_="all")
-    samples.choose(read_eval_rows(cfg, data), list(cfg.eval_buckets))
+    samples.choose(data.eval_rows(), list(cfg.eval_buckets))
     return samples
-
-
-def read_eval_rows(cfg: DictConfig, data: SFTData) -> list[dict]:
-    """The eval rows that the run evaluates on (those its data stage kept: valid, labelled, with a score where
-    the run needs one), as validation reads them (`sft.data.rows.scan_source`): of `data.eval_file`, or of every
-    eval source of a mixture, in its order."""
-    from sft.data.formats import RowFormat
-    from sft.data.split import row_keys
-    from sft.data.rows import scan_source
-
-    kept = set(row_keys(data.eval)) if data.eval is not None else set()
-    rows = []
-    for number, part in enumerate(data.parts):
-        if part.eval is not None:
-            found, _ = scan_source(part.eval, cfg.data.default_score, score_required=False,
-                                   row_format=RowFormat(part.format, part.columns))
-            rows += [r for r in found if (number, r["source_line"]) in kept]
-    return rows
-
-
-def evaluates(cfg: DictConfig) -> bool:
-    """Whether the run evaluates at all: it has eval data and `trainer.eval_strategy` is not `no`."""
-    return has_eval_data(cfg.data) and cfg.trainer.eval_strategy != "no"
-
-
-def has_eval_data(data: DictConfig) -> bool:
-    """Whether the `data` node names eval rows: `eval_file`, or a mixture source's."""
-    return data.eval_file is not None or any(e.eval_file is not None for e in data.mixture)
 
 
 def final_evaluation(trainer) -> dict:
@@ -474,10 +305,7 @@ def collect_results(recipe: Recipe, final_eval: dict, train_output, run_dir: str
                     started: float) -> RunResults:
     """The run's `RunResults`: final metrics, training figures, and what each controller reports."""
     trainer = recipe.trainer
-    decided = {}
-    for controller in recipe.controllers.values():
-        decided.update(controller.results())
-    return RunResults(
+    results = RunResults(
         eval_loss_initial=initial_eval_loss(trainer, run_dir),
         eval_loss=final_eval.get("eval_loss"),
         eval_ce=final_eval.get("eval_ce"),
@@ -495,8 +323,13 @@ def collect_results(recipe: Recipe, final_eval: dict, train_output, run_dir: str
         wall_time_s=round(time.time() - started, 1),
         eval_history=[{k: e[k] for k in ("step", "eval_loss", "eval_ce") if k in e}
                       for e in trainer.state.log_history if "eval_loss" in e],
-        **decided,
     )
+    for name, controller in recipe.controllers.items():
+        try:
+            results.add_controller_results(name, controller.results())
+        except ValueError as e:
+            raise TrainingStopped(str(e)) from None
+    return results
 
 
 def initial_eval_loss(trainer, run_dir: str) -> float | None:
@@ -583,17 +416,34 @@ def record_failure(error: BaseException, wall_time_s: float) -> None:
         failed.write(HydraConfig.get().runtime.output_dir)
 
 
+def help_answer(argv: list[str]) -> str | None:
+    """`--help [GROUP] [overrides]`: the groups and the composed config, or GROUP's knobs with their help."""
+    from sft.config.help import group_help, help_text
+
+    words = [a for a in argv if a not in ("--help", "-h")]
+    at = argv.index("--help") if "--help" in argv else argv.index("-h")
+    group = argv[at + 1] if at + 1 < len(argv) and "=" not in argv[at + 1] and not argv[at + 1].startswith("-") \
+        else None
+    if group is None:
+        return help_text(words)
+    try:
+        return group_help(group, [w for w in words if w != group])
+    except ConfigError as e:
+        fail(f"config: {e}")
+    except Exception as e:  # noqa: BLE001 - overrides Hydra refuses: said as Hydra says it
+        fail(f"config: {str(e).splitlines()[0]}")
+
+
 def cli() -> None:
     """The `python -m sft.train` entry point: settle the multi-process details, then run `main`."""
     if {"--help", "-h"} & set(sys.argv[1:]):
-        from sft.config import help_text
-
-        text = help_text([a for a in sys.argv[1:] if a not in ("--help", "-h")])
+        text = help_answer(sys.argv[1:])
         if text is not None:  # else Hydra's own --help (a pkg:// search path, or an error to report)
             print(text, end="")
             return
-    # before Hydra, whose errors would not name the knob
-    if refused := owned_field_override(sys.argv[1:]) or key_of_engine_left_off(sys.argv[1:]):
+    from sft.config.argv import refused_override
+
+    if refused := refused_override(sys.argv[1:]):  # before Hydra, whose errors would not name the knob
         print(f"error: config: {refused}", file=sys.stderr)
         sys.exit(2)
     refuse_multirun_in_launch(sys.argv[1:])

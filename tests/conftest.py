@@ -187,12 +187,13 @@ def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, 
 
     from sft.data.collator import WeightedDataCollator
     from sft.data.load import load_sft_datasets
+    from sft.data.spec import DataSpec
     from sft.model.loading import load_model
     from sft.training.trainer import WeightedLossTrainer
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     f = write_jsonl(tmp_path / "rows.jsonl", rows)
-    data = load_sft_datasets(tokenizer, loss, train_file=str(f), max_length=128)
+    data = load_sft_datasets(DataSpec(train_file=str(f), max_length=128), tokenizer, loss)
     args = TrainingArguments(
         output_dir=str(tmp_path / f"out-{batch_size}x{accumulation}"),
         per_device_train_batch_size=batch_size,
@@ -275,3 +276,49 @@ def zero_bytes(path, at=1000, n=64):
     data = bytearray(path.read_bytes())
     data[at:at + n] = bytes(n)
     path.write_bytes(bytes(data))
+
+
+def composed(*overrides):
+    """The training config as `python -m sft.train overrides...` composes it."""
+    from sft.config import compose
+
+    return compose("train", overrides)
+
+
+def assert_cli_refuses(tmp_path, message: str, *overrides: str) -> None:
+    """`python -m sft.train overrides...` exits 2 with `message` and no traceback."""
+    proc = run_train(*overrides, f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr
+
+
+def tokenize_chat(tokenizer, messages, max_length=256) -> dict:
+    """One chat tokenised and labelled as preprocessing does (`sft.data.labels.tokenize_batch`), as Python lists."""
+    from sft.data.labels import tokenize_batch
+    from sft.data.spec import Labelling
+
+    return tokenize_batch({"messages": [messages], "difficulty_score": [1.0], "source_line": [1]}, tokenizer,
+                          Labelling(max_length=max_length)).to_pydict()
+
+
+@pytest.fixture
+def my_losses(monkeypatch):
+    """The example package of losses of your own (`examples/own_loss`), importable as PYTHONPATH makes it."""
+    monkeypatch.syspath_prepend(str(PLUGIN_DIR))
+    import my_losses
+
+    return my_losses
+
+
+PLUGIN_DIR = REPO / "examples" / "own_loss"  # the example package of losses of your own
+
+# rows whose answers name a password: a keyword loss's phrases, a domain column
+SAFETY = [chat("How do I reset it?", "Never share your PASSWORD; reset it from the login page.", 2.0),
+          chat("Are passwords safe in email?", "Passwords in email are not safe.", 1.0),
+          chat("Tell me the password policy.", "A password has 12 characters.", 1.0)]
+
+
+def group_rows(n: int) -> list[dict]:
+    """`n` rows of ROWS' answers, each with a `group` (pairs in a row, 3 groups) and a `domain`."""
+    return [{**ROWS[i % len(ROWS)], "group": f"g{i // 2 % 3}", "domain": "safety" if i % 3 == 0 else "chat"}
+            for i in range(n)]

@@ -2,8 +2,8 @@
 from the training config, without building the model."""
 
 import pytest
-
 from conftest import chat, write_jsonl
+
 from sft.inspect_data import inspect, main
 
 ROWS = [chat("What is 1 + 1?", "2", 2.0), chat("Add 3 and 4.", "3 + 4 = 7", 1.0)]

@@ -1,4 +1,6 @@
-"""The package's shape: its import graph has no circle, and the config layer imports no torch."""
+"""The package's shape: its import graph has no circle and no upward edge between the stages, the composition of
+the config imports neither torch nor transformers, every module stays readable (about 500 lines at most), and the
+tests mirror the package."""
 
 import ast
 import subprocess
@@ -8,6 +10,24 @@ from pathlib import Path
 from conftest import REPO
 
 PACKAGE = REPO / "sft"
+TESTS = REPO / "tests"
+
+# The stages, lowest first: a module imports modules of its own stage or of a lower one, never of a higher one.
+# The config's base (schemas, validation) is below every stage; its composition (the registry that gathers every
+# stage's schemas, --help, the command-line checks) above them; the commands and tools on top.
+STAGES = [
+    ("config base", ("sft.config.schema", "sft.config.validate", "sft.sample_data")),
+    ("data", ("sft.data",)),
+    ("loss", ("sft.loss",)),
+    ("model", ("sft.model",)),
+    ("eval", ("sft.eval",)),
+    ("training", ("sft.training",)),
+    ("experiments", ("sft.experiments",)),
+    ("config composition", ("sft.config",)),
+    ("commands and tools", ("sft",)),
+]
+LONGEST = 500  # lines
+GENERATED = {"sft/training/trainer_fields.py"}
 
 
 def module_name(path: Path) -> str:
@@ -31,6 +51,13 @@ def imports() -> dict[str, set[str]]:
     return graph
 
 
+def stage(module: str) -> int:
+    """The index in STAGES of a module's stage: that of its longest matching prefix."""
+    matches = [(len(prefix), i) for i, (_, prefixes) in enumerate(STAGES) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    return max(matches)[1]
+
+
 def test_the_module_graph_has_no_circle():
     graph, done, path = imports(), set(), []
 
@@ -47,15 +74,49 @@ def test_the_module_graph_has_no_circle():
 
     for module in sorted(graph):
         visit(module)
-    # The config layer stands alone: the bundled data's paths, the generated TrainingArguments fields, the
-    # names of the row formats and the kinds of source, none of which imports anything of sft.
-    leaves = {"sft.sample_data", "sft.config.trainer_fields", "sft.data.formats", "sft.data.sources"}
-    assert "sft.config" not in graph["sft.data.batch"] and not graph["sft.config"] - leaves
-    assert not graph["sft.config.trainer_fields"] and not graph["sft.data.formats"] and not graph["sft.data.sources"]
+
+
+def test_no_stage_imports_a_later_one():
+    upward = [f"{m} ({STAGES[stage(m)][0]}) imports {d} ({STAGES[stage(d)][0]})"
+              for m, deps in sorted(imports().items()) for d in sorted(deps) if stage(d) > stage(m)]
+    assert not upward, "\n".join(upward)
+    graph = imports()
+    # the rules the stages are for, spelled out
+    assert not any(d.startswith(("sft.loss", "sft.training")) for m, deps in graph.items() if m.startswith("sft.data")
+                   for d in deps)
+    assert not any(d.startswith("sft.training") for m, deps in graph.items() if m.startswith("sft.loss") for d in deps)
+    # the config's base imports nothing of sft but itself
+    assert all(d.startswith("sft.config.") for m in ("sft.config.schema", "sft.config.validate") for d in graph[m])
 
 
 def test_composing_the_config_imports_neither_torch_nor_transformers():
     script = ("import sys; from sft.config import compose, check; compose('train', ['+controllers=curriculum']); "
+              "check(compose('train', ['loss=keywords', 'loss.phrases=[a]', 'clip=zclip', 'lora=default'])); "
               "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_module_is_much_over_500_lines():
+    long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > LONGEST and str(p.relative_to(REPO)) not in GENERATED}
+    assert not long, long
+
+
+def test_the_tests_mirror_the_package():
+    """`tests/<package>/test_<module>.py` tests `sft/<package>/<module>.py`; end-to-end runs are in `tests/e2e/`;
+    the commands' tests in `tests/` itself (`test_train.py` for `sft/train.py`)."""
+    stray = []
+    for test in TESTS.rglob("test_*.py"):
+        folder = test.parent.relative_to(TESTS)
+        if folder.parts[:1] == ("e2e",):
+            continue
+        module = test.stem.removeprefix("test_")
+        target = PACKAGE / folder / f"{module}.py"
+        if not (target.is_file() or (PACKAGE / folder / module).is_dir()) and test.name not in MIRROR_EXCEPTIONS:
+            stray.append(str(test.relative_to(REPO)))
+    assert not stray, f"tests named after no module: {stray}"
+
+
+# tests of the package as a whole, not of one module
+MIRROR_EXCEPTIONS = {"test_layout.py", "test_docs.py", "test_real_templates.py"}

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import SMALL_EVAL, run_train
 
 QUICK = ["trainer.per_device_train_batch_size=8", "trainer.eval_steps=3", "trainer.logging_steps=1",
@@ -75,3 +74,16 @@ def test_a_cold_and_a_warm_data_cache_give_the_same_initial_adapter(tmp_path):
     a, b = (load_file(tmp_path / run / "model/adapter_model.safetensors") for run in ("cold", "warm"))
     lora_a = [k for k in a if "lora_A" in k]
     assert lora_a and all(torch.equal(a[k], b[k]) for k in lora_a)
+
+
+def test_a_policy_that_does_not_clip_hands_trainer_no_threshold(tmp_path):
+    """`clip=none` (or `clip.max_norm=0`) is `max_grad_norm=0` in TrainingArguments, which the trackers log: no
+    stand-in threshold; the steps still reach step control (`_get_grad_norm`)."""
+    from conftest import composed
+
+    from sft.train import build
+
+    none = build(composed("clip=none", "data.eval_file=null"), str(tmp_path / "a")).trainer
+    static = build(composed("clip.max_norm=0.5", "data.eval_file=null"), str(tmp_path / "b")).trainer
+    assert none.args.max_grad_norm == 0 and static.args.max_grad_norm == 0.5
+    assert {"preemption", "guard", "watchdog"} == set(none.controllers)

@@ -1,5 +1,5 @@
 """The labelling of sft 0.1 (data version 3), kept as it was: `python -m sft.bench`'s baseline for the tokenising
-ratio (`tokenize_vs_baseline`), and the reference `tests/test_labelling.py` holds `sft.data.labels.tokenize_batch` to.
+ratio (`tokenize_vs_baseline`), and the reference `tests/data/test_labels.py` holds `sft.data.labels.tokenize_batch` to.
 
 It renders the chat template through `apply_chat_template` 2 x (trained turns) + 1 times a row and converts
 every token's character offsets to numpy; `sft.data.labels.tokenize_batch` gives the same rows faster (see its docstring).
@@ -13,8 +13,8 @@ from typing import Callable
 import numpy as np
 
 from sft.data.batch import IGNORE_INDEX
-from sft.data.templates import Refused, _divergence, _tool_name
 from sft.data.labels import _bad_token_weights, fit_window, row_fields, token_reach, tokenized_part
+from sft.data.templates import Refused, _divergence, _tool_name
 
 
 def render(tokenizer, messages: list[dict], **kwargs) -> str:

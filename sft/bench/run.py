@@ -21,8 +21,9 @@ from it; `tokenize`, the same `bench.tokenize_rows` multi-turn rows (about 300 t
 one process by `sft.data.labels.tokenize_batch` and by sft 0.1's (`sft.bench.baseline`), interleaved, one core
 each, beside the tokenizer alone on the same texts (what no labelling can go below); `scale`, preprocessing
 `bench.scale_rows` such rows into a fresh cache on every core (rows/s, the peak resident memory of the
-process and of its largest worker), then loading them from the cache; `startup`, the wall time of `python -m sft.train --cfg job` and `--help`, and of the default
-run from the command to its first optimizer step (`startup_first_step_s`, warm caches).
+process and of its largest worker), then loading them from the cache; `startup`, the wall time of `python -m
+sft.train --cfg job`, `--help` and `--help loss loss=focal`, and of the default run from the command to its first
+optimizer step (`startup_first_step_s`, warm caches).
 
 `preset=gpu_7b` is the GPU check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16,
 packed rows of about 4k tokens, the lean loss, 20 steps (see conf/preset/gpu_7b.yaml).
@@ -45,7 +46,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sft import config
+from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LOSS_CASES, RESULT, TRAINING_CASES, TRL_CASES, child,
+                             timed_training_overrides)
+from sft.bench.config import compose
 
 TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if at most)
     "ce_vs_hf": (0.97, "min"),
@@ -61,327 +64,9 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "scale_cached_load_s": (10.0, "max"),
     "startup_cfg_job_s": (1.0, "max"),
     "startup_help_s": (1.0, "max"),
+    "startup_help_group_s": (1.0, "max"),
     "startup_first_step_s": (10.0, "max"),
 }
-CASE_OVERRIDES = {"hf": [], "ce": ["loss=ce"], "hard_sample": ["loss=hard_sample"],
-                  "packing": ["loss=hard_sample", "data.packing=true"], "trl": ["loss=ce"],
-                  "trl_padding_free": ["loss=ce"]}
-TRAINING_CASES = tuple(CASE_OVERRIDES)
-TRL_CASES = ("trl", "trl_padding_free")  # need `pip install -e .[bench]`; skipped with a line otherwise
-LOSS_CASES = ("loss_naive", "loss_chunked")
-EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
-RESULT = "BENCH_RESULT "
-
-
-def compose(overrides: list[str]):
-    """The training config with the bench's overrides, as `python -m sft.train` would compose it."""
-    return config.compose("bench", overrides)
-
-
-def timed_training_overrides(cfg) -> list[str]:
-    """Train `bench.steps` steps, log once at the end; no evaluation, checkpoints or trackers."""
-    steps = cfg.bench.steps
-    return [f"trainer.max_steps={steps}", "trainer.eval_strategy=no", "trainer.save_strategy=no",
-            "trainer.report_to=[]", f"trainer.logging_steps={steps}", "trainer.logging_first_step=false",
-            "trainer.disable_tqdm=true", "data.eval_file=null"]
-
-
-# --- one case, in its own process ---------------------------------------------------------------------
-
-
-def step_clock():
-    """A Trainer callback that records the time at the end of every optimizer step (in `.times`)."""
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.times: list[float] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter())
-
-    return StepClock()
-
-
-class CountingCollator:
-    """Wraps a collator; records each batch's input tokens (padding excluded), in order."""
-
-    def __init__(self, collator):
-        self.collator, self.tokens = collator, []
-
-    def __call__(self, features):
-        self.tokens.append(sum(len(f["input_ids"]) for f in features))
-        return self.collator(features)
-
-
-def case_trainer(case: str, cfg, run_dir: str):
-    """The trainer `case` trains (or evaluates) with: this project's (`sft.train.build`), a plain `Trainer`
-    (`hf`), or TRL's `SFTTrainer` (`trl`, `trl_padding_free`), the last two on `sft`'s own tokenised rows and
-    labels, so every case sees the same tokens."""
-    if case not in ("hf", "trl", "trl_padding_free", "eval_hf"):
-        from sft.train import build
-
-        return build(cfg, run_dir).trainer
-    from hydra.utils import instantiate
-    from transformers import set_seed
-
-    from sft.loss.base import build_loss
-    from sft.train import build_model
-
-    fields = OmegaConf.to_container(cfg.trainer, resolve=True)
-    fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 1.0))
-    fields["dataloader_pin_memory"] &= _on_gpu()
-    if case.startswith("trl"):
-        from trl import SFTConfig
-
-        # sft's rows are already cut to data.max_length; the rest of TRL's defaults as a user meets them.
-        args = SFTConfig(**fields, max_length=None, padding_free=case == "trl_padding_free", dataset_num_proc=None)
-    else:
-        from transformers import TrainingArguments
-
-        args = TrainingArguments(**fields)
-    set_seed(args.seed)
-    tokenizer = instantiate(cfg.tokenizer)
-    data = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer, loss=build_loss(cfg.loss))
-    model = build_model(cfg, args.activation_checkpointing)
-    if case.startswith("trl"):
-        from trl import SFTTrainer
-
-        keep = ["input_ids", "labels"]  # with `labels` present, TRL trains on exactly these (no re-tokenising)
-        return SFTTrainer(model=model, args=args, train_dataset=data.train.select_columns(keep),
-                          eval_dataset=data.eval.select_columns(keep) if data.eval is not None else None,
-                          processing_class=tokenizer)
-    from transformers import DataCollatorForSeq2Seq, Trainer
-
-    return Trainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-                   data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100),
-                   processing_class=tokenizer)
-
-
-def run_training_case(case: str, cfg) -> dict:
-    """Train as `case` says; tokens per second over the timed steps, peak memory, MFU where known."""
-    from sft.data.split import column
-    from sft.training.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
-
-    trainer = case_trainer(case, cfg, tempfile.mkdtemp(prefix=f"sft-bench-{case}-"))
-    collator = trainer.data_collator = CountingCollator(trainer.data_collator)
-    clock = step_clock()
-    trainer.add_callback(clock)
-    trainer.train()
-
-    accumulation, warmup = trainer.args.gradient_accumulation_steps, cfg.bench.warmup_steps
-    timed_batches = collator.tokens[warmup * accumulation: len(clock.times) * accumulation]
-    seconds = clock.times[-1] - clock.times[warmup - 1]
-    tokens_per_second = sum(timed_batches) / seconds
-    result = {"tokens_per_second": tokens_per_second, "peak_memory_gb": peak_memory_gb(),
-              "timed_steps": len(clock.times) - warmup, "seconds": seconds}
-    peak = cfg.throughput.peak_tflops or device_peak_tflops()
-    if peak:
-        lengths = [len(ids) for ids in column(trainer.train_dataset, "input_ids")]
-        mean_length = sum(lengths) / len(lengths)
-        flops = flops_per_token(trainer.model, mean_length) * tokens_per_second
-        result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
-    return result
-
-
-def run_eval_case(case: str, cfg) -> dict:
-    """`trainer.evaluate()` on the eval rows, a plain Trainer's (`eval_hf`) or this project's (`eval_sft`):
-    seconds per 1,000 rows, the best of `bench.eval_repeats` after one untimed evaluation."""
-    trainer = case_trainer(case, cfg, tempfile.mkdtemp(prefix=f"sft-bench-{case}-"))
-    trainer.evaluate()  # warms up: first batches, lazy initialisation
-    best = float("inf")
-    for _ in range(cfg.bench.eval_repeats):
-        started = time.perf_counter()
-        trainer.evaluate()
-        best = min(best, time.perf_counter() - started)
-    rows = len(trainer.eval_dataset)
-    return {"seconds_per_1000_rows": 1000 * best / rows, "rows": rows}
-
-
-def run_loss_case(case: str, cfg) -> dict:
-    """Forward and backward of the loss alone: the naive path (logits, then cross entropy) or chunked."""
-    import torch
-
-    from sft.loss.builtin import CrossEntropyLoss
-
-    b = cfg.bench
-    device = "cuda" if _on_gpu() else "cpu"
-    dtype = getattr(torch, b.loss_dtype)
-    torch.manual_seed(0)
-    hidden = torch.randn(b.loss_batch, b.loss_seq, b.loss_hidden, device=device, dtype=dtype, requires_grad=True)
-    weight = (torch.randn(b.loss_vocab, b.loss_hidden, device=device, dtype=dtype) * 0.02).requires_grad_(
-        b.loss_trainable_head)
-    labels = torch.randint(0, b.loss_vocab, (b.loss_batch, b.loss_seq), device=device)
-    loss_weights = torch.rand(b.loss_batch, b.loss_seq, device=device)
-    loss = CrossEntropyLoss(chunk_tokens=cfg.loss.chunk_tokens)
-
-    def forward_backward():
-        if case == "loss_naive":
-            logits = torch.nn.functional.linear(hidden, weight)  # what the model's output projection makes
-            terms = loss.terms(labels, loss_weights, logits=logits)
-        else:
-            terms = loss.terms(labels, loss_weights, hidden=hidden, lm_head=weight, impl="chunked")
-        terms.loss_sum.backward()
-        hidden.grad = weight.grad = None
-
-    baseline = _memory_reset(device)
-    started = time.perf_counter()
-    forward_backward()
-    _sync(device)
-    seconds = time.perf_counter() - started
-    return {"seconds": seconds, "peak_memory_gb": _memory_peak(device) - baseline,
-            "tokens": b.loss_batch * b.loss_seq}
-
-
-def run_preprocess_case(case: str, cfg) -> dict:
-    """Load `bench.preprocess_rows` rows with `sft.data.load.load_sft_datasets` (a cold or a warm cache)."""
-    from hydra.utils import instantiate
-
-    tokenizer = instantiate(cfg.tokenizer)
-    started = time.perf_counter()
-    data = instantiate(cfg.data, _partial_=True)(tokenizer=tokenizer, loss=None)
-    return {"seconds": time.perf_counter() - started, "rows": len(data.train)}
-
-
-def run_tokenize_case(case: str, cfg) -> dict:
-    """`data.train_file`'s rows tokenised side by side in this process, `bench.repeats` interleaved rounds: by
-    `sft.data.labels.tokenize_batch`, by sft 0.1's (`sft.bench.baseline`), both through `datasets.map` as preprocessing
-    runs them, and the tokenizer alone on the same texts. Also how many chat-template renders a row costs."""
-    from datasets import Dataset, disable_progress_bars
-    from hydra.utils import instantiate
-
-    from sft.bench import baseline as bench_baseline
-    from sft.data import labels as sft_labels
-    from sft.data.templates import ChatRenderer
-    from sft.data.turns import chat_views
-    from sft.data.labels import encode, tokenize_batch
-    from sft.data.rows import iter_jsonl
-    from sft.data.preprocess import write_rows
-
-    disable_progress_bars()
-    tokenizer = instantiate(cfg.tokenizer)
-    # the same rows as each stores them: sft 0.1 a list of them (Dataset.from_list), sft in an Arrow file
-    rows = Dataset.from_list(list(iter_jsonl(cfg.data.train_file, [])))
-    with tempfile.TemporaryDirectory() as tmp:
-        write_rows(iter_jsonl(cfg.data.train_file, []), Path(tmp, "rows.arrow"))
-        stored = Dataset.from_file(str(Path(tmp, "rows.arrow")), in_memory=True)
-    kwargs = {"tokenizer": tokenizer, "max_length": cfg.data.max_length}
-    texts = [text for messages in rows["messages"] for text, _ in chat_views(tokenizer, messages)]
-    seconds: dict[str, list[float]] = {"baseline": [], "sft": [], "tokenizer": []}
-    for round_ in range(cfg.bench.repeats):
-        for name, function, source in (("baseline", bench_baseline.tokenize_batch, rows),
-                                       ("sft", tokenize_batch, stored)):
-            started = time.perf_counter()
-            source.map(function, batched=True, batch_size=256, remove_columns=["messages", "tools"],
-                       fn_kwargs=kwargs, keep_in_memory=True, new_fingerprint=f"{name}-{round_}")
-            seconds[name].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        for i in range(0, len(texts), 256):
-            encode(tokenizer, texts[i:i + 256])
-        seconds["tokenizer"].append(time.perf_counter() - started)
-    renders = {"baseline": 0, "sft": 0}
-    plain, fast, views = tokenizer.apply_chat_template, ChatRenderer.__call__, sft_labels.chat_views
-    labelling = [False]  # sft's renders a row: those of labelling a chat (not the template's probes, once a batch)
-    try:
-        def count(name, render):
-            def counted(*args, **kw):
-                renders[name] += name == "baseline" or labelling[0]
-                return render(*args, **kw)
-            return counted
-
-        def counted_views(*args, **kw):
-            labelling[0] = True
-            try:
-                return views(*args, **kw)
-            finally:
-                labelling[0] = False
-
-        counted = rows[:100]
-        tokenizer.apply_chat_template = count("baseline", plain)
-        bench_baseline.tokenize_batch(counted, **kwargs)
-        ChatRenderer.__call__, sft_labels.chat_views = count("sft", fast), counted_views
-        tokenize_batch(counted, **kwargs)
-    finally:
-        tokenizer.apply_chat_template, ChatRenderer.__call__, sft_labels.chat_views = plain, fast, views
-    n = len(rows)
-    return {"rows": n, **{f"{name}_rows_per_second": n / statistics.median(s) for name, s in seconds.items()},
-            **{f"{name}_renders_per_row": count / len(counted["messages"]) for name, count in renders.items()},
-            # each round's ratios to the baseline (sft's, the tokenizer alone's): how much the machine moved them
-            "round_ratios": [[base / ours, base / alone] for base, ours, alone
-                             in zip(seconds["baseline"], seconds["sft"], seconds["tokenizer"])]}
-
-
-def run_scale_case(case: str, cfg) -> dict:
-    """Preprocess `data.train_file` (or load it from the cache): seconds and the peak resident memory of this
-    process and of its largest worker (`datasets.map`'s processes)."""
-    import resource
-
-    result = run_preprocess_case(case, cfg)
-    return {**result, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "worker_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
-
-
-def _on_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _memory_reset(device: str) -> float:
-    """Start a peak-memory measurement here; return the baseline in GiB."""
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / 2**30
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak resident set to the current one
-    return _proc_status("VmRSS")
-
-
-def _memory_peak(device: str) -> float:
-    import torch
-
-    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else _proc_status("VmHWM")
-
-
-def _proc_status(key: str) -> float:
-    """A memory line of /proc/self/status, in GiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 2**20
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
-def child(case: str, config_file: str) -> None:
-    """Entry of a case's process: run it, print its result as one JSON line."""
-    import logging
-
-    logging.basicConfig(level=logging.WARNING)
-    config.register()
-    cfg = OmegaConf.load(config_file)
-    if case in TRAINING_CASES:
-        result = run_training_case(case, cfg)
-    elif case in EVAL_CASES:
-        result = run_eval_case(case, cfg)
-    elif case in LOSS_CASES:
-        result = run_loss_case(case, cfg)
-    elif case == "tokenize":
-        result = run_tokenize_case(case, cfg)
-    elif case == "scale":
-        result = run_scale_case(case, cfg)
-    else:
-        result = run_preprocess_case(case, cfg)
-    print(RESULT + json.dumps(result), flush=True)
-
-
 # --- the driver --------------------------------------------------------------------------------------
 
 
@@ -582,6 +267,7 @@ def run_all(overrides: list[str]) -> dict:
     if "startup" in b.cases:
         ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job")
         ratios["startup_help_s"] = startup_seconds("--help")
+        ratios["startup_help_group_s"] = startup_seconds("--help", "loss", "loss=focal")
         ratios["startup_first_step_s"] = first_step_seconds()
     report["targets"] = {}
     for key, value in ratios.items():

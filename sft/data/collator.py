@@ -1,33 +1,29 @@
-"""Batches: `WeightedDataCollator` pads (or packs) sequences and puts each token's loss weight on its
-assistant tokens."""
+"""Batches: `WeightedDataCollator` pads (or packs) sequences and puts each token's weight on its assistant
+tokens."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
-from sft.data.batch import IGNORE_INDEX
-if TYPE_CHECKING:
-    pass
 
+from sft.data.batch import IGNORE_INDEX
 
 
 class WeightedDataCollator(DataCollatorForSeq2Seq):
-    """`DataCollatorForSeq2Seq` that also builds per-token `loss_weights` and keeps each row's `source_line`.
+    """`DataCollatorForSeq2Seq` that also builds per-token `weights` and keeps each row's `source_line`.
 
-    A row's `loss_weight` (times its `token_weights`, where the loss has static token weights) goes on its
+    A sequence's `sample_weight` (times its `token_weights`, where the loss has static token weights) goes on its
     assistant tokens (labels other than -100), 0 elsewhere:
 
-        {labels: [-100, -100, 7, 8], loss_weight: 2.0, token_weights: [1, 1, 3, 1]}  ->  loss_weights [[0, 0, 6, 2]]
+        {labels: [-100, -100, 7, 8], sample_weight: 2.0, token_weights: [1, 1, 3, 1]}  ->  weights [[0, 0, 6, 2]]
 
-    With
-    `packing`, the micro-batch becomes one row without padding (`DataCollatorWithFlattening`):
+    With `packing`, the micro-batch becomes one row without padding (`DataCollatorWithFlattening`):
     `position_ids` restart at 0 for every sample, which is how the model's attention (a block-diagonal
     mask for sdpa and eager) and the loss tell the samples apart, and the samples' boundaries
     (`cu_seq_lens_q/k`, `max_length_q/k`) go to the attention for flash attention's varlen kernels and
     `sdpa_varlen` (`sft.model.attention`); there is no `attention_mask`.
 
-    The batch holds what the model's forward takes plus `labels`, `loss_weights`, `source_lines`,
+    The batch holds what the model's forward takes plus `labels`, `weights`, `source_lines`,
     `source_views` (which text of its row a sequence is, see `chat_views`), a mixture's `source_ids` (the
     rows' `source`, `sft.data.mixture`) and each auxiliary term's row values `aux_<name>` ([rows]), which the
     trainer pops before the forward.
@@ -42,7 +38,7 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
     def __call__(self, features, return_tensors=None):
         lines = torch.as_tensor([f["source_line"] for f in features], dtype=torch.long)
         views = torch.as_tensor([f.get("view", 0) for f in features], dtype=torch.long)
-        weights = torch.as_tensor([f["loss_weight"] for f in features], dtype=torch.float32)
+        weights = torch.as_tensor([f["sample_weight"] for f in features], dtype=torch.float32)
         aux = {k: torch.as_tensor([f[k] for f in features], dtype=torch.float64)
                for k in features[0] if k.startswith("aux_")}
         token_weights = [torch.as_tensor(f["token_weights"], dtype=torch.float32) * w
@@ -68,7 +64,7 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
                         row_weights[i, row_weights.size(1) - len(w):] = w
                     else:
                         row_weights[i, :len(w)] = w
-        batch["loss_weights"] = torch.where(batch["labels"] != IGNORE_INDEX, row_weights, 0.0)
+        batch["weights"] = torch.where(batch["labels"] != IGNORE_INDEX, row_weights, 0.0)
         batch["source_lines"], batch["source_views"] = lines, views
         if sources is not None:  # a mixture's: which source each row is of
             batch["source_ids"] = sources

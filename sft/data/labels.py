@@ -6,12 +6,16 @@ from __future__ import annotations
 import functools
 import json
 from typing import TYPE_CHECKING, Callable
+
 import numpy as np
 import pyarrow as pa
+
 from sft.data.batch import IGNORE_INDEX
-from sft.data.templates import ChatRenderer, Refused
-from sft.data.turns import chat_views
 from sft.data.rows import _finite_number
+from sft.data.spec import Labelling
+from sft.data.templates import ChatRenderer, Refused
+from sft.data.turns import LABELLING, chat_views
+
 if TYPE_CHECKING:
     pass
 
@@ -64,27 +68,30 @@ def row_fields(score: float, extra: str) -> dict:
     return {**(json.loads(extra) if extra else {}), "difficulty_score": score}
 
 
-def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate",
-                   rewritten_turns: str = "split", token_weights: Callable | None = None,
-                   turn_weighted: bool = False, prefill: str = "refuse") -> pa.Table:
+def tokenize_batch(batch: dict, tokenizer, labelling: Labelling = LABELLING, token_weights: Callable | None = None,
+                   turn_weighted: bool = False) -> pa.Table:
     """`datasets.map` function: input_ids and assistant-only labels of each text a chat trains as
-    (`chat_views`; `view` 0 is the whole chat, 1... turns a template rewrites later), fitted to `max_length`,
-    as an Arrow table (`SEQUENCE_COLUMNS`).
+    (`chat_views`; `view` 0 is the whole chat, 1... turns a template rewrites later), fitted to
+    `labelling.max_length`, as an Arrow table (`SEQUENCE_COLUMNS`).
 
-    `overlong`: `truncate` (see `fit_window`), `drop` (over-long rows are left out) or `error` (they are
+        {"messages": [[user "1+1?", assistant "2"]], ...}, Labelling(max_length=2048)  ->
+            one sequence: input_ids of the rendered chat, labels -100 but on "2<|im_end|>"
+
+    `labelling.overlong`: `truncate` (see `fit_window`), `drop` (over-long rows are left out) or `error` (they are
     kept whole and flagged in `overlong`, for the caller to report). Rows left with no trainable token
     are dropped. A chat the template cannot label (`Refused`) becomes one empty row whose `refused` says
     why, for the caller to report with its line. `token_weights` (a loss's static per-token weights,
     `WeightedTokenLoss.token_weights`) adds a `token_weights` column; weights that are not finite numbers
     >= 0, one per token, refuse the row. `turn_weighted` (some message has a weight other than 1) puts
     each turn's weight on its tokens, in `token_weights` too (times the loss's, where it has them).
-    `rewritten_turns` and `prefill`: see `chat_views`. A row's first sequence counts in `untrained_reasoning` the
-    trained turns whose reasoning the template does not render.
+    `labelling.rewritten_turns` and `labelling.prefill`: see `chat_views`. A row's first sequence counts in
+    `untrained_reasoning` the trained turns whose reasoning the template does not render.
 
     A token is trained when its first character lies in a trained span. Where a span begins and ends is
     found by bisecting the tokens' start offsets in the tokenizer's own encoding (`TokenStarts`): every
     token's offsets become Python numbers only where the loss's token weights read them.
     """
+    max_length, overlong = labelling.max_length, labelling.overlong
     columns = SequenceColumns(batch, weighted=token_weights is not None or turn_weighted)
     texts, pieces, where = [], [], []  # every text of the batch, the part of it tokenised, its row and spans
     reach = token_reach(tokenizer, max_length)
@@ -95,8 +102,8 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "tru
         if isinstance(messages, str):  # as `write_rows` stores them
             messages = json.loads(messages)
         try:
-            views = chat_views(tokenizer, messages, rewritten_turns, json.loads(all_tools[k]) if all_tools[k] else None,
-                               render, prefill)
+            views = chat_views(tokenizer, messages, json.loads(all_tools[k]) if all_tools[k] else None, labelling,
+                               render)
         except Refused as e:
             columns.emit(k, NO_TOKENS, NO_TOKENS, 0, refused=f"{e.field}\t{e.reason}")
             continue

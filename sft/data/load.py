@@ -7,14 +7,19 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
 import numpy as np
+
 from sft.data.formats import RowFormat
 from sft.data.mixture import Part, draw_counts, drawn_sequences, log_mixture, parts_of
+from sft.data.preprocess import (SplitSummary, data_hash, log_template_profile, preprocessing_identity, reasoning_hint,
+                                 tokenized_split)
+from sft.data.rows import DataError, report_rejected, scan_source
 from sft.data.sources import SourceError
-from sft.data.preprocess import SplitSummary, _tokenized_split, data_hash, log_template_profile, preprocessing_identity, reasoning_hint
-from sft.data.rows import DataError, report_rejected
-from sft.data.split import column
-from sft.data.weights import _require_scores, _with_static_weights, scores_used_by
+from sft.data.spec import DataSpec
+from sft.data.split import column, row_keys
+from sft.data.weights import require_scores, scores_used_by, with_static_weights
+
 if TYPE_CHECKING:
     import datasets
 
@@ -26,7 +31,7 @@ class SFTData:
     train: datasets.Dataset
     eval: datasets.Dataset | None
     identity: dict  # what decides the data, part by part: sources' contents, settings, tokenizer (load_sft_datasets)
-    packing: bool = False  # how the collator forms batches (data.packing)
+    spec: DataSpec  # what it was loaded from
     summary: dict[str, SplitSummary] = field(default_factory=dict)  # by split: train, eval
     parts: list[Part] = field(default_factory=list)  # the sources, by the rows' `source` number (sft.data.mixture)
 
@@ -39,89 +44,82 @@ class SFTData:
         """The task of each source that has one, by source number (a mixture's; none without one)."""
         return {i: p.task for i, p in enumerate(self.parts) if p.task is not None}
 
+    @property
+    def packing(self) -> bool:
+        """How the collator forms batches (`data.packing`)."""
+        return self.spec.packing
+
     def source_name(self, split: str, number: int = 0) -> str:
         """The train or eval source of a row's `source` number, as errors and reports name it."""
         return str(getattr(self.parts[number], split)) if self.parts else "?"
 
+    def eval_rows(self) -> list[dict]:
+        """The eval rows that the run evaluates on (those kept: valid, labelled, with a score where the run needs
+        one), as validation reads them (`sft.data.rows.scan_source`): of the eval file, or of every eval source of
+        a mixture, in its order."""
+        kept = set(row_keys(self.eval)) if self.eval is not None else set()
+        rows = []
+        for number, part in enumerate(self.parts):
+            if part.eval is not None:
+                found, _ = scan_source(part.eval, self.spec.default_score, score_required=False,
+                                       row_format=RowFormat(part.format, part.columns))
+                rows += [r for r in found if (number, r["source_line"]) in kept]
+        return rows
 
-def load_sft_datasets(
-    tokenizer,
-    loss,
-    train_file: str | None,
-    eval_file: str | None = None,
-    max_length: int = 2048,
-    default_score: float | None = None,
-    num_proc: int | None = None,
-    on_error: str = "raise",
-    overlong: str = "truncate",
-    rejected_file: str | None = None,
-    packing: bool = False,
-    rewritten_turns: str = "split",
-    prefill: str = "refuse",
-    scores_needed_by: list[str] | None = None,
-    format: str = "auto",  # noqa: A002 - the config's name (data.format)
-    columns: dict | None = None,
-    train_on: str = "all",
-    train_split: str = "train",
-    eval_split: str = "test",
-    hub_name: str | None = None,
-    hub_revision: str | None = None,
-    mixture: list | None = None,
-    mixture_seed: int = 0,
-) -> SFTData:
-    """Validated, tokenised train and eval splits with the loss's static weights: a per-row `loss_weight`
-    (`loss.sample_weight`), per-token `token_weights` when the loss has them, and an `aux_<name>` value
-    per row for each auxiliary term (`loss.aux`). `loss=None` weighs every row 1.
 
-    `on_error`: `raise` stops at the first bad rows with `DataError`; `skip` trains on the valid rows
-    and reports the others (`report_rejected`). `overlong` and `rewritten_turns`: see `tokenize_batch`
-    and `chat_views`. `packing` changes only how batches are formed (`WeightedDataCollator`); it is kept
-    with the data settings it describes. `scores_needed_by`: what in the run uses `difficulty_score` (by
-    default the loss, if its `alpha` is not 0); a row without a score is refused only then. `format` and
-    `columns`: the files' row format (`sft.data.formats`); `train_on`: `all` assistant turns or the `last` only
-    (`turn_weights`). `train_file`/`eval_file` are sources (`sft.data.sources`: JSONL and other files, globs,
-    save_to_disk folders, `hub:<id>`), the splits and hub settings for those that have them. `mixture`
-    (`data.mixture` entries) replaces them by several sources drawn into one training split (`sft.data.mixture`),
-    each row numbered by its source in a `source` column.
+def load_sft_datasets(spec: DataSpec, tokenizer, loss=None, scores_needed_by: list[str] | None = None,
+                      rejected_file: str | None = None) -> SFTData:
+    """Validated, tokenised train and eval splits of the data `spec` describes (the `data` node, `DataSpec`), with
+    the loss's static weights: each sequence's `sample_weight` (`loss.sample_weights`), per-token `token_weights`
+    where the loss has them, and an `aux_<name>` value per row for each auxiliary term (`loss.aux`). `loss=None`
+    weighs every row 1.
+
+        load_sft_datasets(DataSpec(train_file="train.jsonl", max_length=1024), tokenizer, HardSampleLoss())
+            ->  SFTData(train=<Dataset: input_ids, labels, sample_weight, ...>, eval=None, ...)
+
+    `spec.on_error`: `raise` stops at the first bad rows with `DataError`; `skip` trains on the valid rows and
+    reports the others (`report_rejected`, into `rejected_file`). `scores_needed_by`: what in the run uses
+    `difficulty_score` (by default the loss, where it reads it: `loss.reads_difficulty_score`); a row without a
+    score is refused only then. A mixture (`spec.mixture`) draws several sources into one training split
+    (`sft.data.mixture`), each row numbered by its source in a `source` column.
     """
     if scores_needed_by is None:
         scores_needed_by = scores_used_by(loss)
-    log_template_profile(tokenizer, prefill)
+    log_template_profile(tokenizer, str(spec.prefill))
     token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
-    shared = {**preprocessing_identity(tokenizer, max_length, default_score), "overlong": overlong,
-              "rewritten_turns": rewritten_turns, "prefill": prefill}
+    train_on = str(spec.train_on)
+    shared = {**preprocessing_identity(tokenizer, spec.max_length, spec.default_score),
+              "overlong": str(spec.overlong), "rewritten_turns": str(spec.rewritten_turns),
+              "prefill": str(spec.prefill)}
     if token_weights is not None:
         shared["token_weights"] = loss.token_weight_identity()
     try:
-        parts = parts_of(train_file, eval_file, mixture, format, columns, train_split, eval_split, hub_name,
-                         hub_revision)
-        if mixture:
+        parts = parts_of(spec)
+        if spec.mixture:
             sources = [p.identity() for p in parts]  # each source's files hashed once
-            identity = {**shared, "train_on": train_on, "mixture": sources, "mixture_seed": mixture_seed}
+            identity = {**shared, "train_on": train_on, "mixture": sources, "mixture_seed": spec.mixture_seed}
         else:
             (part,) = parts
             identity = {"train_file": part.train.fingerprint(),
                         "eval_file": None if part.eval is None else part.eval.fingerprint(), **shared}
-            if (format, part.columns, train_on) != ("auto", {}, "all"):  # (else as before: earlier caches stand)
-                identity.update(format=format, columns=dict(sorted(part.columns.items())), train_on=train_on)
+            if (part.format, part.columns, train_on) != ("auto", {}, "all"):  # (else as before: earlier caches stand)
+                identity.update(format=part.format, columns=dict(sorted(part.columns.items())), train_on=train_on)
     except SourceError as e:
         raise DataError([str(e)], header="the data cannot be read") from None
 
     splits, rejected, summaries = {"train": [], "eval": []}, [], {}
     for number, part in enumerate(parts):
         # the tokenised rows of a source are cached by what decides them, whatever mixture they are part of
-        key = data_hash(identity) if not mixture else data_hash(
+        key = data_hash(identity) if not spec.mixture else data_hash(
             {**shared, "train_on": train_on, **{k: v for k, v in sources[number].items()
                                                 if k in ("train_file", "eval_file", "format", "columns")}})
         for name in ("train", "eval"):
             source = getattr(part, name)
             if source is None:
                 continue
-            ds, bad, summary = _tokenized_split(source, tokenizer, max_length, default_score, num_proc, key,
-                                                on_error, overlong, rewritten_turns, token_weights,
-                                                RowFormat(part.format, part.columns), train_on, prefill,
-                                                scores_needed_by)
-            ds, unscored = _require_scores(ds, source, scores_needed_by, on_error)
+            ds, bad, summary = tokenized_split(source, spec, tokenizer, key, RowFormat(part.format, part.columns),
+                                               token_weights, scores_needed_by)
+            ds, unscored = require_scores(ds, source, scores_needed_by, str(spec.on_error))
             rejected += bad + unscored
             summary.rejected += len(unscored)
             if token_weights is not None and name == "train" and not summary.reweighted_tokens:
@@ -132,14 +130,14 @@ def load_sft_datasets(
                             "render: their reasoning is not trained (%s)", source, summary.untrained_reasoning,
                             reasoning_hint(tokenizer))
             summaries[name] = summary if name not in summaries else summaries[name] + summary
-            ds = _with_static_weights(ds, loss, str(source), part.loss_weight)
-            splits[name].append(ds if not mixture else _numbered(ds, number))
+            ds = with_static_weights(ds, loss, str(source), part.loss_weight)
+            splits[name].append(ds if not spec.mixture else _numbered(ds, number))
     report_rejected(rejected, rejected_file)
-    if not mixture:
+    if not spec.mixture:
         train, evaluation = splits["train"][0], (splits["eval"] or [None])[0]
     else:
-        train, evaluation = _mixed(parts, splits["train"], mixture_seed), _concatenated(splits["eval"])
-    return SFTData(train=train, eval=evaluation, identity=identity, packing=packing, summary=summaries, parts=parts)
+        train, evaluation = _mixed(parts, splits["train"], spec.mixture_seed), _concatenated(splits["eval"])
+    return SFTData(train=train, eval=evaluation, identity=identity, spec=spec, summary=summaries, parts=parts)
 
 
 def _numbered(ds: datasets.Dataset, number: int) -> datasets.Dataset:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sft.data.sources import Source
+from sft.data.spec import ColumnsConfig, DataSpec, MixtureSourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,27 +58,32 @@ class Part:
         return out
 
 
-def parts_of(train_file: str | None, eval_file: str | None, mixture: list | None, data_format: str, columns: dict,
-             train_split: str, eval_split: str, hub_name: str | None, hub_revision: str | None) -> list[Part]:
+def parts_of(spec: DataSpec) -> list[Part]:
     """A run's sources as parts: `train_file`/`eval_file` as one, or else the `data.mixture` entries, where a
     null field is the data node's (format, splits, hub) and the entry's named columns go over `data.columns`."""
-    columns = {k: v for k, v in dict(columns or {}).items() if v is not None}
-    if not mixture:
-        return [Part(Source(train_file, train_split, hub_name, hub_revision),
-                     None if eval_file is None else Source(eval_file, eval_split, hub_name, hub_revision),
-                     data_format, columns)]
+    columns = named_columns(spec.columns)
+    hub = (spec.hub_name, spec.hub_revision)
+    if not spec.mixture:
+        return [Part(Source(spec.train_file, spec.train_split, *hub),
+                     None if spec.eval_file is None else Source(spec.eval_file, spec.eval_split, *hub),
+                     str(spec.format), columns)]
     parts = []
-    for entry in mixture:
-        entry = dict(entry)
-        hub = (entry.get("hub_name") or hub_name, entry.get("hub_revision") or hub_revision)
-        own_columns = {k: v for k, v in dict(entry.get("columns") or {}).items() if v is not None}
-        eval_file = entry.get("eval_file")
+    for entry in spec.mixture:
+        entry = entry if isinstance(entry, MixtureSourceConfig) else MixtureSourceConfig(**entry)
+        own_hub = (entry.hub_name or spec.hub_name, entry.hub_revision or spec.hub_revision)
         parts.append(Part(
-            train=Source(entry["train_file"], entry.get("train_split") or train_split, *hub),
-            eval=None if eval_file is None else Source(eval_file, entry.get("eval_split") or eval_split, *hub),
-            format=entry.get("format") or data_format, columns={**columns, **own_columns}, task=entry.get("task"),
-            loss_weight=float(entry.get("loss_weight", 1.0)), ratio=entry.get("ratio"), epochs=entry.get("epochs")))
+            train=Source(entry.train_file, entry.train_split or spec.train_split, *own_hub),
+            eval=None if entry.eval_file is None else Source(entry.eval_file, entry.eval_split or spec.eval_split,
+                                                             *own_hub),
+            format=str(entry.format or spec.format), columns={**columns, **named_columns(entry.columns)},
+            task=entry.task, loss_weight=float(entry.loss_weight), ratio=entry.ratio, epochs=entry.epochs))
     return parts
+
+
+def named_columns(columns) -> dict[str, str]:
+    """The fields a `ColumnsConfig` (or a dict of one's fields) maps to a column of another name."""
+    items = vars(columns).items() if isinstance(columns, ColumnsConfig) else dict(columns or {}).items()
+    return {k: v for k, v in items if v is not None}
 
 
 def draw_counts(sizes: list[int], ratios: list[float | None], epochs: list[float | None]) -> list[int]:

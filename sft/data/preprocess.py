@@ -13,18 +13,23 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
+
 import numpy as np
 import pyarrow.compute as pc
+
 from sft.data.cache import building, cache_dir
-from sft.data.templates import ChatRenderer, chat_settings
 from sft.data.formats import RowFormat
-from sft.data.sources import Source
 from sft.data.labels import tokenize_batch
 from sft.data.rows import DataError, Rejected, _log_format, _table, _without_nulls, iter_source, raw_rows
+from sft.data.sources import Source
 from sft.data.split import column
+from sft.data.templates import ChatRenderer, chat_settings
 from sft.data.weights import missing_score_reason
+
 if TYPE_CHECKING:
     import datasets
+
+    from sft.data.spec import DataSpec, Labelling
 
 
 
@@ -45,7 +50,7 @@ def log_template_profile(tokenizer, prefill: str = "refuse") -> None:
     template that does not compile is one config error, not a refusal of every row."""
     from jinja2 import TemplateSyntaxError
 
-    from sft.config import ConfigError
+    from sft.config.schema import ConfigError
 
     render = ChatRenderer(tokenizer)
     try:
@@ -117,11 +122,10 @@ class SplitSummary:
         return SplitSummary(**{k: v + getattr(other, k) for k, v in vars(self).items()})
 
 
-def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, num_proc, key: str,
-                     on_error: str, overlong: str, rewritten_turns: str, token_weights: Callable | None = None,
-                     row_format: RowFormat | None = None, train_on: str = "all", prefill: str = "refuse",
-                     scores_needed_by: list[str] | None = None):
-    """Tokenise one file, or load it from the cache an earlier run wrote with the same key.
+def tokenized_split(source: Source, spec: DataSpec, tokenizer, key: str, row_format: RowFormat | None = None,
+                    token_weights: Callable | None = None, scores_needed_by: list[str] | None = None):
+    """Tokenise one file as `spec` says (its labelling, `default_score`, `num_proc`, `on_error`, `train_on`), or
+    load it from the cache an earlier run wrote with the same key.
 
     Returns the dataset, the rejected rows and the `SplitSummary` (all three kept in the cache, so every
     run can report them). The rows are streamed to an Arrow file, tokenised from it on every core (files of
@@ -132,6 +136,8 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
     """
     from datasets import Dataset, concatenate_datasets
 
+    default_score, on_error, train_on, num_proc = spec.default_score, spec.on_error, spec.train_on, spec.num_proc
+    labelling = spec.labelling()
     path = str(source)
     stem = re.sub(r"[^\w.-]", "_", Path(path).stem)  # (a glob's or a hub id's too)
     target = cache_dir() / "datasets" / f"{key}-{stem}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
@@ -177,13 +183,12 @@ def _tokenized_split(source: Source, tokenizer, max_length: int, default_score, 
             batch_size=256,
             num_proc=num_proc if num_proc and num_proc > 1 else None,
             remove_columns=["messages", "tools"],
-            fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong,
-                       "rewritten_turns": rewritten_turns, "token_weights": token_weights,
-                       "turn_weighted": turn_weighted, "prefill": prefill},
+            fn_kwargs={"tokenizer": tokenizer, "labelling": labelling, "token_weights": token_weights,
+                       "turn_weighted": turn_weighted},
             cache_file_name=str(work / "tokenised.arrow"),
             desc=f"tokenising {Path(path).name}",
         )
-        keep, summary = _checked(ds, source, n_rows, rejected, on_error, overlong, max_length, token_weights)
+        keep, summary = _checked(ds, source, n_rows, rejected, on_error, labelling, token_weights)
         _store_rows(ds, keep, tmp)
         (tmp / "rejected.json").write_text(json.dumps([vars(r) for r in rejected]))
         (tmp / "summary.json").write_text(json.dumps(vars(summary)))
@@ -356,11 +361,11 @@ def row_features() -> datasets.Features:
 
 
 def _checked(ds: datasets.Dataset, source: Source, n_rows: int, rejected: list[Rejected], on_error: str,
-             overlong: str, max_length: int, token_weights) -> tuple[list[int] | None, SplitSummary]:
+             labelling: Labelling, token_weights) -> tuple[list[int] | None, SplitSummary]:
     """Which sequences of a freshly tokenised split to keep (None: all): the rows the template refused are left
     out (`on_error=skip`; reported in `rejected`); and its `SplitSummary`. Refused rows (`on_error=raise`) and
     over-long ones (`overlong=error`) are a `DataError`."""
-    path = str(source)
+    path, overlong, max_length = str(source), labelling.overlong, labelling.max_length
     if len(ds) == 0:  # every row dropped (datasets then keeps the input's columns, not the function's)
         raise DataError([f"{path}: file: no row left with an assistant token at data.max_length={max_length} "
                          f"(data.overlong={overlong})"])

@@ -14,9 +14,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
+
 import numpy as np
+
 from sft.data.formats import FormatError, RowFormat
 from sft.data.sources import Source, SourceError
+
 if TYPE_CHECKING:
     pass
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
 from sft.data.batch import IGNORE_INDEX
+
 if TYPE_CHECKING:
     import datasets
 

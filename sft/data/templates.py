@@ -1,4 +1,9 @@
-"""TEMPLATES_DOC"""
+"""The model's chat template as the labelling reads it: `ChatRenderer` renders chats through the template compiled
+once (as `apply_chat_template` does, with the tokenizer's `chat_template_kwargs`); `TemplateProfile` probes what
+the template does around an answer (its stop tokens, a generation prompt's prefill, the form it reads tool-call
+arguments in, notes for the user); `configure_chat` sets the stop tokens (the model's generation config and eos,
+or `tokenizer.stop_tokens`) and kwargs on a tokenizer. A chat the template cannot label is `Refused`, naming the
+field and why. Where each trained answer lies in the renderings: `sft.data.turns`."""
 
 from __future__ import annotations
 
@@ -7,12 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from functools import cached_property
 
-
-
 log = logging.getLogger(__name__)
 
-
-PREFILL_MODES = ("refuse", "after", "drop")
 
 
 # A plain answer text for the probes (`TemplateProfile`): no template rewrites it.

@@ -1,10 +1,15 @@
-"""TURNS_DOC"""
+"""Where each trained assistant turn of a chat lies: `chat_views`, the texts a chat trains as, each with the
+character spans of its answers through their first stop token, as the model writes them after the rendering of
+the chat before them (see docs/templates.md for the rule, and `sft.data.labels` for the tokens)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from sft.data.spec import Labelling
 from sft.data.templates import ChatRenderer, Refused, _divergence, _first_stop, _stop_at, _tool_name, common_prefix
 
+LABELLING = Labelling()  # the defaults
 
 
 class Views(list):
@@ -22,8 +27,8 @@ class _Turn:
     own_text: bool = False  # `text` differs from the whole chat's rendering before the answer (a kept prefill)
 
 
-def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split", tools: list[dict] | None = None,
-               render: ChatRenderer | None = None, prefill: str = "refuse") -> Views:
+def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None, labelling: Labelling = LABELLING,
+               render: ChatRenderer | None = None) -> Views:
     """The texts a chat trains as, each with the character spans of its trained assistant turns and their
     weights (a message's `weight`, as `sft.data.rows.scan_jsonl` sets it: 0 leaves the turn untrained; default 1).
 
@@ -39,11 +44,11 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split", 
 
     Some templates render a turn differently once later turns follow (Qwen3 drops the reasoning of earlier
     answers; gpt-oss ends an earlier answer with `<|end|>`, not the `<|return|>` the model writes). Such a turn,
-    by `rewritten_turns`: `split` trains it in a text of its own, the chat up to and including it (as the model
-    saw it when answering); `skip` trains it not at all (it stays context); `refuse` raises `Refused`.
+    by `labelling.rewritten_turns`: `split` trains it in a text of its own, the chat up to and including it (as the
+    model saw it when answering); `skip` trains it not at all (it stays context); `refuse` raises `Refused`.
 
     A generation prompt that prefills text the answer does not begin with (`TemplateProfile.prefill`), by
-    `prefill`: `refuse` (`Refused`, naming the prefill and the ways out), `after` (the answer trains after the
+    `labelling.prefill`: `refuse` (`Refused`, naming the prefill and the ways out), `after` (the answer trains after the
     prefill, as the model answers at inference: a text of its own per turn), `drop` (the answer trains as the
     template renders it in the whole chat, its prompt without the prefill).
 
@@ -55,6 +60,7 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split", 
     rendering being the whole chat's, and one more for a last turn that only a following stop token ends.
     """
     render = render or ChatRenderer(tokenizer)
+    rewritten_turns, prefill = labelling.rewritten_turns, labelling.prefill
     weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
     messages = render.prepare(messages)
     full = render(messages, tools=tools)

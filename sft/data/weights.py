@@ -1,5 +1,5 @@
-"""The loss's static weights of a split, as its columns: each sequence's `loss_weight` and auxiliary
-terms' row values; and the difficulty scores a run needs (`scores_used_by`, `_require_scores`)."""
+"""The loss's static weights of a split, as its columns: each sequence's `sample_weight` and auxiliary
+terms' row values; and the difficulty scores a run needs (`scores_used_by`, `require_scores`)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import hashlib
 import logging
 import math
 from typing import TYPE_CHECKING
+
 import numpy as np
-from sft.data.sources import Source
+
 from sft.data.labels import row_fields
 from sft.data.rows import DataError, Rejected, _finite_number, raw_rows
+from sft.data.sources import Source
 from sft.data.split import assistant_tokens, column
+
 if TYPE_CHECKING:
     import datasets
 
@@ -19,14 +22,20 @@ log = logging.getLogger(__name__)
 
 
 def scores_used_by(loss, controllers: dict | None = None) -> list[str]:
-    """What in a run uses the rows' `difficulty_score`: the loss if it weighs by difficulty (`alpha` not 0),
-    and controllers that say they need it (`needs_difficulty_score`: the curriculum)."""
-    users = [f"loss.alpha={loss.alpha:g}"] if getattr(loss, "alpha", 0) else []
+    """What in a run uses the rows' `difficulty_score`: the loss where it says it reads it
+    (`reads_difficulty_score`: an `alpha` not 0), and controllers that say they need it (`needs_difficulty_score`:
+    the curriculum).
+
+        HardSampleLoss(alpha=1), {"curriculum": Curriculum()}  ->  ["loss.alpha=1", "controllers.curriculum"]
+    """
+    users = []
+    if getattr(loss, "reads_difficulty_score", False):
+        users.append(f"loss.alpha={loss.alpha:g}" if hasattr(loss, "alpha") else "loss")
     return users + [f"controllers.{name}" for name, c in (controllers or {}).items()
                     if getattr(c, "needs_difficulty_score", False)]
 
 
-def _require_scores(ds: datasets.Dataset, source: Source, needed_by: list[str],
+def require_scores(ds: datasets.Dataset, source: Source, needed_by: list[str],
                     on_error: str) -> tuple[datasets.Dataset, list[Rejected]]:
     """Where the run uses difficulty scores (`needed_by` names what does), a row without one is refused
     (`on_error=raise`) or left out and reported (`skip`); elsewhere it trains with no score.
@@ -62,13 +71,13 @@ def missing_score_reason(needed_by: list[str]) -> str:
             f"the file's score column with data.columns.score=<column>, or {' and '.join(without)})")
 
 
-def _with_static_weights(ds: datasets.Dataset, loss, path: str, scale: float = 1.0) -> datasets.Dataset:
-    """The split with `loss_weight` (the loss's sample weight of each row, times `scale`: a mixture source's
+def with_static_weights(ds: datasets.Dataset, loss, path: str, scale: float = 1.0) -> datasets.Dataset:
+    """The split with `sample_weight` (the loss's sample weight of each sequence, times `scale`: a mixture source's
     `loss_weight`) and the auxiliary terms' row values as columns. A weight that is not a finite number >= 0
     is a `DataError` naming the row."""
     lines = None
     for name, values in _static_values(ds, loss).items():
-        is_weight = name == "loss_weight"
+        is_weight = name == "sample_weight"
         array = np.asarray(values, dtype=np.float64) if isinstance(values, np.ndarray) else None
         if array is not None:
             bad = np.flatnonzero(~np.isfinite(array) | (array < 0 if is_weight else False)).tolist()
@@ -76,7 +85,7 @@ def _with_static_weights(ds: datasets.Dataset, loss, path: str, scale: float = 1
             bad = [i for i, v in enumerate(values) if not _finite_number(v, nonnegative=is_weight)]
         if bad:
             lines = lines or column(ds, "source_line")
-            what, need = (("loss weight: the loss's sample_weight", "a finite number >= 0") if is_weight
+            what, need = (("sample weight: the loss's sample_weight", "a finite number >= 0") if is_weight
                           else (f"loss.aux.{name[4:]}: row_value", "a finite number"))
             shown = [values[i] if array is None else float(values[i]) for i in bad]
             raise DataError([f"{path}:{lines[i]}: {what} returned {v!r} (must be {need})" for i, v in zip(bad, shown)])
@@ -88,19 +97,21 @@ def _with_static_weights(ds: datasets.Dataset, loss, path: str, scale: float = 1
 
 
 def _static_values(ds: datasets.Dataset, loss) -> dict[str, np.ndarray | list]:
-    """Each row's sample weight (`loss_weight`) and auxiliary terms' values (`aux_<name>`). A loss that weighs
-    rows by their difficulty alone (the built-in ones but `length`) is computed for all rows at once; else
-    each row's columns go to the loss's hooks (`row_fields`, with its `assistant_tokens`)."""
-    from sft.loss.base import WeightedTokenLoss
-
-    aux = dict(getattr(loss, "aux", None) or {})
+    """Each sequence's sample weight (`sample_weight`, by `loss.sample_weights`: from the scores alone where the loss
+    weighs by difficulty only) and auxiliary terms' values (`aux_<name>`), from the row's columns as the loss's hooks
+    see them (`row_fields`, with its `assistant_tokens`)."""
     if loss is None:
-        return {"loss_weight": np.ones(len(ds))}
-    if not aux and type(loss).sample_weight is WeightedTokenLoss.sample_weight:
-        return {"loss_weight": loss.difficulty_weights(np.asarray(column(ds, "difficulty_score"), dtype=np.float64))}
-    rows = [row_fields(score, extra) | {"assistant_tokens": n} for score, extra, n
-            in zip(column(ds, "difficulty_score"), column(ds, "extra"), assistant_tokens(ds))]
-    values = {"loss_weight": [loss.sample_weight(r) for r in rows]}
-    for name, term in aux.items():
-        values[f"aux_{name}"] = [term.row_value(r) for r in rows]
+        return {"sample_weight": np.ones(len(ds))}
+    rows: list[dict] = []
+
+    def row_columns() -> list[dict]:
+        if not rows:
+            rows.extend(row_fields(score, extra) | {"assistant_tokens": n} for score, extra, n
+                        in zip(column(ds, "difficulty_score"), column(ds, "extra"), assistant_tokens(ds)))
+        return rows
+
+    scores = np.asarray(column(ds, "difficulty_score"), dtype=np.float64)
+    values = {"sample_weight": loss.sample_weights(scores, row_columns)}
+    for name, term in dict(getattr(loss, "aux", None) or {}).items():
+        values[f"aux_{name}"] = [term.row_value(r) for r in row_columns()]
     return values

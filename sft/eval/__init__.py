@@ -1,1 +1,2 @@
-"""TODO"""
+"""The eval stage: greedy answers to eval prompts and their exact match (`generation`), and generation samples
+scored and logged at evaluations (`samples`)."""

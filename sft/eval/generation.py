@@ -9,10 +9,19 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+from dataclasses import dataclass
 
-import torch
-
+from sft.config.schema import Schema, config_schema, knob
 from sft.data.templates import prompt_text, stop_token_ids
+
+
+@config_schema("exact_match", "exact_match")
+@dataclass
+class ExactMatchConfig(Schema):
+    """Greedy-decoding exact match on the hardest eval bucket, after training (`eval_exact_match_hardest`)."""
+
+    max_rows: int = knob(100, "rows of the hardest bucket compared")
+    max_new_tokens: int = knob(32, "the longest answer generated")
 
 log = logging.getLogger("sft")
 
@@ -25,12 +34,13 @@ def hardest_bucket_rows(rows: list[dict], bucket_edges: list[float], max_rows: i
     return [r for r, b in zip(rows, bucket) if b == hardest][:max_rows]
 
 
-@torch.no_grad()
 def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 32,
                    synced_gpus: bool = False) -> list[str]:
     """Each row's greedy answer to its chat up to the last assistant turn, prompted as the labelling renders it
     (`sft.data.templates.prompt_text`) and ended by the tokens answers are trained to end with (left-padded
     batches; the model's train/eval mode and the tokenizer's padding side are restored)."""
+    import torch
+
     was_training = model.training
     model.eval()
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
@@ -40,8 +50,9 @@ def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, batc
         for start in range(0, len(rows), batch_size):
             prompts = [prompt_text(tokenizer, r["messages"][:-1], _tools(r)) for r in rows[start:start + batch_size]]
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, synced_gpus=synced_gpus,
-                                 eos_token_id=stops or tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            with torch.no_grad():
+                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, synced_gpus=synced_gpus,
+                                     eos_token_id=stops or tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
             answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side

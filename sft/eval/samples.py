@@ -17,8 +17,9 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from typing import Dict
 
-from sft.config import EvalGenerationConfig, _import_target
+from sft.config.schema import ConfigError, Schema, config_schema, import_target, knob, missing
 
 log = logging.getLogger("sft")
 
@@ -57,10 +58,39 @@ def spread_over_buckets(rows: list[dict], bucket_edges: list[float], n: int) -> 
     return chosen
 
 
+@config_schema("eval_generation", "eval_generation")
 @dataclass(eq=False, kw_only=True)
-class EvalGeneration(EvalGenerationConfig):
+class EvalGeneration(Schema):
+    """Greedy answers to fixed eval prompts at evaluations, scored and logged."""
+
+    _target_: str = "sft.eval.samples.EvalGeneration"
+    prompts: int = knob(8, "prompts chosen once from the eval file, spread over the difficulty buckets")
+    every: int = knob(1, "at every k-th evaluation (the first included)")
+    max_new_tokens: int = knob(64, "the longest answer generated")
+    metrics: Dict[str, str] = knob(help="name -> import path of a function (answer, reference) -> float; logged as "
+                                   "eval_gen/<name> (the mean)",
+                                   factory=lambda: {"exact_match": "sft.eval.samples.exact_match"})
+
+    def check(self, cfg=None):
+        for key in ("prompts", "every", "max_new_tokens"):
+            self.require(key, getattr(self, key) >= 1, "must be >= 1")
+        for name, path in self.metrics.items():
+            try:
+                scorer = import_target(path)
+            except ConfigError as e:
+                raise ConfigError(f"metrics.{name}", path, e.reason) from None
+            if not callable(scorer):
+                raise ConfigError(f"metrics.{name}", path, "is not a function (answer, reference) -> float")
+            if (needs := getattr(scorer, "requires", None)) and (absent := missing(needs)):
+                raise ConfigError(f"metrics.{name}", path, f"needs {absent[0]}: pip install {absent[1]}")
+        if cfg is not None:
+            has_eval = cfg.data.eval_file is not None or any(e.eval_file for e in cfg.data.mixture)
+            self.require("prompts", has_eval and cfg.trainer.eval_strategy != "no",
+                         "generation samples are taken at evaluations: set data.eval_file and an eval_strategy")
+
     def __post_init__(self):
-        self.scorers = {name: _import_target(path) for name, path in self.metrics.items()}
+        self.check()  # the metrics' imports, before they are imported
+        self.scorers = {name: import_target(path) for name, path in self.metrics.items()}
         self.rows: list[dict] = []
         self.evaluations = 0
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar, Optional
 
 FILE = "results.json"
 EVAL_ROWS = "eval_rows.jsonl"  # the final evaluation, one line per eval sequence (see write_eval_rows)
@@ -45,6 +45,32 @@ class RunResults:
     eval_exact_match_hardest: Optional[float] = None
     wall_time_s: Optional[float] = None
     eval_history: list = field(default_factory=list)  # [{step, eval_loss, eval_ce}] of every evaluation
+    # fields the run's controllers contribute (`Controller.results`), each under its own name in the file
+    extra: dict = field(default_factory=dict)
+
+    # the fields above a controller may decide; any other name it gives is a field of its own (`extra`)
+    CONTROLLER_FIELDS: ClassVar[tuple[str, ...]] = ("stopped_early",)
+
+    def add_controller_results(self, name: str, values: dict) -> None:
+        """A controller's `results()`: `stopped_early` sets that field; another name not of this schema is added as
+        it is (a JSON value). A name of another field, or one that another controller gave, is an error naming
+        the controller."""
+        known = {f.name for f in fields(self)} | {"status", "error"}
+        for key, value in values.items():
+            if key in self.CONTROLLER_FIELDS:
+                setattr(self, key, value)
+            elif key in known or key.startswith((BUCKET, *TASK_METRICS)):
+                raise ValueError(f"controllers.{name}: results() gives {key!r}, a field the run itself reports; "
+                                 "name the controller's field otherwise")
+            elif key in self.extra:
+                raise ValueError(f"controllers.{name}: results() gives {key!r}, which another controller gives too")
+            else:
+                try:
+                    json.dumps(value)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"controllers.{name}: results() gives {key}={value!r}, not a JSON value "
+                                     f"({e})") from None
+                self.extra[key] = value
 
     @classmethod
     def failed(cls, error: BaseException | str, wall_time_s: float) -> RunResults:
@@ -63,6 +89,8 @@ class RunResults:
                 out.update({f"{BUCKET}{k}": v for k, v in sorted(value.items(), key=lambda kv: int(kv[0]))})
             elif key == "eval_tasks":
                 out.update(sorted(value.items()))
+            elif key == "extra":
+                out.update(value)
             elif key not in ("error", "checkpoint") or value is not None:
                 out[key] = value
         return out
@@ -79,9 +107,11 @@ class RunResults:
 
     @classmethod
     def from_json(cls, data: dict) -> RunResults:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known}, eval_loss_buckets=cls.buckets(data),
-                   eval_tasks=cls.tasks(data))
+        known = {f.name for f in fields(cls)} - {"extra"}
+        buckets, tasks = cls.buckets(data), cls.tasks(data)
+        extra = {k: v for k, v in data.items() if k not in known and k not in tasks and not k.startswith(BUCKET)}
+        return cls(**{k: v for k, v in data.items() if k in known}, eval_loss_buckets=buckets, eval_tasks=tasks,
+                   extra=extra)
 
     def write(self, run_dir: str | Path) -> None:
         run_dir = Path(run_dir)

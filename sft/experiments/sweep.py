@@ -14,21 +14,24 @@ resumes the interrupted ones from their newest complete checkpoint, and refuses 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
+
+from sft.config.schema import ConfigError, Schema, knob
 
 
-def expand(overrides: list[str]) -> list[list[str]]:
-    """The override list of every job, in Hydra's order."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+@dataclass
+class SweepConfig(Schema):
+    """The `sweep` node: how a multirun goes."""
 
-    from sft.config import compose
+    continue_on_error: bool = knob(True, "in a multirun, a failing job is recorded and the sweep goes on")
+    resume: bool = knob(False, "the same -m command again with hydra.sweep.dir=<that sweep> and sweep.resume=true: "
+                        "finished jobs are skipped, interrupted ones resume from their newest complete checkpoint, "
+                        "the report is rebuilt")
+    baseline: Optional[str] = knob(None, 'the report\'s reference setting, e.g. "loss.alpha=0"; null: the first')
 
-    plain = [o for o in overrides if not o.startswith("hydra.sweep.dir=")]
-    cfg = compose("train", [o for o in plain if "," not in o], return_hydra_config=True)
-    params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]
-    parsed = OverridesParser.create().parse_overrides(params + plain)
-    return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
+
 
 
 JOB_RECORD = "sweep_job.json"  # in each job dir: the overrides that made the job
@@ -42,7 +45,6 @@ def _identity(overrides: list[str]) -> list[str]:
 def start_job(run_dir: str | Path, number: int, overrides: list[str], resume: bool):
     """Record the job's overrides in its dir; with `sweep.resume`, return its results if it already
     finished (`results.json` ok: nothing to run). A job dir holding another job is a `ConfigError`."""
-    from sft.config import ConfigError
     from sft.experiments.results import RunResults
 
     run_dir = Path(run_dir)

@@ -96,7 +96,8 @@ def start_mlflow(cfg: DictConfig, run_dir: str) -> None:
     mlflow.start_run(run_name=cfg.trainer.run_name or run_name() or Path(run_dir).name)
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-    params = [(k, v[:MAX_PARAM_VAL_LENGTH]) for k, v in flat_params(OmegaConf.to_container(cfg, resolve=True)).items()]
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    params = [(k, v[:MAX_PARAM_VAL_LENGTH]) for k, v in flat_params(config).items()]
     for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
         mlflow.log_params(dict(params[i:i + MAX_PARAMS_TAGS_PER_BATCH]))
     mlflow.set_tag("sft.run_dir", str(Path(run_dir).resolve()))

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-import torch
-from sft.loss.base import Targets, select_targets
-
+from typing import Any
 
 
 @dataclass
 class AuxBatch:
-    """What an auxiliary term sees of a micro-batch besides the hidden states: the labels and loss weights,
-    `position_ids` of a packed batch, and each sequence's `values` (its `AuxTerm.row_value`, [sequences])."""
+    """What an auxiliary term sees of a micro-batch besides the hidden states (tensors): the labels and each token's
+    weight, `position_ids` of a packed batch, and each sequence's `values` (its `AuxTerm.row_value`, [sequences])."""
 
-    labels: torch.Tensor
-    loss_weights: torch.Tensor
-    position_ids: torch.Tensor | None
-    values: torch.Tensor
+    labels: Any
+    weights: Any
+    position_ids: Any
+    values: Any
 
-    def targets(self) -> Targets:
-        """The assistant tokens and the positions predicting them, with each one's sequence (`Targets`)."""
-        return select_targets(self.labels, self.loss_weights, self.position_ids)
+    def targets(self):
+        """The assistant tokens and the positions predicting them, with each one's sequence
+        (`sft.loss.terms.Targets`)."""
+        from sft.loss.terms import select_targets
+
+        return select_targets(self.labels, self.weights, self.position_ids)
 
 
 class AuxTerm:
@@ -36,11 +37,11 @@ class AuxTerm:
         """A number per sequence computed at preprocessing from its row (e.g. a group id): `AuxBatch.values`."""
         return 0.0
 
-    def denominator(self, batch: AuxBatch) -> torch.Tensor:
-        """This micro-batch's share of the step's denominator (before any forward pass)."""
+    def denominator(self, batch: AuxBatch):
+        """This micro-batch's share of the step's denominator (a tensor; before any forward pass)."""
         raise NotImplementedError
 
-    def numerator(self, hidden: torch.Tensor, batch: AuxBatch) -> torch.Tensor:
+    def numerator(self, hidden, batch: AuxBatch):
         """This micro-batch's share of the step's numerator, differentiable, from the final hidden states
         [rows, positions, hidden]."""
         raise NotImplementedError

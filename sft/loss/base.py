@@ -1,68 +1,76 @@
-"""LOSS_BASE_DOC"""
+"""Weighted token losses for causal LMs, normalised over the whole optimizer step: the interface
+(`WeightedTokenLoss`, its knobs and hooks). Imports no torch (the config is composed with the losses' knobs
+before anything is built); the arithmetic is `sft.loss.terms`'.
+
+Every loss here is a ratio `sum_t c_t * ce_t / sum_t d_t` over the assistant tokens `t` of an optimizer
+step: all its gradient-accumulation micro-batches on all data-parallel ranks. The trainer sums the
+denominator over the step before the first forward (`normaliser`) and divides each micro-batch's
+numerator by it, so gradient accumulation and the number of processes change neither the loss nor the
+gradients. With `w_t` the token's weight (the batch's `weights`) and `n_i` the number of assistant tokens
+of its sample:
+
+- `weight`: c = w, d = w (weighted token mean; with equal weights exactly the token-mean CE);
+- `token`:  c = w, d = 1 (weighted sum over the number of assistant tokens);
+- `sample`: c = w / n_i, d = w / n_i (each sample's mean CE, averaged with the sample weights as
+  weights, so long answers do not dominate).
+
+A loss (built-in or yours) shapes this through three kinds of hooks:
+- static weights, computed once at preprocessing: `sample_weight(row)` (any column of the row) times
+  `token_weights(text, offsets, row)` (per token, from the rendered text) is `w_t`, in numerator and
+  denominator alike, so the normalisation stays exact under accumulation and data parallelism;
+- a forward-dependent factor `token_factor(ce)` `f_t` from the model's (detached) probability of the
+  target: the numerator's `c_t` becomes `c_t * f_t`; the denominator, summed before any forward, keeps
+  `d_t`, so the factor scales the loss and its gradient, it is not renormalised away;
+- auxiliary terms (`aux`, `sft.loss.auxiliary.AuxTerm`) from the final hidden states and the batch, each
+  `coef * sum of its numerators / sum of its denominators` over the step, added to the loss.
+
+How the cross entropy is computed (`impl`) changes memory and speed, not values (`sft.loss.kernels`):
+- `naive`: from the model's logits, as its own loss does: the whole micro-batch's logits exist at once
+  (at Qwen's 152k vocabulary they, not the weights, dominate activation memory);
+- `chunked`: from the final hidden states and the output projection, a chunk of assistant tokens at a
+  time; the full logits never exist;
+- `cce`: Apple's cut-cross-entropy kernel (GPU), which returns per-token losses we weight;
+- `liger`: Liger's fused linear cross entropy with `reduction="none"` (liger-kernel 0.8.2 and later: per-token
+  losses with a per-token gradient, which we weight), on a GPU; elsewhere, or with an older liger-kernel,
+  `chunked` with the reason logged;
+- `auto`: `cce` where usable on a GPU, else `chunked` on CPU or at vocabularies of 32k and
+  more, else `naive`. `choose_impl` logs why a requested kernel is not used.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any, Callable, Dict
+
 import numpy as np
-import torch
-import torch.nn.functional as F
-from sft.data.batch import IGNORE_INDEX, sample_index
-from sft.config import LossConfig
-from sft.loss.kernels import chunked_linear_cross_entropy
-from sft.loss.logits import LogitTransform
+from omegaconf import MISSING
+
+from sft.config.schema import Choice, Schema, knob
 
 
-
-@dataclass
-class Targets:
-    """The assistant tokens of a micro-batch, flattened (N of them), in the order of the batch."""
-
-    rows: torch.Tensor  # [N] row of the position whose output predicts the token (t - 1)
-    cols: torch.Tensor  # [N] column of that position
-    labels: torch.Tensor  # [N] token ids
-    weights: torch.Tensor  # [N] loss weight w_t (float32)
-    sample: torch.Tensor  # [N] index of the token's sample: its row, or its sequence in a packed row
-    num_samples: int
+class Normalize(Choice):
+    weight = "weight"
+    token = "token"
+    sample = "sample"
 
 
-def select_targets(labels: torch.Tensor, loss_weights: torch.Tensor,
-                   position_ids: torch.Tensor | None = None) -> Targets:
-    """The assistant tokens and the positions that predict them (position t predicts label t+1).
-
-    Without `position_ids` every row is one sample; with them (a packed batch) each packed sample is one
-    (`sft.data.batch.sample_index`).
-    """
-    shifted = labels[:, 1:]
-    rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)
-    if position_ids is None:
-        sample, num_samples = rows, labels.size(0)
-    else:
-        index, num_samples = sample_index(position_ids)
-        sample = index[:, 1:][rows, cols]
-    return Targets(rows, cols, shifted[rows, cols], loss_weights[:, 1:][rows, cols].float(), sample, num_samples)
-
-
-@dataclass
-class LossTerms:
-    """One micro-batch's share of a step's loss, plus per-sample sums for evaluation and the logs."""
-
-    loss_sum: torch.Tensor  # sum of c_t * ce_t over the micro-batch (differentiable)
-    numerator: torch.Tensor  # [samples] sum of c_t * ce_t (detached)
-    denominator: torch.Tensor  # [samples] sum of d_t
-    ce_sum: torch.Tensor  # [samples] sum of unweighted ce over assistant tokens (detached)
-    weight_sum: torch.Tensor  # [samples] sum of w_t over assistant tokens
-    tokens: torch.Tensor  # [samples] number of assistant tokens
-    correct: torch.Tensor | None  # [samples] assistant tokens whose argmax is the label (when asked for)
+class Impl(Choice):
+    auto = "auto"
+    naive = "naive"
+    chunked = "chunked"
+    liger = "liger"
+    cce = "cce"
 
 
 @dataclass(eq=False, kw_only=True)
-class WeightedTokenLoss(LossConfig):
+class WeightedTokenLoss(Schema):
     """Base of every loss: per-token cross entropy with per-token weights and a step-global normaliser.
 
-    Its knobs and their checks are its schema's (`sft.config.LossConfig` and the subclass a loss extends):
-    the difficulty weight (`alpha`, `min_weight`, `max_weight`), `normalize` (`weight`, `token`, `sample`;
-    see the module docstring), `impl`, `aux`. A loss of your own extends it and overrides the hooks it needs:
+    Its knobs are the difficulty weight (`alpha`, `min_weight`, `max_weight`), `normalize` (`weight`, `token`,
+    `sample`; see the module docstring), `impl`, `aux`. A loss of your own extends it and overrides the hooks
+    it needs:
 
         @dataclass(eq=False, kw_only=True)
         class DomainLoss(WeightedTokenLoss):
@@ -71,8 +79,39 @@ class WeightedTokenLoss(LossConfig):
                 return super().sample_weight(row) * (self.safety if row.get("domain") == "safety" else 1.0)
     """
 
+    _target_: str = MISSING
+    alpha: float = knob(0.0, "difficulty weight w = clamp(difficulty_score ** alpha, min_weight, max_weight); "
+                        "0: every sample 1")
+    min_weight: float = knob(0.0, "the difficulty weight's floor")
+    max_weight: float = knob(100.0, "the difficulty weight's ceiling")
+    normalize: Normalize = knob(Normalize.weight, "weight: sum(w*ce)/sum(w) | token: sum(w*ce)/#tokens | sample: "
+                                "the weighted mean of per-sample means")
+    impl: Impl = knob(Impl.auto, "how the cross entropy is computed: auto | naive | chunked | liger | cce")
+    chunk_tokens: int = knob(1024, "chunked: assistant tokens per chunk of logits")
+    aux: Dict[str, Any] = knob(help="name -> an auxiliary term (`_target_` + its knobs, e.g. coef, "
+                               "sft.loss.auxiliary.AuxTerm); logged as aux/<name>", factory=dict)
+
     def __post_init__(self):
         self.check()
+
+    def check(self, cfg=None):
+        # (composition refuses other choices; a loss built in Python is checked here)
+        self.require("impl", self.impl in Impl.values(), f"must be one of {', '.join(Impl.values())}")
+        self.require("normalize", self.normalize in Normalize.values(),
+                     f"must be one of {', '.join(Normalize.values())}")
+        self.require("chunk_tokens", self.chunk_tokens >= 1, "must be >= 1")
+        self.require("alpha", math.isfinite(self.alpha), "must be a finite number")
+        self.require("min_weight", self.min_weight >= 0, "must be >= 0")
+        self.require("max_weight", 0 < self.max_weight < math.inf, "must be finite and > 0")
+        self.require("min_weight", self.min_weight <= self.max_weight,
+                     f"must be <= loss.max_weight ({self.max_weight})")
+
+    # --- what the data stage needs of the loss ---------------------------------------------------------------
+
+    @property
+    def reads_difficulty_score(self) -> bool:
+        """Whether the sample weights read the rows' `difficulty_score` (a row without one is then refused)."""
+        return self.alpha != 0
 
     # --- static weights: once per row at preprocessing, in numerator and denominator ------------------
 
@@ -80,6 +119,13 @@ class WeightedTokenLoss(LossConfig):
         """The weight of a sequence's assistant tokens, from its row: `difficulty_score`, `assistant_tokens`
         (its trained tokens) and every other column of the data row. Default: the difficulty weight."""
         return self.difficulty_weight(row["difficulty_score"])
+
+    def sample_weights(self, scores: np.ndarray, rows: Callable[[], list[Mapping]]) -> np.ndarray | list:
+        """Every sequence's `sample_weight`: from the scores alone at once where the loss weighs by difficulty only
+        (a million rows in a moment), else row by row (`rows()`: each sequence's columns)."""
+        if type(self).sample_weight is WeightedTokenLoss.sample_weight:
+            return self.difficulty_weights(scores)
+        return [self.sample_weight(r) for r in rows()]
 
     def difficulty_weight(self, score: float) -> float:
         """`clamp(score ** alpha, min_weight, max_weight)`; 1 for every score when `alpha` is 0.
@@ -109,8 +155,8 @@ class WeightedTokenLoss(LossConfig):
     def token_weight_identity(self) -> dict:
         """What `token_weights` depends on besides the text: part of the data hash and the preprocessing
         cache key, so that changing it re-tokenises and a resume refuses it. Default: every knob the loss
-        adds to `LossConfig`."""
-        base = {f.name for f in fields(LossConfig)}
+        adds to `WeightedTokenLoss`'s."""
+        base = {f.name for f in fields(WeightedTokenLoss)}
         return {"loss": type(self).__qualname__, **{f.name: getattr(self, f.name) for f in fields(self)
                                                     if f.name not in base}}
 
@@ -120,87 +166,34 @@ class WeightedTokenLoss(LossConfig):
 
     # --- forward-dependent: scales the numerator only ----------------------------------------------------
 
-    def token_factor(self, ce: torch.Tensor) -> torch.Tensor | None:
-        """A factor per assistant token from its (detached) cross entropy `ce` = -log p(target); None: 1."""
+    def token_factor(self, ce):
+        """A factor per assistant token from its (detached) cross entropy `ce` = -log p(target) (a tensor);
+        None: 1."""
         return None
 
     # --- the step's numerator and denominator ------------------------------------------------------------
 
-    def _coefficients(self, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token numerator and denominator coefficients (c, d)."""
-        if self.normalize == "weight":
-            return t.weights, t.weights
-        if self.normalize == "token":
-            return t.weights, torch.ones_like(t.weights)
-        tokens = torch.bincount(t.sample, minlength=t.num_samples).clamp_min(1)
-        per_sample = t.weights / tokens[t.sample]
-        return per_sample, per_sample
-
-    def normaliser(self, labels: torch.Tensor, loss_weights: torch.Tensor,
-                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def normaliser(self, labels, weights, position_ids=None):
         """This micro-batch's contribution to the step's denominator (needs no forward pass)."""
-        return self._coefficients(select_targets(labels, loss_weights, position_ids))[1].sum()
+        from sft.loss.terms import coefficients, select_targets
 
-    def terms(self, labels: torch.Tensor, loss_weights: torch.Tensor, *, logits: torch.Tensor | None = None,
-              hidden: torch.Tensor | None = None, lm_head: torch.Tensor | None = None,
-              position_ids: torch.Tensor | None = None, impl: str = "naive", accuracy: bool = False,
-              transform: LogitTransform | None = None) -> LossTerms:
-        """Numerator and statistics of a micro-batch, from the logits (`naive`) or from the final hidden
-        states and the output projection's weight (`chunked`, `cce`), whose logits get `transform` (the
-        model's own post-projection step, `LogitTransform.of(model.config)`)."""
-        t = select_targets(labels, loss_weights, position_ids)
-        coef, den = self._coefficients(t)
+        return coefficients(self.normalize, select_targets(labels, weights, position_ids))[1].sum()
+
+    def terms(self, labels, weights, *, logits=None, hidden=None, lm_head=None, position_ids=None,
+              impl: str = "naive", accuracy: bool = False, transform=None):
+        """Numerator and statistics of a micro-batch (`sft.loss.terms.LossTerms`), from the logits (`naive`) or from
+        the final hidden states and the output projection's weight (`chunked`, `cce`), whose logits get `transform`
+        (the model's own post-projection step, `LogitTransform.of(model.config)`)."""
+        from sft.loss.terms import compute_terms, select_targets
+
         factor = None if type(self).token_factor is WeightedTokenLoss.token_factor else self.token_factor
-        correct = None
-        if impl == "naive":
-            selected = logits[t.rows, t.cols]
-            ce = F.cross_entropy(selected.float(), t.labels, reduction="none")
-            coef = coef if factor is None else coef * factor(ce.detach())
-            loss_sum = (coef * ce).sum()
-            if accuracy:
-                correct = selected.argmax(-1) == t.labels
-        elif impl == "chunked":
-            loss_sum, ce, correct, coef = chunked_linear_cross_entropy(
-                hidden[t.rows, t.cols], lm_head, t.labels, coef, self.chunk_tokens, accuracy, transform, factor)
-        elif impl == "cce":
-            from cut_cross_entropy import linear_cross_entropy
+        return compute_terms(select_targets(labels, weights, position_ids), self.normalize, factor, logits=logits,
+                             hidden=hidden, lm_head=lm_head, impl=impl, accuracy=accuracy, transform=transform,
+                             chunk_tokens=self.chunk_tokens)
 
-            transform = transform or LogitTransform()
-            h = hidden[t.rows, t.cols]
-            ce = linear_cross_entropy(h * transform.scale if transform.scale != 1.0 else h, lm_head, t.labels,
-                                      softcap=transform.softcap, reduction="none").float()
-            coef = coef if factor is None else coef * factor(ce.detach())
-            loss_sum = (coef * ce).sum()
-        elif impl == "liger":
-            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-
-            transform = transform or LogitTransform()
-            h = hidden[t.rows, t.cols]
-            ce = liger_fused_linear_cross_entropy(h * transform.scale if transform.scale != 1.0 else h, lm_head,
-                                                  t.labels, reduction="none", softcap=transform.softcap)
-            ce = (ce[0] if isinstance(ce, tuple) else ce).float()  # some versions return (loss, z_loss)
-            coef = coef if factor is None else coef * factor(ce.detach())
-            loss_sum = (coef * ce).sum()
-        else:
-            raise ValueError(f"loss impl {impl!r}: terms() takes naive, chunked, cce or liger (see choose_impl)")
-
-        def per_sample(values):
-            return torch.zeros(t.num_samples, dtype=values.dtype, device=values.device).index_add_(0, t.sample, values)
-
-        ce, coef = ce.detach(), coef.detach()
-        return LossTerms(
-            loss_sum=loss_sum,
-            numerator=per_sample(coef * ce),
-            denominator=per_sample(den),
-            ce_sum=per_sample(ce),
-            weight_sum=per_sample(t.weights),
-            tokens=per_sample(torch.ones_like(t.labels)),
-            correct=None if correct is None else per_sample(correct.long()),
-        )
-
-    def __call__(self, logits, labels, loss_weights, position_ids=None) -> torch.Tensor:
+    def __call__(self, logits, labels, weights, position_ids=None):
         """The loss of one self-contained batch (its own normaliser), e.g. for evaluation or tests."""
-        terms = self.terms(labels, loss_weights, logits=logits, position_ids=position_ids)
+        terms = self.terms(labels, weights, logits=logits, position_ids=position_ids)
         return terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
 
 

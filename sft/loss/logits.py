@@ -4,9 +4,8 @@ states must repeat: the logit transform (softcapping, scales) and a mixture of e
 from __future__ import annotations
 
 from dataclasses import dataclass
-import torch
-from sft.config import ConfigError
 
+from sft.config.schema import ConfigError
 
 
 @dataclass(frozen=True)
@@ -31,11 +30,11 @@ class LogitTransform:
         softcap = getattr(config, "final_logit_softcapping", None)
         return cls(scale, float(softcap) if softcap else None)
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits):
         if self.scale != 1.0:
             logits = logits * self.scale
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = (logits / self.softcap).tanh() * self.softcap
         return logits
 
 

@@ -12,10 +12,13 @@ import hashlib
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Dict, List, Optional
 
 from filelock import FileLock
 
+from sft.config.schema import Choice, Schema, config_schema, cuda_available, installed, knob
 from sft.data.cache import building, cache_dir
 
 log = logging.getLogger(__name__)
@@ -73,9 +76,9 @@ def tiny_model_dir() -> Path:
 
 
 def _build_tiny(out: Path) -> None:
+    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    import torch
 
     from sft import sample_data
 
@@ -125,6 +128,60 @@ def _build_tiny(out: Path) -> None:
     log.info("built the embedded tiny model in %s", out)
 
 
+class Dtype(Choice):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Quantization(Choice):
+    nf4 = "nf4"
+
+
+@config_schema("model", "model")
+@dataclass
+class ModelConfig(Schema):
+    """The model (`load_model`)."""
+
+    _target_: str = "sft.model.loading.load_model"
+    name_or_path: str = knob("tiny", "a hub id or a local checkpoint; tiny: the embedded ~0.8M-parameter model")
+    dtype: Dtype = knob(Dtype.float32, "the weights' dtype")
+    attn_implementation: Optional[str] = knob("sdpa", "transformers' (sdpa, eager, flash_attention_2 ...) or "
+                                              "sdpa_varlen (sdpa per sample of a packed row)")
+    trust_remote_code: bool = knob(False, "run the checkpoint's own modelling code (it is code: trust its source)")
+    quantization: Optional[Quantization] = knob(None, "nf4: a 4-bit base for QLoRA (bitsandbytes, CUDA only)")
+    # Not null by default: OmegaConf cannot merge a dict from the command line into a null node.
+    random_init: Dict[str, Any] = knob(help="a transformers config: this architecture with random weights; empty: "
+                                       "load name_or_path's weights", factory=dict)
+    config_overrides: Dict[str, Any] = knob(help="fields of the checkpoint's config to change, e.g. "
+                                            "+model.config_overrides.output_router_logits=true", factory=dict)
+
+    def check(self, cfg=None):
+        if self.quantization is not None and cfg is not None:
+            self.require("quantization", cfg.lora is not None, "a quantized base trains only with LoRA (lora=qlora)")
+            self.require("quantization", cuda_available(),
+                         "4-bit QLoRA needs a CUDA GPU (bitsandbytes); this machine has none: use lora=default")
+            self.require("quantization", installed("bitsandbytes"), "needs bitsandbytes: pip install bitsandbytes")
+
+
+@dataclass
+class TokenizerConfig(Schema):
+    """The tokenizer and what the labelling reads beside it (`load_tokenizer`)."""
+
+    _target_: str = "sft.model.loading.load_tokenizer"
+    name_or_path: str = knob("${model.name_or_path}", "the model's, by default")
+    chat_template: Optional[str] = knob(None, "a chat template to use instead of the tokenizer's: its text, or a "
+                                        ".jinja file")
+    trust_remote_code: bool = knob("${model.trust_remote_code}",  # type: ignore[arg-type]
+                                   "the model's, by default")
+    chat_template_kwargs: Dict[str, Any] = knob(help="keyword arguments the chat template is rendered with, in "
+                                                "training and generation (in the data hash): "
+                                                "+tokenizer.chat_template_kwargs.enable_thinking=false",
+                                                factory=dict)
+    stop_tokens: List[str] = knob(help="the tokens an answer ends at, each one token; empty: the model's own (the eos "
+                                  "ids of its generation_config.json and the tokenizer's eos_token)", factory=list)
+
+
 def resolve(name_or_path: str) -> str:
     """A hub id or local directory as given; `tiny` as the embedded model's directory."""
     return str(tiny_model_dir()) if name_or_path == TINY else name_or_path
@@ -138,8 +195,8 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_re
     `generation_config.json` and the tokenizer's eos; `stop_tokens` replaces them)."""
     from transformers import AutoTokenizer
 
+    from sft.config.schema import ConfigError
     from sft.data.templates import configure_chat
-    from sft.config import ConfigError
 
     path = resolve(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -220,14 +277,14 @@ def load_model(
     except ValueError as e:
         if "does not support an attention implementation" not in str(e):
             raise
-        from sft.config import ConfigError
+        from sft.config.schema import ConfigError
 
         raise ConfigError("model.attn_implementation", attn_implementation,
                           str(e).split(". Please")[0] + ": use eager (or flash_attention_2 on a GPU)") from e
     except RuntimeError as e:
         if "ignore_mismatched_sizes" not in str(e):
             raise
-        from sft.config import ConfigError
+        from sft.config.schema import ConfigError
 
         raise ConfigError("model.config_overrides", dict(config_overrides or {}), f"changes the shape of "
                           f"{name_or_path}'s weights, which then cannot load; model.random_init builds another "
@@ -236,7 +293,7 @@ def load_model(
 
 def _override_config(config, overrides: dict) -> None:
     """Set fields of a transformers config; an unknown name is a config error (it would be ignored)."""
-    from sft.config import ConfigError
+    from sft.config.schema import ConfigError
 
     for name, value in overrides.items():
         if not hasattr(config, name):

@@ -31,7 +31,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from sft.config import ConfigError
+from sft.config.schema import ConfigError
+from sft.training.compat import set_scheduler_last_lr
 
 log = logging.getLogger("sft")
 
@@ -274,8 +275,7 @@ class LearningRateChange(TrainerCallback):
             group["lr"] *= ratio
             if "initial_lr" in group:
                 group["initial_lr"] *= ratio
-        if hasattr(lr_scheduler, "_last_lr"):
-            lr_scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        set_scheduler_last_lr(lr_scheduler, optimizer)
         log.info("resume: trainer.learning_rate %g -> %g: the schedule goes on from step %d at the new rate "
                  "(now %g)", self.old, self.new, state.global_step, optimizer.param_groups[0]["lr"])
 

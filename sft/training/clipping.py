@@ -6,8 +6,8 @@ under DeepSpeed, where the engine clips inside its own step and the threshold is
 history alone. After the step the trainer reports the pre-clip norm with `observe`. Every policy's
 state is a plain dict, saved in each checkpoint's `sft_state.json` and restored on resume.
 
-A policy's knobs, defaults and checks are its schema's (`sft.config.*ClipConfig`), which it extends. A
-policy of your own subclasses `GradClipPolicy` (see the README's recipe).
+A policy is one class here, its knobs its fields, and one YAML (`conf/clip/<name>.yaml`). A policy of your own
+subclasses `GradClipPolicy` (see docs/control.md).
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sft.config import (AutoClipConfig, NoClipConfig, StaticClipConfig, ZClipConfig, learned_state, restore_learned_state)
+from sft.config.schema import Schema, config_schema, knob, learned_state, restore_learned_state
 
 
+@config_schema("clip", "none")
 @dataclass(eq=False, kw_only=True)
-class GradClipPolicy(NoClipConfig):
+class GradClipPolicy(Schema):
     """No clipping; the pre-clip norm is still tracked for the logs."""
 
+    _target_: str = "sft.training.clipping.GradClipPolicy"
     name = "none"
 
     def __post_init__(self):
@@ -68,25 +70,51 @@ class GradClipPolicy(NoClipConfig):
         restore_learned_state(self, state)
 
 
+@config_schema("clip", "static")
 @dataclass(eq=False, kw_only=True)
-class StaticClip(StaticClipConfig, GradClipPolicy):
+class StaticClip(GradClipPolicy):
     """Clip to `max_norm` every step."""
 
+    _target_: str = "sft.training.clipping.StaticClip"
+    max_norm: float = knob(1.0, "the norm the gradient is clipped to; 0 turns clipping off")
     name = "static"
+
+    def check(self, cfg=None):
+        self.require("max_norm", self.max_norm >= 0, "must be >= 0 (0 turns clipping off)")
 
     def threshold(self, norm: float | None = None) -> float:
         return self.max_norm if self.max_norm > 0 else math.inf
 
 
 @dataclass(eq=False, kw_only=True)
-class AutoClip(AutoClipConfig, GradClipPolicy):
+class WarmupClip(StaticClip):
+    """An adaptive policy: `max_norm` for the first `warmup_steps` steps, while its statistics fill."""
+
+    warmup_steps: int = knob(10, "steps clipped at max_norm while the statistics fill")
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("warmup_steps", self.warmup_steps >= 1, "must be >= 1 (the statistics need a first norm)")
+
+
+@config_schema("clip", "autoclip")
+@dataclass(eq=False, kw_only=True)
+class AutoClip(WarmupClip):
     """AutoClip: clip to the `percentile`-th percentile of the (clipped) norms seen so far.
 
     The history holds pre-clip norms, as in the AutoClip paper. The first `warmup_steps` steps clip at
     `max_norm` while it fills. `history_size` bounds it (0: unbounded).
     """
 
+    _target_: str = "sft.training.clipping.AutoClip"
+    percentile: float = knob(10.0, "the percentile of the norms seen so far that a norm is clipped to")
+    history_size: int = knob(0, "norms kept (0: the whole history)")
     name = "autoclip"
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("percentile", 0 < self.percentile <= 100, "must be in (0, 100]")
+        self.require("history_size", self.history_size >= 0, "must be >= 0 (0: the whole history)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -107,8 +135,9 @@ class AutoClip(AutoClipConfig, GradClipPolicy):
             del self.history[0]
 
 
+@config_schema("clip", "zclip")
 @dataclass(eq=False, kw_only=True)
-class ZClip(ZClipConfig, GradClipPolicy):
+class ZClip(WarmupClip):
     """ZClip: EMA mean and variance of the norm; a norm whose z-score exceeds `z_threshold` is clipped.
 
     With the current norm known, the clip value is the paper's reciprocal one, `mean + z_threshold**2 / z
@@ -118,7 +147,15 @@ class ZClip(ZClipConfig, GradClipPolicy):
     enters the EMAs as clipped, so a spike cannot inflate them.
     """
 
+    _target_: str = "sft.training.clipping.ZClip"
+    alpha: float = knob(0.97, "the EMAs' decay")
+    z_threshold: float = knob(2.5, "a norm whose z-score exceeds it is clipped")
     name = "zclip"
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("alpha", 0 < self.alpha < 1, "must be in (0, 1)")
+        self.require("z_threshold", self.z_threshold > 0, "must be > 0")
 
     def __post_init__(self):
         super().__post_init__()

@@ -85,22 +85,21 @@ def fsdp_without_gpus(fsdp: bool):
 
     accelerate turns FSDP on only for a GPU-type process group (`AcceleratorState`, accelerate 1.15); on CPU
     it would silently train with DDP instead. `fully_shard` itself runs on gloo, so while the Accelerator is
-    created the CPU group is presented as a GPU one; accelerate then records FSDP as the process state's type
-    (its own `AcceleratorState` does), or, where it did not, the CPU type is put back.
+    created the CPU group is presented as a GPU one (`sft.training.compat.present_cpu_group_as_gpu`); accelerate
+    then records FSDP as the process state's type (its own `AcceleratorState` does), or, where it did not, the
+    CPU type is put back.
     """
     from accelerate import PartialState
     from accelerate.utils import DistributedType
+
+    from sft.training.compat import present_cpu_group_as_gpu
 
     state = PartialState()
     if not fsdp or state.distributed_type != DistributedType.MULTI_CPU:
         yield
         return
-    state.distributed_type = DistributedType.MULTI_GPU
-    try:
+    with present_cpu_group_as_gpu(state):
         yield
-    finally:
-        if state.distributed_type == DistributedType.MULTI_GPU:
-            state.distributed_type = DistributedType.MULTI_CPU
 
 
 def refuse_multirun_in_launch(argv: list[str]) -> None:

@@ -2,9 +2,11 @@
 
 SLURM, Kubernetes and spot instances send SIGTERM some time before they kill; Ctrl-C sends SIGINT. Each
 rank's handler only notes the signal; at the end of the step every rank learns whether any rank got one,
-so all of them save the same checkpoint and stop together. The flag travels in the step's one all-reduce
-of `sft.training.step_control` (with the step loss the guard judges), right before the optimizer step: a signal
-that arrives during the optimizer step itself stops the run after the next step. The run then
+so all of them save the same checkpoint and stop together. `Preemption` is a controller like the others
+(the recipe adds it to every run, with `signal_grace_s`): its `requests_stop` travels in the step's one
+all-reduce of `sft.training.step_control` (with the step loss the guard judges), right before the optimizer
+step, and `stop_agreed` tells it on every rank; a signal that arrives during the optimizer step itself stops
+the run after the next step. The run then
 writes `results.json` with `status: "preempted"` and the checkpoint, says how to continue (`resume=auto`
 with the same run dir) and exits with `PREEMPTED_EXIT_CODE`.
 
@@ -20,8 +22,10 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
-from transformers import TrainerCallback
+from sft.config.schema import knob
+from sft.training.controllers.base import Controller
 
 log = logging.getLogger("sft")
 
@@ -38,20 +42,32 @@ class Preempted(RuntimeError):
         self.checkpoint = checkpoint
 
 
-class Preemption(TrainerCallback):
-    """Notes SIGTERM/SIGINT (`install`), and at the end of the step in which any rank got one, asks
-    Trainer to save and stop (`stopped_at` is then that step)."""
+@dataclass(eq=False, kw_only=True)
+class Preemption(Controller):
+    """Notes SIGTERM/SIGINT (`install`), and at the end of the step in which any rank got one, asks Trainer to save
+    and stop (`stopped_at` is then that step)."""
 
-    def __init__(self, grace_s: float = 600.0, step_control=None):
-        """`step_control` (the trainer's `StepControl`) carries the flag across the ranks in its per-step
-        all-reduce; without one, each step end makes an all-reduce of its own."""
-        self.grace_s = grace_s
+    _target_: str = "sft.training.preemption.Preemption"
+    grace_s: float = knob(600.0, "at most this long to finish the step and save a checkpoint after a signal")
+    name = "preemption"
+
+    def check(self, cfg=None):
+        self.require("grace_s", self.grace_s > 0, "must be > 0")
+
+    def __post_init__(self):
         self.signal: str | None = None
         self._received_at = 0.0
+        self._stop = False
         self.stopped_at: int | None = None
-        self.step_control = step_control
-        if step_control is not None:
-            step_control.stop_requests.append(lambda: self.signal is not None)
+
+    def state_dict(self) -> dict:
+        return {}  # a resumed run waits for signals of its own
+
+    def requests_stop(self) -> bool:
+        return self.signal is not None
+
+    def stop_agreed(self, step: int) -> None:
+        self._stop = True
 
     def install(self) -> None:
         """Take over SIGTERM and SIGINT (from the main thread, where Python runs signal handlers)."""
@@ -85,21 +101,7 @@ class Preemption(TrainerCallback):
         os._exit(128 + signal.SIGTERM)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self._any_rank_signalled(args.device):
+        if self._stop:
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
-
-    def _any_rank_signalled(self, device) -> bool:
-        import torch
-        import torch.distributed as dist
-
-        flag = self.signal is not None
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if distributed and self.step_control is not None:
-            return self.step_control.stop_requested  # every rank's flag, from this step's all-reduce
-        if distributed:
-            t = torch.tensor([float(flag)], device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag

@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-from sft.config import ConfigError
+from sft.config.schema import ConfigError
 
 log = logging.getLogger("sft")
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import resource
 import time
+from dataclasses import dataclass
+from typing import Optional
 
-import torch
-from transformers import TrainerCallback
+from sft.config.schema import Schema, knob
+from sft.training.callbacks import Callback
 
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets), matched in this order.
 PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
@@ -33,6 +35,8 @@ PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100 PCIe
 
 def device_peak_tflops() -> float | None:
     """The table's peak for this machine's GPU, or None (no GPU, or not in the table)."""
+    import torch
+
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
@@ -41,6 +45,8 @@ def device_peak_tflops() -> float | None:
 
 def peak_memory_gb() -> float:
     """This process's peak memory: the CUDA allocator's on GPU, else the resident set (Linux: KiB)."""
+    import torch
+
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -48,6 +54,8 @@ def peak_memory_gb() -> float:
 
 def flops_per_token(model, mean_sequence_length: float) -> float:
     """Training FLOPs per input token (see the module docstring) for `model` at a mean sequence length."""
+    import torch
+
     linear = trainable = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -61,11 +69,17 @@ def flops_per_token(model, mean_sequence_length: float) -> float:
     return 4 * linear + 2 * trainable + attention
 
 
-class ThroughputMeter(TrainerCallback):
+@dataclass(eq=False)
+class ThroughputMeter(Callback, Schema):
     """Times the training steps; turns the trainer's token counts into the logged throughput values."""
 
-    def __init__(self, peak_tflops: float | None = None):
-        self.peak_tflops = peak_tflops
+    _target_: str = "sft.training.throughput.ThroughputMeter"
+    peak_tflops: Optional[float] = knob(None, "per device, for the MFU estimate; null: from the GPU's name (table)")
+
+    def check(self, cfg=None):
+        self.require("peak_tflops", self.peak_tflops is None or self.peak_tflops > 0, "must be > 0 (or null)")
+
+    def __post_init__(self):
         self.model = None
         self.devices = 1
         self._clock = time.perf_counter()

@@ -5,7 +5,7 @@ still has each one, with the same parameters):
 - `get_batch_samples` (public) sums the loss's denominator over the optimizer step's micro-batches and
   all ranks (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to
   `compute_loss`; it also opens the step in `sft.training.step_control` (DeepSpeed's clip threshold is set there);
-- `compute_loss` (public) pops `labels`/`loss_weights`/`source_lines`/`source_views`/`source_ids`/`aux_*` (the
+- `compute_loss` (public) pops `labels`/`weights`/`source_lines`/`source_views`/`source_ids`/`aux_*` (the
   model's forward never sees them) and divides the micro-batch's numerator by that global denominator, times the world
   size because DDP and DeepSpeed average gradients over ranks. A mixture of experts' router aux loss (when
   its config enables it, `sft.loss.logits.router_aux_loss_coef`) is added with the model's coefficient, each
@@ -15,9 +15,10 @@ still has each one, with the same parameters):
   With a lean loss implementation (`loss.impl`, see `sft.losses`) the model runs without its output
   projection (`logits_to_keep` selects no position) and the loss takes the final hidden states, captured
   from the decoder, and the projection's weight (gathered under ZeRO-3);
-- `_clip_grad_norm` (private: Trainer's only hook between the backward passes and `optimizer.step()`
-  that receives the model) hands the step to `sft.training.step_control.StepControl.finish`: controllers' verdicts,
-  skip, clip policy;
+- `_clip_grad_norm` and `_get_grad_norm` (private: Trainer's only hooks between the backward passes and
+  `optimizer.step()` that receive the model; Trainer calls the first where `max_grad_norm > 0`, the second always)
+  hand the step to `sft.training.step_control.StepControl.finish` (controllers' verdicts, skip, clip policy) with a
+  `StepContext`, the step's number and the objects it acts on;
 - `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
   curriculum's) when one provides it (`Controller.train_sampler`);
 - `evaluation_loop` (public) replaces the mean of per-batch losses by the exact ratio over the eval set
@@ -32,7 +33,7 @@ still has each one, with the same parameters):
   (`sft.training.distributed.fsdp_without_gpus`), and refuses to go on where FSDP was asked for and is not on;
 - `_save` (private: the one place every engine's state dict reaches `save_pretrained`) leaves out the tied
   copies (a tied lm_head) that a gathered FSDP state dict carries as separate tensors;
-- `log` (public) adds `ce` and `weight_mean` (mean loss weight per assistant token) next to `loss`,
+- `log` (public) adds `ce` and `weight_mean` (the mean weight of an assistant token) next to `loss`,
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
   throughput values (`sft.training.throughput`), the clip policy's and the controllers' `log_values`.
@@ -54,16 +55,16 @@ from accelerate.utils import gather_object
 from transformers import Trainer
 from typing_extensions import override
 
-from sft.training.clipping import GradClipPolicy
-from sft.config import ConfigError
-from sft.training.controllers import Controller
+from sft.config.schema import ConfigError
 from sft.data.split import row_scores
-from sft.training.distributed import fsdp_without_gpus
 from sft.loss.auxiliary import AuxBatch
-from sft.loss.logits import LogitTransform, router_aux_loss_coef
 from sft.loss.base import WeightedTokenLoss
 from sft.loss.kernels import choose_impl
-from sft.training.step_control import StepControl
+from sft.loss.logits import LogitTransform, router_aux_loss_coef
+from sft.training.clipping import GradClipPolicy
+from sft.training.controllers.base import Controller
+from sft.training.distributed import fsdp_without_gpus
+from sft.training.step_control import StepContext, StepControl, StepReport
 from sft.training.throughput import ThroughputMeter
 
 log = logging.getLogger("sft")
@@ -83,7 +84,9 @@ class WeightedLossTrainer(Trainer):
         super().__init__(*args, callbacks=callbacks, **kwargs)
         self.loss = loss
         self.clip_policy = clip_policy or GradClipPolicy()
-        self.step_control = StepControl(self, self.clip_policy, self.controllers, sources)
+        decode = self.processing_class.decode if self.processing_class is not None else str
+        self.step_control = StepControl(self.clip_policy, self.controllers, StepReport(
+            self.args.output_dir, decode, self.train_dataset, sources, self.is_world_process_zero()))
         self.eval_buckets = list(eval_buckets)
         self.eval_generation = eval_generation  # sft.eval.samples.EvalGeneration: samples at evaluations
         self.eval_scores = {}  # (source, line) -> difficulty score
@@ -198,12 +201,12 @@ class WeightedLossTrainer(Trainer):
         # the loss's denominator, input tokens, each auxiliary term's denominator
         sums = torch.zeros(2 + len(self.aux_terms), dtype=torch.float64, device=device)
         for batch in batches:
-            sums[0] += self.loss.normaliser(batch["labels"], batch["loss_weights"],
+            sums[0] += self.loss.normaliser(batch["labels"], batch["weights"],
                                             batch.get("position_ids")).to(device)
             sums[1] += input_tokens(batch).to(device)
             for i, (name, term) in enumerate(self.aux_terms.items()):
                 sums[2 + i] += term.denominator(aux_batch(batch, name)).to(device)
-        self.step_control.begin(device)
+        self.step_control.begin(device, self.model_wrapped if self.is_deepspeed_enabled else None)
         sums = self._sum_over_ranks(sums)
         self._step_tokens, self._aux_denominators = sums[1], sums[2:]
         return batches, sums[0]
@@ -212,10 +215,23 @@ class WeightedLossTrainer(Trainer):
     def _clip_grad_norm(self, model):
         """Once per optimizer step, after the backward passes: `StepControl.finish` judges, skips or clips it.
 
-        Trainer calls this (when `max_grad_norm > 0`, which the recipe ensures) right before
-        `optimizer.step()`, and logs the pre-clip norm returned.
+        Trainer calls this right before `optimizer.step()` where `max_grad_norm > 0` (the clip policy's first
+        threshold), and logs the pre-clip norm returned.
         """
-        return self.step_control.finish(model)
+        return self.step_control.finish(model, self._step_context())
+
+    @override
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The norm Trainer logs: `_clip_grad_norm`'s, or, where Trainer called no clipping (`max_grad_norm` 0: a
+        policy that does not clip, or not at first), `StepControl.finish`'s, which finishes the step here."""
+        if grad_norm is None:
+            grad_norm = self.step_control.finish(model, self._step_context())
+        return grad_norm
+
+    def _step_context(self) -> StepContext:
+        """What `StepControl` is told of the step it finishes."""
+        return StepContext(step=self.state.global_step + 1, accelerator=self.accelerator, optimizer=self.optimizer,
+                           engine=self.model_wrapped if self.is_deepspeed_enabled else None)
 
     @override
     def _get_train_sampler(self, train_dataset=None):
@@ -231,21 +247,21 @@ class WeightedLossTrainer(Trainer):
     @override
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs.pop("labels")
-        loss_weights = inputs.pop("loss_weights")
+        weights = inputs.pop("weights")
         source_lines = inputs.pop("source_lines", None)
         source_views = inputs.pop("source_views", None)
         source_ids = inputs.pop("source_ids", None)
         aux_values = {k: inputs.pop(k) for k in [k for k in inputs if k.startswith("aux_")]}
         evaluating = not model.training and self._eval_rows is not None and source_lines is not None
         training = model.training and num_items_in_batch is not None
-        outputs, terms, hidden = self._forward_terms(model, inputs, labels, loss_weights, accuracy=evaluating,
+        outputs, terms, hidden = self._forward_terms(model, inputs, labels, weights, accuracy=evaluating,
                                                      keep_hidden=training and bool(self.aux_terms))
         if training:
             denominator = num_items_in_batch.clamp_min(1e-12).to(terms.loss_sum.dtype)
             loss = terms.loss_sum / denominator
             if self.aux_terms:
                 loss = loss + self._aux_loss(hidden, {**inputs, **aux_values, "labels": labels,
-                                                      "loss_weights": loss_weights}).to(loss.dtype)
+                                                      "weights": weights}).to(loss.dtype)
             tokens = input_tokens(inputs)
             aux = outputs.aux_loss.float() if self.router_aux_coef else torch.zeros((), device=loss.device)
             if self.router_aux_coef:  # the step's aux loss: its micro-batches' mean, weighted by their tokens
@@ -280,7 +296,7 @@ class WeightedLossTrainer(Trainer):
             self._aux_stats[2 * i + 1] += term.denominator(part).double().to(self._aux_stats.device)
         return total
 
-    def _forward_terms(self, model, inputs, labels, loss_weights, accuracy: bool, keep_hidden: bool = False):
+    def _forward_terms(self, model, inputs, labels, weights, accuracy: bool, keep_hidden: bool = False):
         """The model's forward, the loss terms, and the final hidden states (None unless a lean loss or
         `keep_hidden` needs them); the logits either materialised (`naive`) or not."""
         position_ids = inputs.get("position_ids")
@@ -289,14 +305,14 @@ class WeightedLossTrainer(Trainer):
                 outputs, hidden = self._forward_keeping_hidden(model, **inputs)
             else:
                 outputs, hidden = model(**inputs, use_cache=False), None
-            return outputs, self.loss.terms(labels, loss_weights, logits=outputs.logits, position_ids=position_ids,
+            return outputs, self.loss.terms(labels, weights, logits=outputs.logits, position_ids=position_ids,
                                             accuracy=accuracy), hidden
         no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
         outputs, hidden = self._forward_keeping_hidden(model, **inputs, logits_to_keep=no_logits)
         # cce computes no argmax: evaluation (no gradient) takes the chunked path, which gives the accuracy.
         impl = self.loss_impl if model.training else "chunked"
         with self._gathered_lm_head():
-            terms = self.loss.terms(labels, loss_weights, hidden=hidden, lm_head=self._lm_head.weight,
+            terms = self.loss.terms(labels, weights, hidden=hidden, lm_head=self._lm_head.weight,
                                     position_ids=position_ids, impl=impl, accuracy=accuracy,
                                     transform=self.logit_transform)
         return outputs, terms, hidden
@@ -421,10 +437,9 @@ class WeightedLossTrainer(Trainer):
         super().log(logs, start_time)
 
 
-
 def aux_batch(batch: dict, name: str) -> AuxBatch:
     """What the auxiliary term `name` sees of a micro-batch (`sft.loss.auxiliary.AuxBatch`)."""
-    return AuxBatch(batch["labels"], batch["loss_weights"], batch.get("position_ids"), batch[f"aux_{name}"])
+    return AuxBatch(batch["labels"], batch["weights"], batch.get("position_ids"), batch[f"aux_{name}"])
 
 
 def input_tokens(batch: dict) -> torch.Tensor:

@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from sft.config import AdaptiveEvalConfig
+from sft.config.schema import config_schema, knob
 from sft.training.controllers.base import Controller, log, metric_value
 
 
+@config_schema("controllers", "adaptive_eval")
 @dataclass(eq=False, kw_only=True)
-class AdaptiveEvalInterval(AdaptiveEvalConfig, Controller):
+class AdaptiveEvalInterval(Controller):
     """After each evaluation: relative change above `fast` halves the interval, below `slow` doubles it."""
 
+    _target_: str = "sft.training.controllers.AdaptiveEvalInterval"
+    needs_eval_data: ClassVar[bool] = True
+    metric: str = knob("eval_loss", "the eval metric watched")
+    min_steps: int = knob(25, "the shortest interval, in steps")
+    max_steps: int = knob(800, "the longest interval, in steps")
+    fast: float = knob(0.05, "a relative change above it halves the interval")
+    slow: float = knob(0.005, "a relative change below it doubles the interval")
     name = "adaptive_eval"
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("min_steps", 1 <= self.min_steps <= self.max_steps, "must be >= 1 and <= max_steps")
+        self.require("slow", 0 <= self.slow < self.fast, "must be >= 0 and < adaptive_eval.fast")
 
     def __post_init__(self):
         super().__post_init__()

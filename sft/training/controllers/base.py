@@ -1,4 +1,4 @@
-"""The controller protocol: a Trainer callback whose decisions survive a crash.
+"""The controller protocol: a Trainer callback whose decisions survive a crash, its knobs its fields.
 
 A controller is an entry of the `controllers` config node (`conf/controllers/<name>.yaml`, switched on
 with `+controllers=<name>`), built by `build_controllers` and added to the Trainer's callbacks. Besides
@@ -9,23 +9,35 @@ Trainer's events (`on_evaluate`, `on_step_end` ...) the trainer and the recipe r
 - `log_values`: its current setting, added to each training log;
 - `judge_step`: an optional verdict on each optimizer step once its loss and gradient norm are known
   (`sft.training.step_control`): a `StepVerdict` can skip the update and asks for a report of the step's rows;
+- `requests_stop` / `stop_agreed`: this rank asks the run to stop after the current step (preemption's signal);
+  every rank learns whether any rank asked in the step's one all-reduce, and each controller that asks is told
+  (`stop_agreed`, on every rank, before the optimizer step) so that all ranks stop at the same step;
 - `train_sampler`: an optional sampler for the training rows (one controller at most provides one);
-- `results`: values for `results.json` (fields of `sft.experiments.results.RunResults`);
+- `results`: values for `results.json`: `stopped_early`, or fields of its own (`sft.experiments.results`);
 - `failure`: why the run must end as failed once training stopped (exit code 1), or None.
 
-A controller of your own is one class (a subclass of `Controller`) and one YAML file; see the README.
+A controller is one class (a dataclass subclass of `Controller`, its knobs its fields, `knob(...)` with their help)
+and one YAML file (`conf/controllers/<name>.yaml`); a built-in one is also decorated with
+`config_schema("controllers", <name>)`. See docs/control.md.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
-from transformers import TrainerCallback
+from omegaconf import MISSING
 
-from sft.config import learned_state, restore_learned_state
+from sft.config.schema import Choice, ConfigError, Schema, knob, learned_state, restore_learned_state
+from sft.training.callbacks import Callback
 
 log = logging.getLogger("sft")
+
+
+class Mode(Choice):
+    min = "min"
+    max = "max"
 
 
 @dataclass(frozen=True)
@@ -38,14 +50,24 @@ class StepVerdict:
     summary: str  # for the log line, e.g. "non-finite loss or gradient"
 
 
-class Controller(TrainerCallback):
+@dataclass(eq=False, kw_only=True)
+class Controller(Callback, Schema):
     """Base of every controller; each method below is a no-op unless a controller needs it."""
 
-    name = "controller"  # for log lines
-    needs_difficulty_score = False  # True: every training row must have a difficulty_score
+    _target_: str = MISSING
+    name: ClassVar[str] = "controller"  # for log lines
+    needs_difficulty_score: ClassVar[bool] = False  # True: every training row must have a difficulty_score
+    needs_eval_data: ClassVar[bool] = False  # True: it acts on evaluation metrics
 
-    def __post_init__(self):  # the built-in controllers are dataclasses extending their schema
-        """Set up the state that is not a knob (the knobs are the schema's fields)."""
+    def __post_init__(self):
+        """Set up the state that is not a knob (the knobs are the fields)."""
+
+    def check(self, cfg=None):
+        if self.needs_eval_data and cfg is not None:
+            self.require("", cfg.data.eval_file is not None or any(e.eval_file for e in cfg.data.mixture),
+                         "needs evaluation data (data.eval_file)")
+            self.require("", cfg.trainer.eval_strategy != "no", "needs evaluations: trainer.eval_strategy=no "
+                         "turns them off")
 
     def state_dict(self) -> dict:
         """What a resume needs: the learned state, not the knobs (those come from the run's config)."""
@@ -61,12 +83,19 @@ class Controller(TrainerCallback):
         """A verdict on a finished step (mean loss over ranks, global pre-clip gradient norm); None: ok."""
         return None
 
+    def requests_stop(self) -> bool:
+        """Whether this rank asks every rank to stop after the current optimizer step."""
+        return False
+
+    def stop_agreed(self, step: int) -> None:
+        """Some rank asked to stop after optimizer step `step` (called on every rank, before its optimizer step)."""
+
     def train_sampler(self, dataset, seed: int):
         """A `torch.utils.data.Sampler` over the training rows, or None to keep Trainer's."""
         return None
 
     def results(self) -> dict:
-        """Fields of `results.json` this controller decides."""
+        """Fields of `results.json` this controller decides: `stopped_early`, or names of its own (JSON values)."""
         return {}
 
     def failure(self) -> str | None:
@@ -83,8 +112,6 @@ def build_controllers(nodes) -> dict[str, Controller]:
     """Every non-null entry of the `controllers` node, built with `hydra.utils.instantiate`."""
     from hydra.utils import instantiate
 
-    from sft.config import ConfigError
-
     controllers = {}
     for name, node in (nodes or {}).items():
         if node is None:
@@ -92,12 +119,27 @@ def build_controllers(nodes) -> dict[str, Controller]:
         controller = instantiate(node, _convert_="all")
         if not isinstance(controller, Controller):
             raise ConfigError(f"controllers.{name}._target_", node.get("_target_"),
-                              "must build an sft.training.controllers.Controller (a TrainerCallback with state)")
+                              "must build an sft.training.controllers.Controller (a Trainer callback with state)")
         controllers[name] = controller
     samplers = [name for name, c in controllers.items() if implements(c, "train_sampler")]
     if len(samplers) > 1:
         raise ConfigError("controllers", None, f"{' and '.join(samplers)} both choose the training rows; keep one")
     return controllers
+
+
+@dataclass(eq=False, kw_only=True)
+class MetricWatchController(Controller):
+    """A controller that watches an eval metric for improvement: the knobs they share."""
+
+    needs_eval_data: ClassVar[bool] = True
+    metric: str = knob("eval_loss", "the eval metric watched")
+    patience: int = knob(3, "evaluations without improvement it waits")
+    min_delta: float = knob(0.0, "an improvement smaller than this is none")
+    mode: Mode = knob(Mode.min, "min: lower is better | max")
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("patience", self.patience >= 1, "must be >= 1")
 
 
 class MetricWatch:

@@ -14,19 +14,33 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
-import torch
-from torch.utils.data import Sampler
-
-from sft.config import CurriculumConfig, restore_learned_state
+from sft.config.schema import config_schema, knob, restore_learned_state
 from sft.training.controllers.base import Controller, MetricWatch, log, metric_value
-from sft.data.split import column
 
 
+@config_schema("controllers", "curriculum")
 @dataclass(eq=False, kw_only=True)
-class Curriculum(CurriculumConfig, Controller):
+class Curriculum(Controller):
+    _target_: str = "sft.training.controllers.Curriculum"
+    needs_eval_data: ClassVar[bool] = True
+    needs_difficulty_score: ClassVar[bool] = True  # it orders rows by difficulty
+    temperature: float = knob(4.0, "where the temperature starts: high is uniform sampling, low favours hard rows")
+    min_temperature: float = knob(0.25, "the lowest temperature")
+    max_temperature: float = knob(16.0, "the highest temperature")
+    factor: float = knob(0.7, "the temperature times it while the metric improves, divided by it when it stalls")
+    metric: str = knob("eval_loss_hardest_bucket", "the eval metric watched")
+    min_delta: float = knob(0.0, "an improvement smaller than this is none")
+    chunk_size: int = knob(256, "rows drawn per chunk, each chunk at the temperature in force when it began")
     name = "curriculum"
-    needs_difficulty_score = True  # it orders rows by difficulty
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("factor", 0 < self.factor < 1, "must be in (0, 1)")
+        self.require("min_temperature", 0 < self.min_temperature <= self.temperature <= self.max_temperature,
+                     "must satisfy 0 < min_temperature <= temperature <= max_temperature")
+        self.require("chunk_size", self.chunk_size >= 1, "must be >= 1")
 
     def __post_init__(self):
         super().__post_init__()
@@ -64,7 +78,10 @@ class Curriculum(CurriculumConfig, Controller):
     def log_values(self) -> dict:
         return {"curriculum/temperature": self.current_temperature}
 
-    def train_sampler(self, dataset, seed: int) -> CurriculumSampler:
+    def train_sampler(self, dataset, seed: int):
+        from sft.data.split import column
+        from sft.training.controllers.sampling import CurriculumSampler
+
         return CurriculumSampler(column(dataset, "difficulty_score"), self, seed)
 
     def state_dict(self) -> dict:
@@ -79,26 +96,3 @@ class Curriculum(CurriculumConfig, Controller):
             state["current_temperature"] = state["temperature"]
         restore_learned_state(self, state)
 
-
-class CurriculumSampler(Sampler[int]):
-    """Draws `len(scores)` row indices per epoch with the curriculum's difficulty-tempered probabilities."""
-
-    def __init__(self, scores: list[float], curriculum: Curriculum, seed: int):
-        self.curriculum, self.seed = curriculum, seed
-        s = torch.tensor(scores, dtype=torch.float64)
-        std = s.std() if len(s) > 1 else torch.tensor(0.0, dtype=torch.float64)
-        self.z = (s - s.mean()) / std if std > 0 else torch.zeros_like(s)
-
-    def __len__(self) -> int:
-        return len(self.z)
-
-    def probabilities(self, temperature: float) -> torch.Tensor:
-        return torch.softmax(self.z / temperature, dim=0)
-
-    def __iter__(self):
-        epoch, n, size = self.curriculum.epoch, len(self.z), self.curriculum.chunk_size
-        for chunk in range(math.ceil(n / size)):
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch * 10_007 + chunk)
-            p = self.probabilities(self.curriculum.temperature_for(epoch, chunk))
-            yield from torch.multinomial(p, min(size, n - chunk * size), replacement=True,
-                                         generator=generator).tolist()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sft.config import EarlyStoppingConfig
-from sft.training.controllers.base import Controller, MetricWatch, log, metric_value
+from sft.config.schema import config_schema
+from sft.training.controllers.base import MetricWatch, MetricWatchController, log, metric_value
 
 
+@config_schema("controllers", "early_stopping")
 @dataclass(eq=False, kw_only=True)
-class EarlyStopping(EarlyStoppingConfig, Controller):
+class EarlyStopping(MetricWatchController):
+    _target_: str = "sft.training.controllers.EarlyStopping"
     name = "early_stopping"
 
     def __post_init__(self):

@@ -13,16 +13,29 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sft.config import GuardConfig
+from sft.config.schema import config_schema, knob
 from sft.training.controllers.base import Controller, StepVerdict, log
 
 NONFINITE = "nonfinite"
 SPIKE = "spike"
 
 
+@config_schema("controllers", "guard")
 @dataclass(eq=False, kw_only=True)
-class TrainingGuard(GuardConfig, Controller):
+class TrainingGuard(Controller):
+    _target_: str = "sft.training.controllers.TrainingGuard"
+    max_consecutive: int = knob(3, "skipped steps in a row after which the run saves, stops and fails")
+    spike_factor: float = knob(0.0, "0: no spike detection; e.g. 3.0 flags a step loss above 3x its EMA")
+    spike_ema: float = knob(0.9, "the step-loss EMA's decay")
+    spike_warmup: int = knob(10, "steps before spikes are judged")
+    skip_spikes: bool = knob(False, "skip a spike's update too (else it is only reported)")
     name = "guard"
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("max_consecutive", self.max_consecutive >= 1, "must be >= 1")
+        self.require("spike_factor", self.spike_factor == 0 or self.spike_factor > 1, "must be 0 (off) or > 1")
+        self.require("spike_ema", 0 < self.spike_ema < 1, "must be in (0, 1)")
 
     def __post_init__(self):
         super().__post_init__()

@@ -8,13 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sft.config import LRPlateauConfig
-from sft.training.controllers.base import Controller, MetricWatch, log, metric_value
+from sft.config.schema import config_schema, knob
+from sft.training.controllers.base import MetricWatch, MetricWatchController, log, metric_value
 
 
+@config_schema("controllers", "lr_plateau")
 @dataclass(eq=False, kw_only=True)
-class ReduceLROnPlateau(LRPlateauConfig, Controller):
+class ReduceLROnPlateau(MetricWatchController):
+    _target_: str = "sft.training.controllers.ReduceLROnPlateau"
+    patience: int = knob(2, "evaluations without improvement before a reduction")
+    factor: float = knob(0.5, "each reduction multiplies the learning rates by it")
+    min_lr: float = knob(0.0, "the learning rate is never reduced below it")
     name = "lr_plateau"
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("factor", 0 < self.factor < 1, "must be in (0, 1)")
 
     def __post_init__(self):
         super().__post_init__()

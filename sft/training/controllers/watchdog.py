@@ -15,13 +15,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sft.config import WatchdogConfig
+from sft.config.schema import config_schema, knob
 from sft.training.controllers.base import Controller
 
 
+@config_schema("controllers", "watchdog")
 @dataclass(eq=False, kw_only=True)
-class HangWatchdog(WatchdogConfig, Controller):
+class HangWatchdog(Controller):
+    _target_: str = "sft.training.controllers.HangWatchdog"
+    timeout_s: float = knob(1200.0, "seconds without a finished optimizer step after which every thread's stack "
+                            "is dumped (below trainer.ddp_timeout, so that the stacks come first)")
     name = "watchdog"
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("timeout_s", self.timeout_s > 0, "must be > 0")
+        if cfg is not None:
+            self.require("timeout_s", self.timeout_s < cfg.trainer.ddp_timeout,
+                         f"must be below trainer.ddp_timeout ({cfg.trainer.ddp_timeout}), else the collective "
+                         "times out first and no stacks are dumped")
 
     def __post_init__(self):
         super().__post_init__()

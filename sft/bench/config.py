@@ -1,0 +1,53 @@
+"""The `bench` node (`conf/bench.yaml`): which cases `python -m sft.bench` runs, how long, the loss-only case's
+shape. Training ignores it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from sft.config import registry
+from sft.config.schema import Schema, knob
+
+CASES = ["hf", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "eval_hf", "eval_sft", "loss_naive",
+         "loss_chunked", "preprocess", "tokenize", "scale", "startup"]
+
+
+@dataclass
+class BenchConfig(Schema):
+    """`python -m sft.bench`: which cases, how long, the loss-only case's shape."""
+
+    cases: List[str] = knob(help="the cases to run (sft.bench.run: hf, ce, ... startup)", factory=lambda: list(CASES))
+    batch_sizes: Optional[List[int]] = knob(None, "the training cases run at each micro-batch size (null: "
+                                            "trainer.per_device_train_batch_size); ratios at the first are named "
+                                            "plainly (ce_vs_hf), at the others with the size (ce_vs_hf_b16)")
+    steps: int = knob(40, "optimizer steps per training case")
+    warmup_steps: int = knob(5, "steps not timed")
+    repeats: int = knob(3, "rounds over all cases, interleaved; medians are reported")
+    loss_vocab: int = knob(151936, "the loss-only case's vocabulary (Qwen2.5's)")
+    loss_hidden: int = knob(896, "the loss-only case's hidden size (Qwen2.5-0.5B's)")
+    loss_batch: int = knob(4, "the loss-only case's rows")
+    loss_seq: int = knob(1024, "the loss-only case's sequence length")
+    loss_dtype: str = knob("float32", "the loss-only case's dtype")
+    loss_trainable_head: bool = knob(False, "false: the projection frozen, as with LoRA")
+    preprocess_rows: int = knob(100000, "rows tokenised cold, then loaded cached (preprocess)")
+    tokenize_rows: int = knob(4000, "multi-turn rows tokenised side by side by sft and its 0.1 baseline (tokenize)")
+    scale_rows: int = knob(1000000, "multi-turn rows (about 300 tokens) preprocessed cold, then loaded cached "
+                           "(scale)")
+    eval_repeats: int = knob(3, "evaluations timed per eval case (the best counts), after one untimed")
+    case_timeout_s: int = knob(1800, "a case running longer is stopped and reported")
+
+
+def compose(overrides: list[str]):
+    """The training config with the bench's overrides (`conf/bench.yaml`), as `python -m sft.train` would compose
+    it, plus the `bench` node."""
+    register()
+    return registry.compose("bench", overrides)
+
+
+def register() -> None:
+    """The training config's schemas, and the `bench` node's (`bench_schema`, which only conf/bench.yaml uses)."""
+    from hydra.core.config_store import ConfigStore
+
+    registry.register()
+    ConfigStore.instance().store(name="bench_schema", node=BenchConfig, package="bench")

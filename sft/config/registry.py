@@ -1,0 +1,105 @@
+"""The composition root: the primary schema (`TrainConfig`, one field per config group), every stage's schemas
+gathered into Hydra's config store, and `compose`. A stage's schemas live beside the classes they configure
+(`sft.data.spec`, `sft.loss.builtin`, `sft.training.clipping`, `sft.training.controllers.*` ...) and register
+themselves with `config_schema`; importing them here is what makes `conf/`'s `<name>_schema` entries resolve.
+
+Each default is stated once, in those schemas: the YAML options of `conf/` carry only what differs, and the
+classes built from a node are the schemas themselves (or extend them), so `ZClip()` has ZClip's defaults and
+checks. Nothing here imports torch or transformers, so that `--cfg job` and `--help` answer at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+import sft.training.controllers  # noqa: F401 - registers the built-in controllers' schemas
+from sft import sample_data
+from sft.config.schema import SCHEMAS, Choice, Schema, config_schema, knob
+from sft.data.spec import CollatorConfig, DataSpec  # noqa: F401 - registers data_schema
+from sft.eval.generation import ExactMatchConfig  # noqa: F401 - registers exact_match_schema
+from sft.eval.samples import EvalGeneration  # noqa: F401 - registers eval_generation_schema
+from sft.experiments.sweep import SweepConfig
+from sft.loss import builtin  # noqa: F401 - registers the built-in losses' schemas
+from sft.model.loading import ModelConfig, TokenizerConfig  # noqa: F401 - registers model_schema
+from sft.model.lora import LoraConfig  # noqa: F401 - registers lora_schema
+from sft.training import clipping  # noqa: F401 - registers the clip policies' schemas
+from sft.training.arguments import TrainerConfig  # noqa: F401 - registers trainer_schema
+from sft.training.engines import FsdpConfig, check_deepspeed, load_deepspeed_file  # noqa: F401 - fsdp_schema
+from sft.training.throughput import ThroughputMeter
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
+
+class CheckpointChecksums(Choice):
+    small = "small"
+    all = "all"
+
+
+@config_schema(None, "train")
+@dataclass
+class TrainConfig(Schema):
+    """The primary config: one field per group plus the few top-level switches."""
+
+    model: Any = knob(MISSING, "the model group: conf/model/")
+    data: Any = knob(MISSING, "the data group: conf/data/")
+    loss: Any = knob(MISSING, "the loss group: conf/loss/")
+    lora: Any = knob(None, "the lora group (null: full fine-tuning)")
+    deepspeed: Any = knob(None, "the deepspeed group: DeepSpeed's JSON as a dict (null: off)")
+    fsdp: Any = knob(None, "the fsdp group (null: off)")
+    trainer: Any = knob(MISSING, "the trainer group: TrainingArguments' fields")  # typed by trainer_schema
+    clip: Any = knob(MISSING, "the clip group: the gradient clipping policy")
+    controllers: Dict[str, Any] = knob(help="name -> a controller node (`_target_` + its knobs): conf/controllers/, "
+                                       "+controllers=<name>, ~controllers.<name>", factory=dict)
+    tokenizer: TokenizerConfig = knob(help="the tokenizer and chat template", factory=TokenizerConfig)
+    collator: CollatorConfig = knob(help="the batch collator", factory=CollatorConfig)
+    eval_buckets: List[float] = knob(help="difficulty bucket edges of the eval metrics",
+                                     factory=lambda: [1.0, 2.0, 3.0])
+    exact_match: Any = knob(None, "exact_match=default: greedy exact match on the hardest bucket after training")
+    eval_generation: Any = knob(None, "eval_generation=default: generation samples at evaluations")
+    sweep: SweepConfig = knob(help="how a multirun goes", factory=SweepConfig)
+    throughput: ThroughputMeter = knob(help="the throughput and MFU figures", factory=ThroughputMeter)
+    bench: Any = knob(None, "python -m sft.bench only: conf/bench.yaml (sft.bench.config)")
+    resume: Optional[str] = knob(None, "null (a fresh run), auto (the newest complete checkpoint in the run dir) "
+                                 "or a checkpoint directory")
+    resume_force: bool = knob(False, "resume even if the data or a fixed setting changed, or verification fails")
+    overwrite: bool = knob(False, "a new run into a dir holding another run's outputs: delete them (else refused)")
+    checkpoint_checksums: CheckpointChecksums = knob(CheckpointChecksums.small, "checksums in each checkpoint's "
+                                                     "manifest: small (files up to 64 MiB; sizes of all) | all "
+                                                     "(minutes at 7B)")
+    signal_grace_s: float = knob(600.0, "SIGTERM/SIGINT: at most this long to finish the step and save a "
+                                 "checkpoint (sft.training.preemption)")
+
+    def check(self, cfg=None):
+        self.require("eval_buckets", list(self.eval_buckets) == sorted(self.eval_buckets),
+                     "bucket edges must be increasing")
+        self.require("resume", self.resume in (None, "auto") or Path(self.resume).is_dir(),
+                     "must be null, 'auto' or an existing checkpoint directory")
+        self.require("signal_grace_s", self.signal_grace_s > 0, "must be > 0")
+        if cfg is not None and cfg.deepspeed is not None:  # DeepSpeed's dict has no schema: its rules are here
+            load_deepspeed_file(cfg)
+            check_deepspeed(cfg)
+
+
+def register() -> None:
+    """Store every schema in Hydra's config store and register the `${sft_sample:FILE}` resolver (the path of a
+    bundled sample file)."""
+    cs = ConfigStore.instance()
+    for (group, name), node in SCHEMAS.items():
+        cs.store(group=group, name=name, node=node)
+    if not OmegaConf.has_resolver("sft_sample"):
+        OmegaConf.register_new_resolver("sft_sample", lambda name: str(sample_data.HERE / name))
+
+
+def compose(config_name: str = "train", overrides: list[str] = (), return_hydra_config: bool = False) -> DictConfig:
+    """A config of `conf/` composed as `python -m sft.train overrides...` would compose it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides),
+                             return_hydra_config=return_hydra_config)

@@ -1,0 +1,123 @@
+"""A micro-batch's share of a step's loss, computed (`compute_terms`): its assistant tokens and the positions
+predicting them (`select_targets`), each token's cross entropy by the chosen implementation, and the sums a
+step, an evaluation and the logs need (`LossTerms`). The only loss module that imports torch when imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from sft.data.batch import IGNORE_INDEX, sample_index
+from sft.loss.logits import LogitTransform
+
+
+@dataclass
+class Targets:
+    """The assistant tokens of a micro-batch, flattened (N of them), in the order of the batch."""
+
+    rows: torch.Tensor  # [N] row of the position whose output predicts the token (t - 1)
+    cols: torch.Tensor  # [N] column of that position
+    labels: torch.Tensor  # [N] token ids
+    weights: torch.Tensor  # [N] each token's weight w_t (float32): the batch's `weights`
+    sample: torch.Tensor  # [N] index of the token's sample: its row, or its sequence in a packed row
+    num_samples: int
+
+
+def select_targets(labels: torch.Tensor, weights: torch.Tensor, position_ids: torch.Tensor | None = None) -> Targets:
+    """The assistant tokens and the positions that predict them (position t predicts label t+1).
+
+    Without `position_ids` every row is one sample; with them (a packed batch) each packed sample is one
+    (`sft.data.batch.sample_index`).
+    """
+    shifted = labels[:, 1:]
+    rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)
+    if position_ids is None:
+        sample, num_samples = rows, labels.size(0)
+    else:
+        index, num_samples = sample_index(position_ids)
+        sample = index[:, 1:][rows, cols]
+    return Targets(rows, cols, shifted[rows, cols], weights[:, 1:][rows, cols].float(), sample, num_samples)
+
+
+@dataclass
+class LossTerms:
+    """One micro-batch's share of a step's loss, plus per-sample sums for evaluation and the logs."""
+
+    loss_sum: torch.Tensor  # sum of c_t * ce_t over the micro-batch (differentiable)
+    numerator: torch.Tensor  # [samples] sum of c_t * ce_t (detached)
+    denominator: torch.Tensor  # [samples] sum of d_t
+    ce_sum: torch.Tensor  # [samples] sum of unweighted ce over assistant tokens (detached)
+    weight_sum: torch.Tensor  # [samples] sum of w_t over assistant tokens
+    tokens: torch.Tensor  # [samples] number of assistant tokens
+    correct: torch.Tensor | None  # [samples] assistant tokens whose argmax is the label (when asked for)
+
+
+def coefficients(normalize: str, t: Targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token numerator and denominator coefficients (c, d) of `loss.normalize` (`sft.loss.base`)."""
+    if normalize == "weight":
+        return t.weights, t.weights
+    if normalize == "token":
+        return t.weights, torch.ones_like(t.weights)
+    tokens = torch.bincount(t.sample, minlength=t.num_samples).clamp_min(1)
+    per_sample = t.weights / tokens[t.sample]
+    return per_sample, per_sample
+
+
+def compute_terms(t: Targets, normalize: str, factor: Callable | None, *, logits=None, hidden=None, lm_head=None,
+                  impl: str = "naive", accuracy: bool = False, transform: LogitTransform | None = None,
+                  chunk_tokens: int = 1024) -> LossTerms:
+    """`LossTerms` of a micro-batch's targets: each token's cross entropy from the logits (`naive`) or from the
+    final hidden states and the output projection's weight (`chunked`, `cce`, `liger`; the logits get `transform`),
+    times its coefficient and the loss's forward-dependent `factor(ce)` where it has one."""
+    coef, den = coefficients(normalize, t)
+    correct = None
+    if impl == "naive":
+        selected = logits[t.rows, t.cols]
+        ce = F.cross_entropy(selected.float(), t.labels, reduction="none")
+        coef = coef if factor is None else coef * factor(ce.detach())
+        loss_sum = (coef * ce).sum()
+        if accuracy:
+            correct = selected.argmax(-1) == t.labels
+    elif impl == "chunked":
+        from sft.loss.kernels import chunked_linear_cross_entropy
+
+        loss_sum, ce, correct, coef = chunked_linear_cross_entropy(
+            hidden[t.rows, t.cols], lm_head, t.labels, coef, chunk_tokens, accuracy, transform, factor)
+    elif impl == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        transform = transform or LogitTransform()
+        h = hidden[t.rows, t.cols]
+        ce = linear_cross_entropy(h * transform.scale if transform.scale != 1.0 else h, lm_head, t.labels,
+                                  softcap=transform.softcap, reduction="none").float()
+        coef = coef if factor is None else coef * factor(ce.detach())
+        loss_sum = (coef * ce).sum()
+    elif impl == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        transform = transform or LogitTransform()
+        h = hidden[t.rows, t.cols]
+        ce = liger_fused_linear_cross_entropy(h * transform.scale if transform.scale != 1.0 else h, lm_head,
+                                              t.labels, reduction="none", softcap=transform.softcap)
+        ce = (ce[0] if isinstance(ce, tuple) else ce).float()  # some versions return (loss, z_loss)
+        coef = coef if factor is None else coef * factor(ce.detach())
+        loss_sum = (coef * ce).sum()
+    else:
+        raise ValueError(f"loss impl {impl!r}: terms() takes naive, chunked, cce or liger (see choose_impl)")
+
+    def per_sample(values):
+        return torch.zeros(t.num_samples, dtype=values.dtype, device=values.device).index_add_(0, t.sample, values)
+
+    ce, coef = ce.detach(), coef.detach()
+    return LossTerms(
+        loss_sum=loss_sum,
+        numerator=per_sample(coef * ce),
+        denominator=per_sample(den),
+        ce_sum=per_sample(ce),
+        weight_sum=per_sample(t.weights),
+        tokens=per_sample(torch.ones_like(t.labels)),
+        correct=None if correct is None else per_sample(correct.long()),
+    )

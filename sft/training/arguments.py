@@ -1,0 +1,191 @@
+"""The `trainer` group: every field of `transformers.TrainingArguments` (`TrainerConfig`, its fields generated from
+the installed transformers into `sft/training/trainer_fields.py` with their help) and the arguments the recipe
+builds from it (`training_arguments`). `python -m sft.config` writes the fields anew for another transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional
+
+from sft.config.schema import ConfigError, Schema, config_schema, knob, missing
+from sft.training.trainer_fields import TrainingArgumentsFields
+
+# report_to entries and the module each needs ("module pip-name" where they differ)
+TRACKER_PACKAGES = {"mlflow": "mlflow mlflow-skinny", "wandb": "wandb", "tensorboard": "tensorboard",
+                    "comet_ml": "comet_ml comet-ml", "clearml": "clearml", "neptune": "neptune", "dvclive": "dvclive",
+                    "trackio": "trackio", "swanlab": "swanlab", "codecarbon": "codecarbon"}
+
+
+@config_schema("trainer", "trainer")
+@dataclass
+class TrainerConfig(TrainingArgumentsFields, Schema):
+    """Every field of `transformers.TrainingArguments`, passed to it as they are; below, those whose default is this
+    project's, with their checks. The fields the recipe sets itself are refused (`owned_fields`), naming the knob
+    that replaces each."""
+
+    # TrainingArguments fields that the recipe sets itself, and the sft knob for each
+    owned_fields: ClassVar[Dict[str, str]] = {
+        "max_grad_norm": "set by the clip policy: clip=static clip.max_norm=0.5 (or clip=autoclip, zclip, none)",
+        "remove_unused_columns": "always false: the loss needs its weights column, and the collator passes the "
+                                 "model only what its forward takes",
+        "label_names": "always [labels]",
+        "eval_on_start": "set by the recipe: an evaluation at step 0 whenever data.eval_file is set and the run "
+                         "does not resume",
+        "include_num_input_tokens_seen": "always non_padding (the throughput figures count real tokens)",
+        "deepspeed": "the deepspeed group: deepspeed=zero2, zero3, zero3_offload, or file deepspeed.path=ds.json "
+                     "(and deepspeed.<key>=...)",
+        "gradient_checkpointing": "use trainer.activation_checkpointing=true (its kwargs set by the recipe)",
+        "activation_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",
+        "gradient_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",
+        "resume_from_checkpoint": "use resume=auto (the newest complete checkpoint) or resume=<checkpoint dir>",
+        "fsdp": "the fsdp group: fsdp=full_shard or full_shard_offload (and fsdp.<key>=...)",
+        "fsdp_config": "the fsdp group: fsdp=full_shard or full_shard_offload (and fsdp.<key>=...)",
+        "parallelism_config": "an accelerate ParallelismConfig object, which a config cannot hold: fsdp=full_shard "
+                              "(or deepspeed=zero3) shards over all processes",
+    }
+
+    output_dir: Optional[str] = knob(None, "where checkpoints go; null: the Hydra run dir")
+    per_device_train_batch_size: int = knob(16, "rows (or packed rows) per micro-batch on each device")
+    per_device_eval_batch_size: int = knob(32, "rows per evaluation batch on each device")
+    gradient_accumulation_steps: int = knob(1, "micro-batches per optimizer step (the loss is exact over them)")
+    learning_rate: float = knob(2e-3, "the peak learning rate (tuned for the tiny default; 1e-4..2e-4 for LoRA)")
+    weight_decay: float = knob(0.0, "AdamW's weight decay")
+    adam_beta1: float = knob(0.9, "AdamW's beta1")
+    adam_beta2: float = knob(0.98, "AdamW's beta2")
+    adam_epsilon: float = knob(1e-8, "AdamW's epsilon")
+    optim: str = knob("adamw_torch", "transformers' optimizer name")
+    num_train_epochs: float = knob(6.0, "epochs, where max_steps is -1")
+    max_steps: int = knob(-1, "optimizer steps (-1: by epochs)")
+    lr_scheduler_type: str = knob("cosine", "transformers' scheduler name")
+    warmup_steps: float = knob(0.05, "warmup steps (a fraction of the training below 1)")
+    logging_steps: float = knob(10, "steps between training logs")
+    logging_first_step: bool = knob(True, "log the first step too")
+    eval_strategy: str = knob("steps", "steps | epoch | no (no: no evaluation at all)")
+    eval_steps: Optional[float] = knob(200, "steps between evaluations")
+    save_strategy: str = knob("steps", "steps | epoch | no")
+    save_steps: float = knob(200, "steps between checkpoints")
+    save_total_limit: Optional[int] = knob(3, "complete checkpoints kept (the newest; null: all)")
+    load_best_model_at_end: bool = knob(False, "load the checkpoint of the best metric_for_best_model at the end")
+    metric_for_best_model: Optional[str] = knob(None, "with load_best_model_at_end")
+    greater_is_better: Optional[bool] = knob(None, "with metric_for_best_model")
+    seed: int = knob(42, "seeds data order, dropout and adapter initialisation")
+    data_seed: Optional[int] = knob(None, "seeds the data order alone (null: seed)")
+    full_determinism: bool = knob(False, "transformers' deterministic algorithms (slower)")
+    bf16: bool = knob(False, "bf16 mixed precision (GPU)")
+    fp16: bool = knob(False, "fp16 mixed precision with a loss scaler (GPU)")
+    activation_checkpointing: bool = knob(False, "recompute activations in the backward: less memory, ~30% slower")
+    dataloader_pin_memory: bool = knob(True, "pinned host memory (on GPU only)")
+    torch_compile: bool = knob(False, "torch.compile the model")
+    train_sampling_strategy: str = knob("random", "transformers' sampling of training rows")
+    dataloader_num_workers: int = knob(0, "data loader worker processes")
+    report_to: List[str] = knob(help="trackers: tensorboard, wandb, mlflow, ... ([] for none)",
+                                factory=lambda: ["tensorboard"])
+    run_name: Optional[str] = knob(None, "the trackers' run name")
+    logging_nan_inf_filter: bool = knob(False, "True would hide a NaN loss from the log, not from the update")
+    disable_tqdm: Optional[bool] = knob(None, "no progress bar")
+    log_level: str = knob("passive", "transformers' log level")
+    ddp_timeout: int = knob(1800, "seconds a collective may wait")
+    ddp_backend: Optional[str] = knob(None, "null: nccl on GPU, gloo on CPU")
+    use_cpu: bool = knob(False, "train on the CPU even where there is a GPU")
+
+    def check(self, cfg=None):
+        self.require("learning_rate", self.learning_rate > 0, "must be > 0")
+        self.require("weight_decay", self.weight_decay >= 0, "must be >= 0")
+        for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            self.require(key, getattr(self, key) >= 1, "must be >= 1")
+        self.require("max_steps", self.max_steps == -1 or self.max_steps > 0, "must be > 0, or -1 to use epochs")
+        self.require("num_train_epochs", self.num_train_epochs > 0, "must be > 0")
+        self.require("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1,
+                     "must be >= 1 (or null to keep every checkpoint)")
+        self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
+        for tracker in [self.report_to] if isinstance(self.report_to, str) else (self.report_to or []):
+            absent = missing(TRACKER_PACKAGES[tracker]) if tracker in TRACKER_PACKAGES else None
+            self.require("report_to", absent is None, f"{tracker} is not installed: pip install {(absent or '?')[-1]}")
+
+
+def trainer_fields_source() -> str:
+    """The source of `sft/training/trainer_fields.py`: a schema of every `TrainingArguments` field of the installed
+    transformers that the recipe does not own, with its type as OmegaConf can hold it (a union of other types, a
+    dict or a list: `Any`), its default and its help. `python -m sft.config` writes it; a test compares it."""
+    import dataclasses
+    import enum
+    import types
+    import typing
+
+    import transformers
+    from transformers import TrainingArguments
+
+    simple = {int: "int", float: "float", bool: "bool", str: "str"}
+
+    def annotation(tp) -> str:
+        if tp in simple:
+            return simple[tp]
+        args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else ()
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1 and rest[0] in simple:
+            return f"Optional[{simple[rest[0]]}]" if type(None) in args else simple[rest[0]]
+        if str in rest and all(a is str or (isinstance(a, type) and issubclass(a, enum.Enum)) for a in rest):
+            return "Optional[str]" if type(None) in args else "str"  # an enum of names, or the name
+        return "Any"
+
+    lines = [f'"""Every `transformers.TrainingArguments` field (transformers {transformers.__version__}) but those the',
+             'recipe owns (`TrainerConfig.owned_fields`), with transformers\' own help: generated by `python -m',
+             'sft.config`, do not edit; a test fails when the installed transformers adds, removes or changes a',
+             'field."""',
+             "", "from __future__ import annotations", "", "from dataclasses import dataclass, field",
+             "from typing import Any, Optional", "", "", "@dataclass", "class TrainingArgumentsFields:"]
+    for f in dataclasses.fields(TrainingArguments):
+        if not f.init or f.name in TrainerConfig.owned_fields:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f"default={f.default.value if isinstance(f.default, enum.Enum) else f.default!r}"
+        else:
+            default = f"default_factory=lambda: {f.default_factory()!r}"
+        help_text = " ".join(str(f.metadata.get("help", "")).split())
+        lines.append(f"    {f.name}: {annotation(f.type)} = field({default}, metadata={{'help': {help_text!r}}})")
+    return "\n".join(lines) + "\n"
+
+
+def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
+    """`TrainingArguments` from the `trainer` group, plus what the recipe decides itself."""
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import TrainingArguments
+
+    from sft.training.distributed import process_fields
+    from sft.training.engines import fsdp_fields
+
+    fields = OmegaConf.to_container(cfg.trainer, resolve=True)
+    fields["output_dir"] = fields["output_dir"] or run_dir
+    fields["save_total_limit"] = None  # sft.training.checkpoints rotates, counting complete checkpoints only
+    on_gpu = torch.cuda.is_available()
+    fields["dataloader_pin_memory"] &= on_gpu  # pinning without a GPU only warns
+    has_eval = evaluates(cfg)
+    if not has_eval:
+        fields["eval_strategy"] = "no"
+    fields.update(process_fields(deepspeed=bool(cfg.deepspeed), fsdp=cfg.fsdp is not None, on_gpu=on_gpu))
+    if cfg.fsdp is not None:
+        fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"]))
+    try:
+        return TrainingArguments(
+            **fields,
+            max_grad_norm=max_grad_norm,  # the clip policy's; sft.training.step_control moves it as the policy says
+            remove_unused_columns=False,  # weights must reach compute_loss; the collator drops the rest
+            label_names=["labels"],
+            include_num_input_tokens_seen="non_padding",
+            eval_on_start=has_eval and not resuming,
+            activation_checkpointing_kwargs={"use_reentrant": False} if fields["activation_checkpointing"] else None,
+            deepspeed=OmegaConf.to_container(cfg.deepspeed, resolve=True) if cfg.deepspeed else None,
+        )
+    except ValueError as e:
+        raise ConfigError("trainer", None, str(e).splitlines()[0]) from e
+
+
+def evaluates(cfg) -> bool:
+    """Whether the run evaluates at all: it has eval data and `trainer.eval_strategy` is not `no`."""
+    return has_eval_data(cfg.data) and cfg.trainer.eval_strategy != "no"
+
+
+def has_eval_data(data) -> bool:
+    """Whether the `data` node names eval rows: `eval_file`, or a mixture source's."""
+    return data.eval_file is not None or any(e.eval_file is not None for e in data.mixture)

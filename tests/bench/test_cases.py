@@ -1,0 +1,28 @@
+"""The bench's cases (`sft.bench.cases`): TRL's trainer, given sft's rows, trains on the same tokens with the same
+loss, so the speed comparison is like for like."""
+
+import pytest
+
+
+@pytest.mark.parametrize("ours, theirs, overrides", [
+    ("ce", "trl", ["trainer.gradient_accumulation_steps=2"]),
+    ("packing", "trl_padding_free", []),
+])
+def test_trl_case_trains_on_the_same_tokens_with_the_same_loss_as_sft(tmp_path, ours, theirs, overrides):
+    """The bench's speed comparison is like for like: TRL's SFTTrainer, given `sft`'s rows, logs the same loss
+    at every step (same model, rows, order, labels, optimizer, accumulation) as `sft` with `loss=ce`."""
+    pytest.importorskip("trl", reason="the TRL cases need pip install -e '.[bench]'")
+    from sft.bench.cases import CASE_OVERRIDES, case_trainer
+    from sft.bench.config import compose
+
+    shared = ["trainer.per_device_train_batch_size=4", "trainer.max_steps=3", "trainer.logging_steps=1",
+              "trainer.eval_strategy=no", "trainer.save_strategy=no", "trainer.report_to=[]",
+              "trainer.disable_tqdm=true", "data.eval_file=null", *overrides]
+    losses = {}
+    for case, extra in ((ours, ["loss=ce", "data.packing=true"] if ours == "packing" else []), (theirs, [])):
+        cfg = compose(shared + CASE_OVERRIDES[case] + extra)
+        trainer = case_trainer(case, cfg, str(tmp_path / case))
+        trainer.train()
+        losses[case] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses[ours]) == 3
+    assert losses[ours] == pytest.approx(losses[theirs], rel=1e-5, abs=1e-6)

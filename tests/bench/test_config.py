@@ -1,0 +1,14 @@
+"""The bench's config (`sft.bench.config`): the GPU preset composes as the full-size check."""
+
+from sft.config import check
+
+
+def test_gpu_7b_bench_preset_is_lora_on_qwen2_5_7b_shape_packed_bf16():
+    from sft.bench.config import compose as bench_compose
+
+    cfg = bench_compose(["preset=gpu_7b"])
+    check(cfg)
+    shape = cfg.model.random_init
+    assert (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size) == (3584, 28, 152064)
+    assert cfg.lora is not None and cfg.data.packing and cfg.trainer.bf16 and cfg.model.dtype == "bfloat16"
+    assert cfg.loss.impl == "auto" and cfg.bench.steps == 20 and cfg.trainer.per_device_train_batch_size == 80

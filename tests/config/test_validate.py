@@ -1,0 +1,77 @@
+"""Value checks (`sft.config.validate`): each schema's check names the field and the bad value, in one line on the
+command line (exit code 2)."""
+
+import pytest
+from conftest import assert_cli_refuses, composed, run_train
+
+from sft.config import ConfigError, check
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["trainer.learning_rate=0"], "trainer.learning_rate"),
+        (["trainer.per_device_train_batch_size=0"], "trainer.per_device_train_batch_size"),
+        (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"),
+        (["trainer.max_steps=0"], "trainer.max_steps"),
+        (["trainer.fp16=true", "trainer.bf16=true"], "trainer.fp16"),
+        (["loss.min_weight=-1"], "loss.min_weight"),
+        (["loss.min_weight=5", "loss.max_weight=2"], "loss.min_weight"),
+        (["loss.alpha=inf"], "loss.alpha"),
+        (["data.max_length=2"], "data.max_length"),
+        (["data.train_file=/does/not/exist.jsonl"], "data.train_file"),
+        (["data.default_score=-1"], "data.default_score"),
+        (["clip.max_norm=-1"], "clip.max_norm"),
+        (["lora=default", "lora.r=0"], "lora.r"),
+        (["resume=/no/such/checkpoint"], "resume"),
+        (["lora=qlora"], "model.quantization"),
+        (["model.quantization=nf4"], "model.quantization"),
+        (["deepspeed=zero3", "deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save=false"],
+         "deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+        (["deepspeed=zero2", "+deepspeed.zero_optimization.offload_param={device: cpu}"],
+         "deepspeed.zero_optimization.offload_param"),
+        (["deepspeed=zero2", "deepspeed.zero_optimization.stage=4"], "deepspeed.zero_optimization.stage"),
+        (["fsdp=full_shard", "deepspeed=zero3"], "fsdp"),
+        (["fsdp=full_shard", "deepspeed=zero2"], "fsdp"),
+        (["fsdp=full_shard", "fsdp.layers=[]"], "fsdp.layers"),
+        (["clip=autoclip", "clip.percentile=0"], "clip.percentile"),
+        (["clip=zclip", "clip.alpha=1.5"], "clip.alpha"),
+        (["clip=zclip", "clip.warmup_steps=0"], "clip.warmup_steps"),
+        (["+controllers=early_stopping", "controllers.early_stopping.patience=0"], "controllers.early_stopping.patience"),
+        (["+controllers=lr_plateau", "controllers.lr_plateau.factor=2"], "controllers.lr_plateau.factor"),
+        (["+controllers=curriculum", "controllers.curriculum.min_temperature=5"], "controllers.curriculum.min_temperature"),
+        (["+controllers=curriculum", "controllers.curriculum.factor=1"], "controllers.curriculum.factor"),
+        (["+controllers=adaptive_eval", "controllers.adaptive_eval.min_steps=900"], "controllers.adaptive_eval.min_steps"),
+        (["+controllers=adaptive_eval", "controllers.adaptive_eval.slow=0.5"], "controllers.adaptive_eval.slow"),
+        (["+controllers=curriculum", "data=jsonl", "data.train_file=sft/sample_data/train.jsonl"], "controllers.curriculum"),
+        (["+controllers=early_stopping", "trainer.eval_strategy=no"], "controllers.early_stopping"),
+        (["controllers.guard.max_consecutive=0"], "controllers.guard.max_consecutive"),
+        (["controllers.guard.spike_factor=0.5"], "controllers.guard.spike_factor"),
+        (["controllers.watchdog.timeout_s=0"], "controllers.watchdog.timeout_s"),
+        (["controllers.watchdog.timeout_s=3600"], "controllers.watchdog.timeout_s"),
+        (["eval_buckets=[3.0,1.0]"], "eval_buckets"),
+        (["loss=ce", "loss.chunk_tokens=0"], "loss.chunk_tokens"),
+        (["throughput.peak_tflops=0"], "throughput.peak_tflops"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_field(overrides, key):
+    with pytest.raises(ConfigError) as e:
+        check(composed(*overrides))
+    assert e.value.key == key and str(e.value).startswith(key)
+
+
+def test_cli_bad_value_exits_2_with_one_line_and_no_traceback():
+    proc = run_train("trainer.learning_rate=-1")
+    assert proc.returncode == 2
+    assert "trainer.learning_rate=-1.0: must be > 0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_unknown_key_fails_naming_it():
+    proc = run_train("loss.nope=1")
+    assert proc.returncode != 0 and "nope" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_bad_data_names_file_line_and_field(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "q"}], "difficulty_score": 1}\n')
+    assert_cli_refuses(tmp_path, f"{bad}:1: messages: no assistant turn", "data=jsonl", f"data.train_file={bad}")

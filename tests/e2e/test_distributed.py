@@ -1,0 +1,304 @@
+"""Real multi-process runs on CPU (gloo): DDP, DeepSpeed ZeRO-3 and FSDP2 through ./launch.sh, LoRA, one run dir."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, SMALL_EVAL, free_port, launch, run_train, step_losses
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+# SGD (Adam would hide a wrong gradient scale), rows in file order, two logged and checkpointed steps.
+EXACT = ["trainer.optim=sgd", "trainer.learning_rate=0.5", "trainer.lr_scheduler_type=constant",
+         "trainer.warmup_steps=0", "clip=none", "trainer.train_sampling_strategy=sequential",
+         "trainer.max_steps=2", "trainer.logging_steps=1", "trainer.save_steps=2", "trainer.eval_steps=100",
+         "trainer.report_to=[]", f"data.eval_file={SMALL_EVAL}"]
+
+
+def assert_same_run(one, two):
+    assert step_losses(two, 2) == pytest.approx(step_losses(one, 2), abs=1e-5)
+    a, b = load_file(one / "model" / "model.safetensors"), load_file(two / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
+    ra, rb = (json.loads((d / "results.json").read_text()) for d in (one, two))
+    # The eval set (97 rows) does not split evenly into 2 ranks x 32: each row still counts once.
+    assert rb["eval_loss"] == pytest.approx(ra["eval_loss"], abs=1e-5)
+    assert rb["eval_loss_initial"] == pytest.approx(ra["eval_loss_initial"], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference for DDP and ZeRO-3: one plain process, batch 4, with static token weights (keywords: the
+    sums after "=" weigh 3x) and per-turn weights on top of the difficulty weights."""
+    run = tmp_path_factory.mktemp("one") / "run"
+    single = run_train(*EXACT, *WEIGHTED, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={run}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    return run
+
+
+def _turn_weighted_train_file():
+    """Two-turn chats from the bundled rows, each turn with a weight of its own (0.5, 2, or untrained; then 1
+    or 3): per-turn weights on top of the difficulty and keyword weights."""
+    path = Path(tempfile.mkdtemp(prefix="sft-test-turns-")) / "train_turns.jsonl"
+    rows = [json.loads(line) for line in (REPO / "sft/sample_data/train.jsonl").read_text().splitlines()[:64]]
+    with path.open("w") as f:
+        for k, (a, b) in enumerate(zip(rows[::2], rows[1::2])):
+            first, second = dict(a["messages"][-1]), dict(b["messages"][-1])
+            first.update([{"weight": 0.5}, {"weight": 2.0}, {"train": False}][k % 3])
+            second["weight"] = [1.0, 3.0][k % 2]
+            chat = [*a["messages"][:-1], first, *[m for m in b["messages"][:-1] if m["role"] != "system"], second]
+            f.write(json.dumps({"messages": chat, "difficulty_score": a["difficulty_score"]}) + "\n")
+    return path
+
+
+# Difficulty weights, keyword token weights and per-turn weights, all at once.
+WEIGHTED = ["loss=keywords", "loss.alpha=1", f"data.train_file={_turn_weighted_train_file()}"]
+
+
+# A controller of the user's kind (sft.training.controllers.base.Controller) that sends its own process a signal when
+# a step begins: on every rank, as SLURM signals every process of a job step. SIGTERM lets the run save and
+# stop; SIGKILL ends it with no handler and no checkpoint, as a lost node would.
+SIGNAL_AT = """
+import os, signal
+from sft.training.controllers.base import Controller
+
+class {cls}(Controller):
+    name = "{name}"
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.{signal})
+"""
+
+
+SIGTERM_AT = SIGNAL_AT.format(cls="SigtermAt", name="sigterm_at", signal="SIGTERM")
+
+
+SIGKILL_AT = SIGNAL_AT.format(cls="SigkillAt", name="sigkill_at", signal="SIGKILL")
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, one_process):
+    two = tmp_path / "two"
+    double = launch("--nproc", "2", *EXACT, *WEIGHTED, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}")
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert_same_run(one_process, two)
+    cores = len(os.sched_getaffinity(0))  # torchrun set OMP_NUM_THREADS=1; each process gets half the cores
+    assert f"cpu: {max(1, cores // 2)} torch thread(s) per process, 2 process(es) on {cores} core(s)" in \
+        (two / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_zero3_preempted_by_sigterm_then_resumed_equals_one_process(tmp_path, one_process):
+    """Two processes under DeepSpeed ZeRO-3, SIGTERM on both in step 1: each finishes the step, they save a
+    complete checkpoint together and exit 75; `resume=auto` finishes the run as one process trains it."""
+    (tmp_path / "my_plugins.py").write_text(SIGTERM_AT)
+    two = tmp_path / "two"
+    args = ["--nproc", "2", *EXACT, *WEIGHTED, "deepspeed=zero3", "trainer.per_device_train_batch_size=2",
+            f"hydra.run.dir={two}"]
+    preempted = launch(*args, "+controllers.sigterm={_target_:my_plugins.SigtermAt,step:1}",
+                       env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    assert preempted.returncode != 0, preempted.stderr[-3000:]
+    assert preempted.stderr.count("preempted: SIGTERM at step 1") == 2  # both ranks
+    results = json.loads((two / "results.json").read_text())
+    assert results["status"] == "preempted" and results["checkpoint"] == str(two / "checkpoint-1")
+    assert (two / "checkpoint-1" / "sft_state.json").exists() and not (two / "checkpoint-2").exists()
+    resumed = launch(*args, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((two / "results.json").read_text())["resumed_from"] == str(two / "checkpoint-1")
+    assert_same_run(one_process, two)
+
+
+def eval_loss_in_a_plain_process(adapter_dir):
+    """Eval loss of base + saved adapter in a fresh process, with plain PEFT and no DeepSpeed or FSDP."""
+    script = f"""
+import json, sys
+from peft import PeftModel
+from transformers import TrainingArguments
+from sft.data.collator import WeightedDataCollator
+from sft.data.load import load_sft_datasets
+from sft.data.spec import DataSpec
+from sft.loss.builtin import HardSampleLoss
+from sft.model.loading import load_model, load_tokenizer
+from sft import sample_data
+from sft.training.trainer import WeightedLossTrainer
+tok = load_tokenizer("tiny")
+loss = HardSampleLoss(impl="naive")  # the run's own evaluation took the chunked path, sharded
+spec = DataSpec(train_file=str(sample_data.TRAIN_FILE), eval_file={str(SMALL_EVAL)!r}, max_length=256)
+data = load_sft_datasets(spec, tok, loss)
+model = PeftModel.from_pretrained(load_model("tiny"), {str(adapter_dir)!r})
+args = TrainingArguments(output_dir={str(adapter_dir / "eval")!r}, per_device_eval_batch_size=32, report_to=[],
+                         remove_unused_columns=False, use_cpu=True)
+trainer = WeightedLossTrainer(model=model, args=args, eval_dataset=data.eval, loss=loss,
+                              data_collator=WeightedDataCollator(tok), processing_class=tok)
+print(json.dumps(trainer.evaluate()))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"]
+
+
+@pytest.mark.slow
+def test_zero3_lora_two_processes_save_a_full_adapter_that_reloads_and_resumes(tmp_path):
+    """ZeRO-3 from a DeepSpeed JSON file of the user's (`deepspeed=file`): the zero3 preset, written as JSON."""
+    run = tmp_path / "run"
+    ds_json = tmp_path / "ds_config.json"
+    ds_json.write_text(json.dumps(OmegaConf.to_container(OmegaConf.load(REPO / "conf/deepspeed/zero3.yaml")), indent=2))
+    common = ["deepspeed=file", f"deepspeed.path={ds_json}", "lora=default", "trainer.learning_rate=1e-2", "trainer.save_steps=4",
+              f"data.eval_file={SMALL_EVAL}",
+              "trainer.eval_steps=100", "trainer.logging_steps=1", f"hydra.run.dir={run}"]
+    first = launch("--nproc", "2", *common, "trainer.max_steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert_whole_adapter(run / "model" / "adapter_model.safetensors")
+    results = json.loads((run / "results.json").read_text())
+    assert results["loss_impl"] == "chunked"  # LoRA leaves the lm_head frozen: gathered for the loss, not updated
+    assert eval_loss_in_a_plain_process(run / "model") == pytest.approx(results["eval_loss"], abs=1e-4)
+
+    second = launch("--nproc", "2", *common, "trainer.max_steps=6", "resume=auto")
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = json.loads((run / "results.json").read_text())
+    assert resumed["resumed_from"] == str(run / "checkpoint-4") and resumed["global_step"] == 6
+
+
+def assert_whole_adapter(adapter_file):
+    """Every projection's LoRA pair at its full shape (never one rank's shard), lora_B trained."""
+    adapter = load_file(adapter_file)
+    lora_a = [k for k in adapter if "lora_A" in k]
+    lora_b = [k for k in adapter if "lora_B" in k]
+    assert len(lora_a) == len(lora_b) == 4 * 7  # every projection of the tiny model's 4 layers
+    assert adapter["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (16, 384)
+    assert adapter["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (64, 16)
+    assert any(adapter[k].abs().sum() > 0 for k in lora_b), "lora_B stayed zero: no training reached the adapter"
+    return adapter
+
+
+@pytest.mark.slow
+def test_fsdp_with_activation_checkpointing_preempted_then_resumed_equals_one_process(tmp_path):
+    """FSDP2 (full fine-tuning: the tied lm_head sharded and trained, the lean loss on its gathered weight) with
+    FSDP's activation checkpointing, two processes, SIGTERM in step 1, `resume=auto`: the same step losses,
+    weights and eval losses as one plain process. SGD with momentum: torch cannot load a full optimizer state
+    dict that holds no tensor into FSDP (plain SGD's), so the momentum buffer is the state restored."""
+    momentum = ['trainer.optim_args="momentum=0.5"']
+    one = tmp_path / "one"
+    single = run_train(*EXACT, *WEIGHTED, *momentum, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={one}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    (tmp_path / "my_plugins.py").write_text(SIGTERM_AT)
+    two = tmp_path / "two"
+    args = ["--nproc", "2", *EXACT, *WEIGHTED, *momentum, "fsdp=full_shard", "trainer.activation_checkpointing=true",
+            "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}"]
+    preempted = launch(*args, "+controllers.sigterm={_target_:my_plugins.SigtermAt,step:1}",
+                       env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    assert preempted.returncode != 0, preempted.stderr[-3000:]
+    assert preempted.stderr.count("preempted: SIGTERM at step 1") == 2  # both ranks
+    assert (two / "checkpoint-1" / "sft_state.json").exists() and not (two / "checkpoint-2").exists()
+    resumed = launch(*args, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    results = json.loads((two / "results.json").read_text())
+    assert results["resumed_from"] == str(two / "checkpoint-1") and results["loss_impl"] == "chunked"
+    assert_same_run(one, two)
+
+
+@pytest.mark.slow
+def test_fsdp_lora_saves_a_whole_adapter_that_reloads_and_resumes_exactly_after_a_kill(tmp_path):
+    """FSDP2 with LoRA (AdamW: optimizer state to restore) and generation samples, two processes. The adapter is whole
+    and gives the run's eval loss under plain PEFT; a run killed in step 3 resumes from checkpoint-2 and logs
+    the same losses and saves the same adapter as the uninterrupted run."""
+    (tmp_path / "my_plugins.py").write_text(SIGKILL_AT)
+    common = ["--nproc", "2", "fsdp=full_shard", "lora=default", "trainer.learning_rate=1e-2",
+              "trainer.max_steps=4", "trainer.save_steps=2", "trainer.logging_steps=1", "trainer.eval_steps=100",
+              "trainer.train_sampling_strategy=sequential", "trainer.report_to=[]", f"data.eval_file={SMALL_EVAL}",
+              "eval_generation=default"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    first = launch(*common, f"hydra.run.dir={whole}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    adapter = assert_whole_adapter(whole / "model" / "adapter_model.safetensors")
+    results = json.loads((whole / "results.json").read_text())
+    assert results["loss_impl"] == "chunked"  # the frozen lm_head gathered for the lean loss
+    history = json.loads((whole / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    # synced generation on both ranks, at the first evaluation and the last step's
+    assert [e["step"] for e in history if "eval_gen/exact_match" in e] == [0, 4]
+    assert eval_loss_in_a_plain_process(whole / "model") == pytest.approx(results["eval_loss"], abs=1e-4)
+
+    env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    lost = launch(*common, f"hydra.run.dir={killed}", "+controllers.kill={_target_:my_plugins.SigkillAt,step:3}",
+                  env=env)
+    assert lost.returncode != 0 and not (killed / "results.json").exists()
+    assert (killed / "checkpoint-2" / "sft_state.json").exists() and not (killed / "checkpoint-4").exists()
+    resumed = launch(*common, f"hydra.run.dir={killed}", "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((killed / "results.json").read_text())["resumed_from"] == str(killed / "checkpoint-2")
+    assert step_losses(killed, 4) == pytest.approx(step_losses(whole, 4), abs=1e-5)
+    again = load_file(killed / "model" / "adapter_model.safetensors")
+    for key in adapter:
+        torch.testing.assert_close(again[key], adapter[key], atol=1e-5, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_two_nodes_over_loopback_share_one_run_dir(tmp_path):
+    run = tmp_path / "run"
+    port = str(free_port())
+    cmd = [str(REPO / "launch.sh"), "--nproc", "1", "trainer.max_steps=2", "trainer.eval_steps=100",
+           "trainer.save_steps=2", f"hydra.run.dir={run}"]
+    env = {**__import__("os").environ, "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    nodes = [subprocess.Popen(cmd, cwd=REPO, env={**env, "NODE_RANK": str(k)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    outputs = [n.communicate(timeout=600) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    results = json.loads((run / "results.json").read_text())
+    assert results["global_step"] == 2
+    state = json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["train_batch_size"] == 16  # per device; the two nodes train together:
+    assert state["log_history"][-1]["num_input_tokens_seen"] > 2 * 16 * 20  # 2 steps x 2 ranks x 16 rows
+
+
+@pytest.mark.slow
+def test_torchrun_with_the_default_dir_makes_one_run_dir(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "sft.train", "trainer.max_steps=1", "trainer.eval_steps=100",
+           "trainer.save_steps=100", "trainer.report_to=[tensorboard]"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 1, runs
+    run = runs[0]
+    assert (run / "results.json").exists() and (run / "train.log").exists()
+    events = list(run.glob("runs/*/events.out.tfevents.*"))  # name: ...tfevents.<time>.<host>.<pid>.<n>
+    assert events and len({e.name.split(".")[-2] for e in events}) == 1  # TensorBoard from rank 0 only
+    assert (run / ".hydra" / "config.yaml").exists() and proc.stdout.count("run dir:") == 1
+
+
+@pytest.mark.slow
+def test_deepspeed_presets_are_accepted_by_training_arguments(tmp_path):
+    script = """
+from sft.config import check, compose
+from sft.training.arguments import training_arguments
+import json, sys
+from omegaconf import OmegaConf
+final = {}
+for preset in ("zero2", "zero3", "zero3_offload", "file"):
+    extra = [f"deepspeed.path={sys.argv[1]}"] if preset == "file" else []
+    cfg = compose("train", [f"deepspeed={preset}", *extra])
+    check(cfg)
+    args = training_arguments(cfg, "/tmp/unused", resuming=False, max_grad_norm=1.0)
+    final[preset] = args.hf_deepspeed_config.config
+    stage = final[preset]["zero_optimization"]["stage"]
+    print(preset, stage, final[preset]["train_micro_batch_size_per_gpu"])
+print("file equals zero3:", final["file"] == final["zero3"])
+"""
+    # A user's DeepSpeed JSON with the zero3 preset's content, "auto" values included, becomes the same config.
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps(OmegaConf.to_container(OmegaConf.load(REPO / "conf/deepspeed/zero3.yaml"))))
+    proc = subprocess.run([sys.executable, "-c", script, str(ds_json)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-6:-1] == ["zero2 2 16", "zero3 3 16", "zero3_offload 3 16", "file 3 16",
+                                              "file equals zero3: True"]

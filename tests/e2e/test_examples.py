@@ -1,0 +1,111 @@
+"""Every recipe of `examples/` runs as its README says: the commands of its `## Run` block, exactly, at CPU size
+(only the run and sweep dirs moved into a temporary folder), and does what its README says it does."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, free_port
+
+EXAMPLES = REPO / "examples"
+RECIPES = sorted(p.name for p in EXAMPLES.iterdir() if (p / "README.md").is_file())
+
+
+def run_block(name: str) -> str:
+    """The ```bash block under `## Run` of an example's README."""
+    readme = (EXAMPLES / name / "README.md").read_text()
+    found = re.search(r"^## Run\n.*?```bash\n(.*?)```", readme, re.S | re.M)
+    assert found, f"examples/{name}/README.md has no ## Run block"
+    return found.group(1)
+
+
+def run_recipe(name: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run an example's commands with bash from the repo root, its output dir in `tmp_path`; that dir."""
+    out = tmp_path / name
+    commands = run_block(name).replace(f"outputs/examples/{name}", str(out)).replace(
+        f"multirun/examples/{name}", str(out))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "MASTER_PORT": str(free_port()), "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc, out
+
+
+def results(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_every_example_has_a_check():
+    assert set(RECIPES) == set(CHECKS)
+
+
+def check_own_data_lora(proc, out):
+    r = results(out)
+    assert r["status"] == "ok" and r["global_step"] == 30 and r["eval_loss"] < r["eval_loss_initial"]
+    assert (out / "model" / "adapter_model.safetensors").is_file() and (out / "checkpoint-30").is_dir()
+
+
+def check_sharded(proc, out):
+    r = results(out)
+    assert r["status"] == "ok" and r["global_step"] == 6 and r["eval_loss"] < r["eval_loss_initial"]
+    from safetensors.torch import load_file
+
+    adapter = load_file(out / "model" / "adapter_model.safetensors")
+    assert adapter and all(t.numel() > 0 for t in adapter.values())  # whole, not a rank's empty shard
+
+
+def check_mixture(proc, out):
+    r = results(out)
+    assert {"eval_ce_task_chat", "eval_ce_task_math", "eval_loss_task_chat", "eval_loss_task_math"} <= set(r)
+    assert "data.mixture: math:" in (out / "train.log").read_text()
+
+
+def check_tool_calling(proc, out):
+    shown = proc.stdout
+    assert '⟦<tool_call>\n{"name": "get_weather", "arguments": {"city":' in shown or \
+           '⟦<tool_call>\n{"name": "add"' in shown, shown[:2000]
+    assert "<tool_response>" in shown and "⟦<tool_response>" not in shown
+    assert results(out)["status"] == "ok"
+
+
+def check_own_loss(proc, out):
+    state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
+    logged = [e for e in state["log_history"] if "aux/contrastive" in e]
+    assert [e["step"] for e in logged] == [1, 2, 4, 6, 8] and all(e["aux/contrastive"] > 0 for e in logged)
+
+
+def check_own_controller(proc, out):
+    r = results(out)
+    assert r["reached_target_at"] is not None and r["global_step"] == r["reached_target_at"] < 200
+
+
+def check_seed_sweep(proc, out):
+    summary = (out / "sweep_summary.md").read_text()
+    assert summary.count("2/2") == 2 and "diff_eval_ce" in summary
+    assert sorted(p.name for p in out.iterdir() if p.name.isdigit()) == ["0", "1", "2", "3"]
+
+
+def check_optuna(proc, out):
+    import yaml
+
+    best = yaml.safe_load((out / "optimization_results.yaml").read_text())
+    values = [results(out / job)["eval_ce"] for job in ("0", "1", "2")]
+    assert best["best_value"] == pytest.approx(min(values))
+    assert set(best["best_params"]) == {"loss.alpha", "clip.max_norm"}
+
+
+CHECKS = {"own_data_lora": check_own_data_lora, "zero3": check_sharded, "fsdp2": check_sharded,
+          "mixture": check_mixture, "tool_calling": check_tool_calling, "own_loss": check_own_loss,
+          "own_controller": check_own_controller, "seed_sweep": check_seed_sweep, "optuna": check_optuna}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_the_example_runs_as_its_readme_says(tmp_path, name):
+    proc, out = run_recipe(name, tmp_path)
+    CHECKS[name](proc, out)

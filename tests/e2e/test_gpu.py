@@ -1,0 +1,218 @@
+"""The GPU pack: what only a CUDA GPU can check. Every test here is marked `gpu` and skipped without CUDA (or
+without the kernel it checks); `python -m sft.gpu_pack` runs them with the `preset=gpu_7b` bench and writes the
+figures (README: "The GPU pack").
+
+- `cce` (cut-cross-entropy) and Liger's fused linear cross entropy with per-token losses equal the chunked loss:
+  values and gradients, on weighted tokens;
+- flash attention's varlen kernel on a packed row equals each sample's logits alone (padded);
+- QLoRA (4-bit NF4 base) trains, and its adapter merges into the base;
+- bf16 training of the tiny model follows fp32's step losses."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_train
+
+CUDA = torch.cuda.is_available()
+
+
+NO_CUDA = "needs a CUDA GPU"
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason=NO_CUDA)]
+
+
+# A vocabulary and hidden size where the kernels tile as at full scale, small enough for any GPU.
+VOCAB, HIDDEN, TOKENS = 32768, 256, 1536
+
+
+def weighted_tokens(dtype=torch.bfloat16):
+    """Hidden states, a projection, labels and per-token coefficients (distinct, so a kernel that weighs
+    tokens wrongly shows), on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(TOKENS, HIDDEN, device="cuda", generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(VOCAB, HIDDEN, device="cuda", generator=g) / HIDDEN ** 0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (TOKENS,), device="cuda", generator=g)
+    coef = torch.rand(TOKENS, device="cuda", generator=g) * 3
+    return hidden, weight, labels, coef
+
+
+def chunked_reference(hidden, weight, labels, coef):
+    """`sum_t coef_t * ce_t` and its gradients through `sft`'s chunked loss (itself checked against the
+    naive loss and autograd in test_losses.py)."""
+    from sft.loss.kernels import chunked_linear_cross_entropy
+
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    loss_sum, ce, _, _ = chunked_linear_cross_entropy(h, w, labels, coef, 1024, False)
+    loss_sum.backward()
+    return loss_sum.detach().float(), ce.float(), h.grad.float(), w.grad.float()
+
+
+def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
+    error = (actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)
+    assert error < rel, f"{what}: relative error {error:.3g} >= {rel}"
+
+
+def test_cce_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradients():
+    pytest.importorskip("cut_cross_entropy", reason="cut-cross-entropy is not installed (pip install -e '.[gpu]')")
+    from sft.loss.builtin import HardSampleLoss
+    from sft.loss.kernels import _cce_problem
+
+    assert _cce_problem() is None, _cce_problem()
+    hidden, weight, labels, coef = weighted_tokens()
+    expected_sum, expected_ce, grad_h, grad_w = chunked_reference(hidden, weight, labels, coef)
+    from cut_cross_entropy import linear_cross_entropy
+
+    ce = linear_cross_entropy(hidden, weight, labels, reduction="none").float()
+    (coef * ce).sum().backward()
+    assert_close_rel(ce, expected_ce, 1e-2, "per-token cross entropy")
+    assert_close_rel((coef * ce).sum().detach(), expected_sum, 1e-2, "weighted sum")
+    assert_close_rel(hidden.grad, grad_h, 2e-2, "gradient of the hidden states")
+    assert_close_rel(weight.grad, grad_w, 2e-2, "gradient of the projection")
+
+    # And through the loss interface the trainer calls (`impl="cce"`), on a padded batch of weighted rows.
+    loss = HardSampleLoss(alpha=1.0)
+    ids = labels[:1024].view(4, 256)
+    rows_weight = torch.tensor([0.5, 1.0, 2.0, 4.0], device="cuda").repeat_interleave(256).view(4, 256)
+    h = hidden.detach()[:1024].view(4, 256, HIDDEN)
+    terms = {impl: loss.terms(ids, rows_weight, hidden=h, lm_head=weight.detach(), impl=impl)
+             for impl in ("cce", "chunked")}
+    assert_close_rel(terms["cce"].loss_sum, terms["chunked"].loss_sum, 1e-2, "loss.terms(impl=cce)")
+    assert_close_rel(terms["cce"].numerator, terms["chunked"].numerator, 1e-2, "per-row numerators")
+
+
+def test_liger_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradients():
+    """Liger's fused linear cross entropy with `reduction="none"`: per-token losses and a per-token gradient.
+    liger-kernel 0.8.2 and later computes them, and `loss.impl=liger` uses it; older versions scale the gradient
+    by one scalar in the forward, which this test shows as a gradient mismatch."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed (pip install -e '.[gpu]')")
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    if "reduction" not in inspect.signature(liger_fused_linear_cross_entropy).parameters:
+        pytest.skip("this liger-kernel has no reduction argument")
+    hidden, weight, labels, coef = weighted_tokens()
+    expected_sum, expected_ce, grad_h, grad_w = chunked_reference(hidden, weight, labels, coef)
+    ce = liger_fused_linear_cross_entropy(hidden, weight, labels, reduction="none")
+    ce = (ce[0] if isinstance(ce, tuple) else ce).float()
+    (coef * ce).sum().backward()
+    assert_close_rel(ce, expected_ce, 1e-2, "per-token cross entropy")
+    assert_close_rel(hidden.grad, grad_h, 2e-2, "gradient of the hidden states")
+    assert_close_rel(weight.grad, grad_w, 2e-2, "gradient of the projection")
+
+    # And `loss.impl=liger` as the trainer runs it, where this liger-kernel passes choose_impl's checks.
+    from sft.loss.builtin import HardSampleLoss
+    from sft.loss.kernels import choose_impl
+
+    if choose_impl("liger", vocab_size=VOCAB, on_gpu=True) != "liger":
+        pytest.skip("this liger-kernel is older than 0.8.2: loss.impl=liger falls back to chunked")
+    loss = HardSampleLoss(alpha=1.0)
+    ids = labels[:1024].view(4, 256)
+    rows_weight = torch.tensor([0.5, 1.0, 2.0, 4.0], device="cuda").repeat_interleave(256).view(4, 256)
+    grads = {}
+    for impl in ("liger", "chunked"):
+        h = hidden.detach()[:1024].view(4, 256, HIDDEN).clone().requires_grad_()
+        w = weight.detach().clone().requires_grad_()
+        terms = loss.terms(ids, rows_weight, hidden=h, lm_head=w, impl=impl)
+        terms.loss_sum.backward()
+        grads[impl] = (terms.loss_sum.detach(), terms.numerator, h.grad, w.grad)
+    for what, a, b in zip(("loss_sum", "per-row numerators", "hidden grad", "lm_head grad"), grads["liger"],
+                          grads["chunked"]):
+        assert_close_rel(a, b, 2e-2, f"loss.terms(impl=liger): {what}")
+
+
+def test_flash_attention_varlen_packing_gives_each_sample_its_own_logits(tokenizer):
+    if importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed (pip install flash-attn)")
+    from sft.data.collator import WeightedDataCollator
+    from sft.model.loading import load_model
+
+    flash = load_model("tiny", dtype="bfloat16", attn_implementation="flash_attention_2").cuda().eval()
+    torch.manual_seed(0)
+    samples = [torch.randint(10, 300, (n,)).tolist() for n in (37, 5, 64, 19)]
+    feats = [{"input_ids": s, "labels": s, "sample_weight": 1.0, "source_line": i} for i, s in enumerate(samples)]
+    packed = WeightedDataCollator(tokenizer, packing=True)(feats)
+    padded = WeightedDataCollator(tokenizer)(feats)
+    keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    with torch.no_grad():
+        varlen = flash(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in packed.items() if k in keys},
+                       use_cache=False).logits[0].float()
+        batch = flash(input_ids=padded["input_ids"].cuda(), attention_mask=padded["attention_mask"].cuda(),
+                      use_cache=False).logits.float()
+    start = 0
+    for i, s in enumerate(samples):
+        n = len(s)
+        # tokenizer pads on the right or left; the sample's tokens are where its attention mask is 1
+        own = batch[i][padded["attention_mask"][i].bool().cuda()]
+        torch.testing.assert_close(varlen[start:start + n], own, atol=3e-2, rtol=3e-2)
+        start += n
+    assert start == varlen.shape[0]
+
+
+def test_qlora_trains_on_a_4bit_base_and_its_adapter_merges(tmp_path):
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed (pip install bitsandbytes)")
+    run = tmp_path / "run"
+    proc = run_train("lora=qlora", "model.dtype=bfloat16", "trainer.bf16=true", "trainer.max_steps=6",
+                     "trainer.learning_rate=5e-3", "trainer.logging_steps=1", "trainer.eval_steps=100",
+                     "trainer.save_steps=100", "trainer.report_to=[]", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from peft import PeftConfig
+
+    assert PeftConfig.from_pretrained(run / "model").peft_type.value == "LORA"
+    history = json.loads((run / "results.json").read_text())
+    assert history["global_step"] == 6
+    merged = subprocess.run([sys.executable, "-m", "sft.merge", f"checkpoint={run}", f"output={tmp_path / 'merged'}",
+                             "dtype=float32"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from sft.model.loading import load_model
+
+    ids = torch.tensor([[11, 42, 97, 5, 260, 31]])
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(ids).logits
+        b = PeftModel.from_pretrained(load_model("tiny"), run / "model").eval()(ids).logits
+        base = load_model("tiny").eval()(ids).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)  # merged into the full-precision base, as deployed
+    assert (b - base).abs().max() > 1e-3, "the adapter changed nothing: the test would not see a failed merge"
+
+
+def test_fsdp_offload_on_one_gpu_equals_fsdp_without_offload(tmp_path):
+    """FSDP2 with CPU offload (which needs a GPU: torch pins the offloaded memory) on one process: the same
+    step losses and a whole adapter as FSDP without offload."""
+    from safetensors.torch import load_file
+
+    losses = {}
+    for group in ("full_shard", "full_shard_offload"):
+        run = tmp_path / group
+        proc = run_train(f"fsdp={group}", "lora=default", "trainer.max_steps=4", "trainer.logging_steps=1",
+                         "trainer.eval_steps=100", "trainer.save_steps=100", "trainer.report_to=[]",
+                         "trainer.train_sampling_strategy=sequential", f"hydra.run.dir={run}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
+        losses[group] = [e["loss"] for e in state["log_history"] if "loss" in e]
+        adapter = load_file(run / "model" / "adapter_model.safetensors")
+        assert adapter["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (64, 16)
+    assert losses["full_shard_offload"] == pytest.approx(losses["full_shard"], abs=1e-4)
+
+
+def test_bf16_training_follows_fp32_step_losses(tmp_path):
+    losses = {}
+    for precision, extra in (("fp32", []), ("bf16", ["trainer.bf16=true"])):
+        run = tmp_path / precision
+        proc = run_train("trainer.max_steps=8", "trainer.logging_steps=1", "trainer.eval_steps=100",
+                         "trainer.save_steps=8", "trainer.report_to=[]", *extra, f"hydra.run.dir={run}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        state = json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())
+        losses[precision] = [e["loss"] for e in state["log_history"] if "loss" in e]
+    assert len(losses["bf16"]) == 8
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=3e-2)
+    assert losses["fp32"][-1] < losses["fp32"][0]  # it trained: the comparison is of a moving curve

@@ -1,0 +1,126 @@
+"""The sweep report's statistics on sweep dirs written by hand: settings grouped over seeds, t intervals,
+paired differences by seed, bootstraps over eval rows for a single seed, failed seeds counted, a baseline
+that names no setting refused."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import yaml
+from scipy import stats
+
+from sft.experiments.report import ReportError, write_report
+from sft.experiments.results import RunResults, write_eval_rows
+from sft.report import main
+
+
+def job(sweep, number, overrides, eval_ce=None, status="ok", rows=None):
+    d = sweep / str(number)
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"eval_buckets": [1.0, 2.0, 3.0]}))
+    if status == "ok":
+        RunResults(eval_ce=eval_ce, eval_loss=eval_ce, eval_exact_match_hardest=0.1 * number).write(d)
+    elif status == "failed":
+        RunResults.failed("ValueError: boom", 1.0).write(d)
+    if rows is not None:
+        write_eval_rows(d, rows, {(0, line): line % 4 for (_, line, _) in rows})
+
+
+def settings(sweep):
+    with open(sweep / "sweep_summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+CE = {("0", "1"): 0.84, ("0", "2"): 0.80, ("0", "3"): 0.86, ("0.5", "1"): 0.43, ("0.5", "2"): 0.47, ("0.5", "3"): 0.41}
+
+
+def test_seeds_are_grouped_with_t_intervals_and_paired_differences_to_the_baseline(tmp_path):
+    for n, ((alpha, seed), ce) in enumerate(CE.items()):
+        job(tmp_path, n, [f"loss.alpha={alpha}", f"trainer.seed={seed}"], ce)
+    write_report(tmp_path, baseline="loss.alpha=0")
+    base, other = settings(tmp_path)
+    assert (base["loss.alpha"], base["seeds"], other["seeds"]) == ("0", "3/3", "3/3") and "trainer.seed" not in base
+    values = [CE["0.5", s] for s in "123"]
+    low, high = stats.t.interval(0.95, 2, loc=np.mean(values), scale=stats.sem(values))
+    assert float(other["eval_ce"]) == pytest.approx(np.mean(values))
+    assert float(other["eval_ce_std"]) == pytest.approx(np.std(values, ddof=1))
+    assert (float(other["eval_ce_low"]), float(other["eval_ce_high"])) == (pytest.approx(low), pytest.approx(high))
+    diffs = [CE["0.5", s] - CE["0", s] for s in "123"]  # paired by seed
+    low, high = stats.t.interval(0.95, 2, loc=np.mean(diffs), scale=stats.sem(diffs))
+    assert float(other["diff_eval_ce"]) == pytest.approx(np.mean(diffs))
+    assert (float(other["diff_eval_ce_low"]), float(other["diff_eval_ce_high"])) == (pytest.approx(low),
+                                                                                    pytest.approx(high))
+    assert base["diff_eval_ce"] == ""  # the baseline is not compared with itself
+    md = (tmp_path / "sweep_summary.md").read_text()
+    assert "| loss.alpha | seeds | eval_ce | diff_eval_ce |" in md and " *" in md.split("## Jobs")[0]
+    with open(tmp_path / "sweep_jobs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 6
+
+
+def test_a_failed_seed_is_counted_never_averaged(tmp_path):
+    job(tmp_path, 0, ["loss.alpha=0", "trainer.seed=1"], 0.8)
+    job(tmp_path, 1, ["loss.alpha=0", "trainer.seed=2"], status="failed")
+    job(tmp_path, 2, ["loss.alpha=0", "trainer.seed=3"], status="interrupted")
+    job(tmp_path, 3, ["loss.alpha=0", "trainer.seed=4"], 0.9)
+    write_report(tmp_path)
+    (row,) = settings(tmp_path)
+    assert row["seeds"] == "2/4" and float(row["eval_ce"]) == pytest.approx(0.85)
+
+
+def rows_of(ce_per_token: list[float], tokens: int = 10) -> dict:
+    """Eval rows: (source, line, view) -> [numerator, denominator, ce sum, tokens, correct]."""
+    return {(0, line, 0): [c * tokens, tokens, c * tokens, tokens, tokens // 2]
+            for line, c in enumerate(ce_per_token, 1)}
+
+
+def test_one_seed_gets_a_bootstrap_over_its_eval_rows_and_a_paired_one_against_the_baseline(tmp_path):
+    rng = np.random.default_rng(5)
+    base = rng.uniform(0.5, 1.5, 200)
+    better = base * 0.9  # every row 10% lower: a real, paired difference
+    job(tmp_path, 0, ["loss.alpha=0"], float(base.mean()), rows=rows_of(base.tolist()))
+    job(tmp_path, 1, ["loss.alpha=0.5"], float(better.mean()), rows=rows_of(better.tolist()))
+    write_report(tmp_path)
+    first, second = settings(tmp_path)
+    assert first["seeds"] == "1/1" and float(first["eval_ce"]) == pytest.approx(base.mean())
+    spread = base.std(ddof=1) / np.sqrt(len(base))  # the interval is about mean +- 2 standard errors
+    assert float(first["eval_ce_low"]) == pytest.approx(base.mean() - 1.96 * spread, abs=spread / 2)
+    assert float(first["eval_ce_high"]) == pytest.approx(base.mean() + 1.96 * spread, abs=spread / 2)
+    assert float(second["diff_eval_ce"]) == pytest.approx(better.mean() - base.mean())
+    assert float(second["diff_eval_ce_high"]) < 0  # paired by row: clearly below 0
+    unpaired = np.sqrt(2) * spread  # what comparing the two intervals alone would give: overlap
+    assert float(second["diff_eval_ce_high"]) - float(second["diff_eval_ce_low"]) < unpaired
+    write_report(tmp_path)
+    assert settings(tmp_path) == [first, second]  # a fixed bootstrap seed: the same report every time
+
+
+def test_a_baseline_that_names_no_setting_is_refused_naming_the_settings(tmp_path, capsys):
+    job(tmp_path, 0, ["loss.alpha=0"], 0.8)
+    job(tmp_path, 1, ["loss.alpha=1"], 0.7)
+    with pytest.raises(ReportError, match=r"sweep.baseline='loss.alpha=3' names no setting of this sweep; its "
+                                          r"settings: loss.alpha=0; loss.alpha=1"):
+        write_report(tmp_path, baseline="loss.alpha=3")
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path), "--baseline", "loss.alpha=3"])
+    assert stop.value.code == 2 and "names no setting" in capsys.readouterr().err
+    main([str(tmp_path), "--baseline", "loss.alpha=1"])
+    assert json.dumps(settings(tmp_path)[1]["baseline"]) == '"True"'
+
+
+def test_eval_rows_give_each_metric_as_the_trainer_computes_it():
+    from sft.experiments.stats import EvalRows
+
+    rows = [{"line": 1, "view": 0, "ce_sum": 2.0, "tokens": 4, "loss_num": 6.0, "loss_den": 8.0, "correct": 1,
+             "difficulty_score": 0.5},
+            {"line": 2, "view": 0, "ce_sum": 9.0, "tokens": 3, "loss_num": 9.0, "loss_den": 3.0, "correct": 3,
+             "difficulty_score": 2.5},
+            {"line": 2, "view": 1, "ce_sum": 1.0, "tokens": 2, "loss_num": 1.0, "loss_den": 2.0, "correct": 0,
+             "difficulty_score": 2.5}]
+    ev = EvalRows(rows, edges=[1.0, 2.0, 3.0])
+    assert ev.metric("eval_ce")[0] == pytest.approx(12 / 9)
+    assert ev.metric("eval_loss")[0] == pytest.approx(16 / 13)
+    assert ev.metric("eval_token_accuracy")[0] == pytest.approx(4 / 9)
+    assert ev.metric("eval_loss_bucket_0")[0] == pytest.approx(2 / 4)  # score < 1
+    assert ev.metric("eval_loss_bucket_2")[0] == pytest.approx(10 / 5)  # 2 <= score < 3: both of line 2
+    assert ev.metric("exact_match_hardest") is None  # not a ratio of row sums: no bootstrap

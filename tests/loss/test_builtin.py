@@ -1,0 +1,108 @@
+"""The built-in losses (`sft.loss.builtin`): each against its formula in value and gradient, and against the model's
+own loss; the keyword loss's token weights."""
+
+import pytest
+import torch
+from conftest import SAFETY, write_jsonl
+from loss_math import LABELS, LOGITS, hand_ce
+
+from sft.data.collator import WeightedDataCollator
+from sft.data.load import load_sft_datasets
+from sft.data.spec import DataSpec
+from sft.loss.builtin import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
+
+
+def weighted_text(tokenizer, data, row: int, weight: float) -> str:
+    """The decoded tokens of a row that the collator gives loss weight `weight`."""
+    batch = WeightedDataCollator(tokenizer)([data.train[row]])
+    ids = batch["input_ids"][0][batch["weights"][0] == weight]
+    return tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("knobs, expected", [
+    ({}, ["PASSWORD", "", " password"]),  # case folded, whole words: "Passwords" is another word
+    ({"case_fold": False}, ["", "", " password"]),
+    ({"whole_words": False}, ["PASSWORD", "Password", " password"]),  # the tokens overlapping "Password"
+])
+def test_keyword_weights_fall_on_the_assistant_tokens_of_each_phrase(tmp_path, tokenizer, knobs, expected):
+    path = write_jsonl(tmp_path / "t.jsonl", SAFETY)
+    data = load_sft_datasets(DataSpec(train_file=str(path)), tokenizer, KeywordLoss(phrases=["password"], factor=3.0,
+                                                                                    **knobs))
+    for row, text in enumerate(expected):  # the prompts say "password" too: never weighted, never trained
+        assert weighted_text(tokenizer, data, row, 3.0).strip() == text.strip()
+
+
+def test_a_phrases_file_is_part_of_the_cache_key_and_a_phrase_that_matches_nothing_warns(tmp_path, tokenizer, caplog):
+    path = write_jsonl(tmp_path / "t.jsonl", SAFETY)
+    phrases = tmp_path / "phrases.txt"
+    phrases.write_text("# safety words\nlogin page\n\n")
+    first = load_sft_datasets(DataSpec(train_file=str(path)), tokenizer, KeywordLoss(phrases_file=str(phrases)))
+    assert weighted_text(tokenizer, first, 0, 3.0).strip() == "login page"
+    phrases.write_text("nothing like this\n")  # the same path, other phrases: tokenised again, another hash
+    with caplog.at_level("WARNING", logger="sft.data"):
+        second = load_sft_datasets(DataSpec(train_file=str(path)), tokenizer, KeywordLoss(phrases_file=str(phrases)))
+    assert second.data_hash != first.data_hash and weighted_text(tokenizer, second, 0, 3.0) == ""
+    trained = second.summary["train"].trained_tokens
+    assert f"its token weights leave every one of the {trained} trained tokens of {path} at 1" in caplog.text
+
+
+def test_inspect_data_shows_the_keyword_stretches_and_their_count(tmp_path):
+    from sft.inspect_data import inspect
+
+    path = write_jsonl(tmp_path / "t.jsonl", SAFETY[:1])
+    report = inspect([f"data.train_file={path}", "data.eval_file=null", "loss=keywords", "loss.phrases=[password]",
+                      "loss.regex=false", "loss.alpha=1"], rows=1)
+    # difficulty 2, times 3 on the phrase's tokens (the tiny tokenizer spells PASSWORD in 8)
+    answer = "⟦Never share your ⟧×2⟦PASSWORD⟧×6⟦; reset it from the login page.<|im_end|>⟧×2"
+    assert f"assistant\n{answer}\n" in report
+    assert "trained (59.3%), 8 of them reweighted by the loss's token weights\n\ntemplate: " in report
+
+
+def test_ce_is_the_plain_token_mean():
+    s0, s1 = hand_ce()
+    ones = (LABELS != -100).float()
+    assert CrossEntropyLoss()(LOGITS, LABELS, ones).item() == pytest.approx((sum(s0) + sum(s1)) / 5, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "score, alpha, lo, hi, expected",
+    [(2.5, 1.0, 0.0, 100.0, 2.5), (3.0, 2.0, 0.0, 100.0, 9.0), (3.0, 2.0, 0.0, 4.0, 4.0),
+     (0.1, 1.0, 0.5, 100.0, 0.5), (0.0, -1.0, 0.0, 10.0, 10.0), (4.0, 0.0, 0.0, 100.0, 1.0),
+     (1e300, 2.0, 0.0, 100.0, 100.0)],
+)
+def test_hard_sample_weight_is_clamped_power_of_the_score(score, alpha, lo, hi, expected):
+    loss = HardSampleLoss(alpha=alpha, min_weight=lo, max_weight=hi)
+    assert loss.sample_weight({"difficulty_score": score}) == pytest.approx(expected)
+
+
+def test_ce_equals_the_models_own_loss(tokenizer):
+    from sft.model.loading import load_model
+
+    torch.manual_seed(0)
+    model = load_model("tiny")
+    ids = torch.randint(10, len(tokenizer), (3, 12))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[1, 9:] = -100
+    out = model(input_ids=ids, labels=labels)
+    ours = CrossEntropyLoss()(out.logits, labels, (labels != -100).float())
+    assert ours.item() == pytest.approx(out.loss.item(), rel=1e-5)
+
+
+def test_focal_and_dft_factors_match_their_formulas_in_value_and_gradient():
+    # Independent forms: focal -(1-p)^gamma log p and DFT -p log p, p the softmax probability of the target
+    # with the factor's p detached (a constant in the gradient), over the same 5 tokens.
+    mask = LABELS != -100
+    for loss, factor in ((FocalLoss(gamma=2.0), lambda p: (1 - p) ** 2), (DFTLoss(), lambda p: p)):
+        logits = LOGITS.clone().requires_grad_(True)
+        p = logits[:, :-1].softmax(-1).gather(-1, LABELS[:, 1:].clamp_min(0)[..., None])[..., 0][mask[:, 1:]]
+        expected = -(factor(p.detach()) * p.log()).sum() / mask.sum()
+        ours = loss(logits, LABELS, mask.float())
+        assert ours.item() == pytest.approx(expected.item(), rel=1e-6)
+        torch.testing.assert_close(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(expected, logits)[0])
+
+
+def test_length_weight_is_the_power_of_the_answers_length():
+    loss = LengthLoss(length_ref=100, length_beta=0.5, alpha=1.0)
+    assert loss.sample_weight({"difficulty_score": 2.0, "assistant_tokens": 400}) == pytest.approx(2.0 * 0.5)
+    assert LengthLoss(length_beta=0.0).sample_weight({"difficulty_score": 3.0, "assistant_tokens": 9}) == 1.0

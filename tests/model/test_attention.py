@@ -1,0 +1,67 @@
+"""Packed rows (`sft.model.attention`): each sample gets the logits it gets alone, on every architecture; an attention
+the architecture lacks is a config error."""
+
+import pytest
+import torch
+from architectures import ARCHITECTURES, tiny
+
+from sft.data.collator import WeightedDataCollator
+from sft.model.attention import register as register_sdpa_varlen
+from sft.model.loading import load_model
+
+NO_SDPA = {"gemma2"}  # transformers runs it with eager attention only (attention softcapping)
+
+
+@pytest.mark.parametrize("arch, attn", [(a, attn) for a in sorted(ARCHITECTURES) for attn in ("eager", "sdpa_varlen")
+                                        if not (attn == "sdpa_varlen" and a in NO_SDPA)])
+def test_each_sample_of_a_packed_row_gets_its_logits_alone(arch, attn):
+    from sft.data.collator import WeightedDataCollator
+
+    register_sdpa_varlen()
+    model = tiny(arch, tie=False, attn=attn).eval()
+    reference = tiny(arch, tie=False, attn="eager").eval()  # the same weights; transformers' own masks
+    torch.manual_seed(2)
+    samples = [torch.randint(3, 128, (n,)).tolist() for n in (9, 6, 11)]
+    feats = [{"input_ids": s, "labels": s, "sample_weight": 1.0, "source_line": i} for i, s in enumerate(samples)]
+    packed = WeightedDataCollator(tokenizer=None, packing=True)(feats)
+    keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    with torch.no_grad():
+        logits = model(**{k: packed[k] for k in keys}, use_cache=False).logits[0]
+        alone = [reference(input_ids=torch.tensor([s]), use_cache=False).logits[0] for s in samples]
+        unpacked = [model(input_ids=torch.tensor([s]), use_cache=False).logits[0] for s in samples]
+    torch.testing.assert_close(logits, torch.cat(alone), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(unpacked), torch.cat(alone), atol=1e-4, rtol=1e-4)
+
+
+def test_an_attention_the_architecture_lacks_is_a_config_error_naming_the_alternative(tmp_path):
+    from sft.config import ConfigError
+    from sft.model.loading import load_model
+
+    tiny("gemma2", tie=False).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"model.attn_implementation='sdpa': Gemma2ForCausalLM does not support an "
+                                          r"attention implementation .* use eager"):
+        load_model(str(tmp_path), attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("attn, boundaries", [("sdpa", True), ("eager", True), ("sdpa_varlen", True),
+                                              ("sdpa_varlen", False)])
+def test_no_attention_leaks_across_packed_samples(tokenizer, attn, boundaries):
+    model = load_model("tiny", attn_implementation=attn).eval()
+    torch.manual_seed(0)
+    a, b, c = (torch.randint(10, 300, (n,)).tolist() for n in (9, 6, 11))
+    feats = [{"input_ids": s, "labels": s, "sample_weight": 1.0, "source_line": i} for i, s in enumerate((a, b, c))]
+    collate = WeightedDataCollator(tokenizer, packing=True)
+    packed = collate(feats)
+    changed = collate([{**feats[0], "input_ids": [7] * 9}, *feats[1:]])  # another first sample
+    keys = ("input_ids", "position_ids") + (
+        ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if boundaries else ())
+    with torch.no_grad():  # no KV cache: as in training, where transformers then reads the packing from position_ids
+        logits = model(**{k: packed[k] for k in keys}, use_cache=False).logits[0]
+        logits_changed = model(**{k: changed[k] for k in keys}, use_cache=False).logits[0]
+        alone = [model(input_ids=torch.tensor([s])).logits[0] for s in (a, b, c)]
+    # Each sample's logits are those it gets alone, so nothing flows in from the samples packed before it.
+    torch.testing.assert_close(logits[:9], alone[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[9:15], alone[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[15:], alone[2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_changed[9:], logits[9:], atol=1e-6, rtol=0)
+    assert (logits_changed[:9] - logits[:9]).abs().max() > 1e-2  # the test can see a difference

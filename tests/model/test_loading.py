@@ -1,0 +1,34 @@
+"""Model loading (`sft.model.loading`): a random-init architecture from its config, config overrides, attention
+implementations."""
+
+import pytest
+
+from sft.config import compose
+
+
+def test_random_init_builds_the_given_architecture_without_weights_on_disk():
+    from sft.model.loading import load_model
+
+    shape = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    model = load_model("no/such/model", random_init=shape)
+    assert model.config.hidden_size == 64 and model.lm_head.weight.shape == (1000, 64)
+    assert len(model.model.layers) == 2
+    # The shape given on the command line: added to the empty dict (into a null node, OmegaConf's merge would
+    # raise an AttributeError); without the +, Hydra's own message says to add it.
+    cfg = compose("train", ["+model.random_init={model_type: qwen2, hidden_size: 64}"])
+    assert cfg.model.random_init == {"model_type": "qwen2", "hidden_size": 64}
+    with pytest.raises(Exception, match=r"To append to your config use \+model.random_init="):
+        compose("train", ["model.random_init={model_type: qwen2}"])
+
+
+def test_a_config_override_the_model_does_not_have_is_refused():
+    from sft.config import ConfigError
+    from sft.model.loading import load_model
+
+    with pytest.raises(ConfigError, match="model.config_overrides.output_router_logits=True: Qwen2Config has no "
+                                          "field 'output_router_logits'"):
+        load_model("tiny", config_overrides={"output_router_logits": True})
+    with pytest.raises(ConfigError, match=r"model.config_overrides=\{'intermediate_size': 96\}: changes the shape of "
+                                          "tiny's weights, which then cannot load"):
+        load_model("tiny", config_overrides={"intermediate_size": 96})

@@ -1,0 +1,51 @@
+"""The `trainer` group (`sft.training.arguments`): every TrainingArguments field of the installed transformers, set as
+it is, with this project's defaults and checks."""
+
+import pytest
+from conftest import composed
+
+from sft.config import ConfigError, check
+
+
+def test_the_trainer_schema_is_every_training_arguments_field_of_the_installed_transformers():
+    """sft/training/trainer_fields.py is generated from TrainingArguments; when transformers adds, removes or changes a
+    field this fails until `python -m sft.config` writes it again. Each field is either in the schema or owned."""
+    import dataclasses
+    from pathlib import Path
+
+    from transformers import TrainingArguments
+
+    import sft.training
+    from sft.training.arguments import TrainerConfig, trainer_fields_source
+
+    committed = Path(sft.training.__file__).with_name("trainer_fields.py").read_text()
+    assert committed == trainer_fields_source(), "sft/training/trainer_fields.py is stale: run python -m sft.config"
+    theirs = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    ours = {f.name for f in dataclasses.fields(TrainerConfig)}
+    assert ours | set(TrainerConfig.owned_fields) == theirs and not ours & set(TrainerConfig.owned_fields)
+
+
+def test_any_training_arguments_field_is_set_without_plus_and_reaches_training_arguments():
+    from sft.training.arguments import training_arguments
+
+    cfg = composed("trainer.lr_scheduler_kwargs={min_lr:1e-5}", "trainer.lr_scheduler_type=cosine_with_min_lr",
+                   "trainer.neftune_noise_alpha=5", "trainer.optim_args='betas=0.9'", "trainer.push_to_hub=false",
+                   "trainer.dataloader_drop_last=true", "trainer.label_smoothing_factor=0.1")
+    check(cfg)
+    args = training_arguments(cfg, "/tmp/unused", resuming=False, max_grad_norm=1.0)
+    assert args.lr_scheduler_kwargs == {"min_lr": 1e-5} and args.lr_scheduler_type == "cosine_with_min_lr"
+    assert args.neftune_noise_alpha == 5.0 and args.optim_args == "betas=0.9" and args.dataloader_drop_last
+    assert args.label_smoothing_factor == 0.1
+    default = training_arguments(composed(), "/tmp/unused", resuming=False, max_grad_norm=1.0)
+    assert default.learning_rate == 2e-3 and default.adam_beta2 == 0.98  # this project's defaults stand
+
+
+def test_a_tracker_that_is_not_installed_is_one_config_error(monkeypatch):
+    import sft.config.schema
+
+    monkeypatch.setattr(sft.config.schema, "installed", lambda module: module != "mlflow")
+    with pytest.raises(ConfigError) as e:
+        check(composed("trainer.report_to=[tensorboard,mlflow]"))
+    assert str(e.value) == ("trainer.report_to=['tensorboard', 'mlflow']: mlflow is not installed: "
+                            "pip install mlflow-skinny")
+    check(composed("trainer.report_to=[tensorboard]"))

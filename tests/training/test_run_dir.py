@@ -1,0 +1,107 @@
+"""One run per run dir (sft.training.run_dir) and a resume that continues the same run (sft.training.checkpoints): the
+lock, the refusal of a used dir, checkpoints after the resumed one set aside, rotation of this run's only, and the
+settings a resume applies or refuses."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from sft.config import ConfigError
+from sft.training.checkpoints import (STATE_FILE, config_changes, find_checkpoint, fixed_on_resume, manifest,
+                                      write_json_atomic)
+from sft.training.run_dir import LOCK_FILE, RunDirLock, claim
+
+
+def checkpoint(folder, run_id="run-a", config=None):
+    """A complete checkpoint of `run_id` (marker and manifest), as `CheckpointState` writes it."""
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"w" * 100)
+    write_json_atomic(folder / STATE_FILE, {"run_id": run_id, "config": config or {"trainer": {"seed": 42}},
+                                            "files": manifest(folder)})
+    return folder
+
+
+def test_a_second_run_in_a_locked_dir_is_refused_naming_the_holder(tmp_path):
+    first = RunDirLock(tmp_path)
+    first.acquire()
+    with pytest.raises(ConfigError) as refused:
+        RunDirLock(tmp_path).acquire()
+    assert f"another run is using it: pid {os.getpid()} on {socket.gethostname()} since" in str(refused.value)
+    assert str(tmp_path / LOCK_FILE) in str(refused.value)
+    first.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    second = RunDirLock(tmp_path)
+    second.acquire()  # free again
+    second.release()
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname(),
+                                                  "started": "earlier"}))
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_lock_held_on_another_host_is_refused(tmp_path):
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "node-17", "started": "2026-12-01 08:00:00"}))
+    with pytest.raises(ConfigError, match="pid 1 on node-17 since 2026-12-01 08:00:00"):
+        RunDirLock(tmp_path).acquire()
+
+
+def test_a_new_run_is_refused_over_another_runs_outputs_unless_overwrite(tmp_path):
+    claim(tmp_path, overwrite=False)  # an empty dir: fine
+    checkpoint(tmp_path / "checkpoint-8")
+    (tmp_path / "results.json").write_text('{"status": "ok"}')
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    with pytest.raises(ConfigError) as refused:
+        claim(tmp_path, overwrite=False)
+    assert str(refused.value).startswith(f"hydra.run.dir='{tmp_path}': holds another run: checkpoint-8 (run run-a, "
+                                         "config ")
+    assert "resume=auto continues it; another hydra.run.dir" in str(refused.value)
+    assert "overwrite=true deletes" in str(refused.value)
+    with pytest.raises(ConfigError, match="sweep.resume=true continues that sweep; another hydra.sweep.dir"):
+        claim(tmp_path, overwrite=False, sweep_job=True)  # a job dir of a multirun run again
+    claim(tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "notes.txt"]  # only the run's outputs went
+
+
+def test_resume_sets_aside_later_and_damaged_checkpoints(tmp_path):
+    for step in (4, 8, 12):
+        checkpoint(tmp_path / f"checkpoint-{step}")
+    (tmp_path / "checkpoint-12" / "model.safetensors").write_bytes(b"w" * 99)  # damaged
+    assert find_checkpoint("auto", str(tmp_path), force=False) == str(tmp_path / "checkpoint-8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12.damaged", "checkpoint-4", "checkpoint-8"]
+    # An explicit resume from an earlier checkpoint of the dir: the later branch is kept, never written into.
+    assert find_checkpoint(str(tmp_path / "checkpoint-4"), str(tmp_path), force=False) == str(tmp_path / "checkpoint-4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-12.damaged", "checkpoint-4",
+                                                          "checkpoint-8.abandoned"]
+
+
+def test_rotation_deletes_only_this_runs_checkpoints(tmp_path):
+    from sft.training.checkpoints import CheckpointState
+
+    checkpoint(tmp_path / "checkpoint-2", run_id="other")
+    for step in (4, 6, 8):
+        checkpoint(tmp_path / f"checkpoint-{step}", run_id="mine")
+    CheckpointState({"run_id": "mine", "data_hash": ""}, {}, keep=1, resumed_from=None).rotate(str(tmp_path), None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-8"]
+
+
+def test_config_changes_list_every_differing_leaf_and_which_a_resume_refuses():
+    saved = {"trainer": {"learning_rate": 2e-4, "seed": 42}, "lora": None, "model": {"name": "tiny"},
+             "clip": {"max_norm": 1.0}, "resume": None}
+    current = {"trainer": {"learning_rate": 1e-4, "seed": 42}, "lora": {"r": 16}, "model": {"name": "tiny"},
+               "clip": {"max_norm": 0.01}, "resume": "auto"}
+    assert config_changes(saved, current) == [("clip.max_norm", 1.0, 0.01), ("lora", None, "<absent>"),
+                                              ("lora.r", "<absent>", 16), ("trainer.learning_rate", 2e-4, 1e-4)]
+    assert [key for key, _, _ in config_changes(saved, current) if fixed_on_resume(key)] == ["lora", "lora.r"]
+    assert not fixed_on_resume("model.attn_implementation") and fixed_on_resume("model.pretrained_model_name_or_path")
+    assert fixed_on_resume("deepspeed") and not fixed_on_resume("deepspeed.gradient_clipping")

@@ -1,0 +1,170 @@
+"""The trainer (`sft.training.trainer`): every built-in loss is exact under gradient accumulation, packing and the
+lean loss, and reduces to ce with uniform weights; every override of Trainer still overrides a method with the
+same parameters."""
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+from conftest import ROWS, chat, train_steps, write_jsonl
+
+from sft.data.load import load_sft_datasets
+from sft.data.spec import DataSpec
+from sft.loss.builtin import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
+from sft.training.trainer import WeightedLossTrainer
+
+
+def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parameters():
+    # Four of them are private hooks of transformers (_clip_grad_norm, _get_grad_norm, _get_train_sampler, _save): a
+    # rename or a new parameter there would silently bypass sft.training.step_control, the curriculum's sampler or
+    # the tied-copy filter.
+    from transformers import Trainer
+
+    overrides = {name: f for name, f in vars(WeightedLossTrainer).items() if getattr(f, "__override__", False)}
+    assert set(overrides) == {"get_batch_samples", "compute_loss", "_clip_grad_norm", "_get_grad_norm",
+                              "_get_train_sampler", "evaluation_loop", "prediction_step", "log",
+                              "create_accelerator_and_postprocess", "_save"}
+    for name, ours in overrides.items():
+        theirs = getattr(Trainer, name, None)
+        assert theirs is not None, f"transformers.Trainer has no {name} any more"
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters), name
+
+
+# Every built-in loss, each with the difficulty weight on where it combines with it. ROWS' answers hold
+# "carries"/"carrying" (whole words) and sums after "=" (the regex), so the keyword weights differ by token.
+BUILT_IN = {
+    "ce": CrossEntropyLoss(),
+    "hard_sample": HardSampleLoss(alpha=1.0),
+    "hard_sample-sample": HardSampleLoss(alpha=2.0, normalize="sample"),
+    "hard_sample-token": HardSampleLoss(alpha=1.0, normalize="token"),
+    "keywords": KeywordLoss(phrases=["carries", r"(?<== )\d+"], regex=True, factor=4.0, alpha=1.0),
+    "focal": FocalLoss(gamma=2.0, alpha=1.0),
+    "dft": DFTLoss(alpha=1.0, normalize="sample"),
+    "length": LengthLoss(length_ref=8.0, length_beta=0.5, alpha=1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN))
+def test_gradient_accumulation_does_not_change_losses_or_parameters(tmp_path, tokenizer, name):
+    loss = BUILT_IN[name]
+    losses_a, params_a, _ = train_steps(tmp_path, tokenizer, loss, batch_size=4, accumulation=1)
+    losses_b, params_b, _ = train_steps(tmp_path, tokenizer, loss, batch_size=1, accumulation=4)
+    assert len(losses_a) == len(losses_b) == 2
+    assert losses_a == pytest.approx(losses_b, abs=1e-5)
+    torch.testing.assert_close(params_a, params_b, atol=1e-5, rtol=0)
+
+
+def test_hard_sample_with_equal_weights_is_exactly_ce(tmp_path, tokenizer):
+    equal = [{**r, "difficulty_score": 2.0} for r in ROWS]
+    ce_losses, ce_params, _ = train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 2, 2, rows=equal)
+    hs_losses, hs_params, _ = train_steps(tmp_path, tokenizer, HardSampleLoss(alpha=1.0), 2, 2, rows=equal)
+    assert hs_losses == pytest.approx(ce_losses, abs=1e-6)
+    torch.testing.assert_close(hs_params, ce_params, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("uniform", [KeywordLoss(phrases=["carries"], factor=1.0), FocalLoss(gamma=0.0),
+                                     LengthLoss(length_beta=0.0)], ids=["keywords-factor-1", "focal-gamma-0",
+                                                                        "length-beta-0"])
+def test_each_loss_with_uniform_weights_is_exactly_ce(tmp_path, tokenizer, uniform):
+    ce_losses, ce_params, _ = train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 2, 2)
+    losses, params, _ = train_steps(tmp_path, tokenizer, uniform, 2, 2)
+    assert losses == pytest.approx(ce_losses, abs=1e-6)
+    torch.testing.assert_close(params, ce_params, atol=1e-6, rtol=0)
+
+
+def test_unequal_weights_do_change_the_update(tmp_path, tokenizer):
+    _, ce_params, _ = train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1)
+    _, hs_params, _ = train_steps(tmp_path, tokenizer, HardSampleLoss(alpha=1.0), 4, 1)
+    assert (ce_params - hs_params).abs().max() > 1e-4
+
+
+def test_logged_ce_and_weight_mean_describe_the_step(tmp_path, tokenizer):
+    losses, _, trainer = train_steps(tmp_path, tokenizer, HardSampleLoss(alpha=1.0), 4, 1, steps=1)
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    # With one step on the first 4 rows the weight mean is the token-weighted mean of their scores.
+    rows = trainer.train_dataset.select(range(4))
+    tokens = [sum(label != -100 for label in r["labels"][1:]) for r in rows]
+    expected = sum(t * r["difficulty_score"] for t, r in zip(tokens, rows)) / sum(tokens)
+    assert log["weight_mean"] == pytest.approx(expected, rel=1e-5)
+    assert log["ce"] > 0 and log["ce"] != pytest.approx(log["loss"], abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["hard_sample", "hard_sample-sample", "hard_sample-token", "keywords", "focal", "dft"])
+def test_chunked_loss_trains_exactly_as_the_naive_one(tmp_path, tokenizer, name):
+    naive = dataclasses.replace(BUILT_IN[name], impl="naive")
+    chunked = dataclasses.replace(BUILT_IN[name], impl="chunked", chunk_tokens=7)
+    losses_n, params_n, trainer_n = train_steps(tmp_path, tokenizer, naive, 2, 2)
+    losses_c, params_c, trainer_c = train_steps(tmp_path, tokenizer, chunked, 2, 2)
+    assert (trainer_n.loss_impl, trainer_c.loss_impl) == ("naive", "chunked")
+    assert losses_c == pytest.approx(losses_n, abs=1e-5)
+    torch.testing.assert_close(params_c, params_n, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["hard_sample", "hard_sample-sample", "keywords", "length"])
+def test_packing_trains_exactly_as_padding(tmp_path, tokenizer, name):
+    loss = BUILT_IN[name]
+    losses_pad, params_pad, _ = train_steps(tmp_path, tokenizer, loss, 4, 1)
+    losses_pack, params_pack, trainer = train_steps(tmp_path, tokenizer, loss, 4, 1, packing=True)
+    assert losses_pack == pytest.approx(losses_pad, abs=1e-5)
+    torch.testing.assert_close(params_pack, params_pad, atol=1e-5, rtol=0)
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    assert log["padding_fraction"] == 0
+
+
+@pytest.mark.parametrize("impl", ["auto", "chunked"])
+def test_a_model_whose_logits_the_lean_loss_cannot_reproduce_gets_naive_or_a_clear_error(tmp_path, impl, caplog):
+    from transformers import TrainingArguments
+
+    from sft.config import ConfigError
+    from sft.model.loading import load_model
+    from sft.training.trainer import WeightedLossTrainer
+
+    model = load_model("tiny")
+    model.lm_head.register_forward_hook(lambda module, args, output: output * 2)  # a transform no table knows
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    build = lambda: WeightedLossTrainer(model=model, args=args, loss=CrossEntropyLoss(impl=impl))  # noqa: E731
+    if impl == "chunked":
+        with pytest.raises(ConfigError, match="loss.impl='chunked': this Qwen2ForCausalLM's logits are not"):
+            build()
+        return
+    with caplog.at_level("WARNING", logger="sft"):
+        assert build().loss_impl == "naive"
+    assert "loss.impl=auto: this Qwen2ForCausalLM's logits are not" in caplog.text
+    assert WeightedLossTrainer(model=load_model("tiny"), args=args, loss=CrossEntropyLoss()).loss_impl == "chunked"
+
+
+def test_evaluation_makes_no_collective_per_batch_and_keeps_the_exact_metrics(tmp_path, tokenizer):
+    """Trainer would count `num_items_in_batch` over the ranks and gather each batch's loss (two collectives
+    per eval batch); `sft` reads neither, and its metrics are the exact ratios over the rows, batch size
+    notwithstanding."""
+    from transformers import TrainingArguments
+
+    from sft.data.collator import WeightedDataCollator
+    from sft.loss.builtin import HardSampleLoss
+    from sft.model.loading import load_model
+    from sft.training.trainer import WeightedLossTrainer
+
+    path = write_jsonl(tmp_path / "eval.jsonl", [chat(f"What is {i} + {i}?", f"{i} + {i} = {2 * i}", 1.0 + i % 4)
+                                                 for i in range(7)])
+    loss = HardSampleLoss(alpha=1.0)
+    data = load_sft_datasets(DataSpec(train_file=str(path), eval_file=str(path), max_length=256), tokenizer, loss)
+    model = load_model("tiny")
+    metrics = {}
+    for batch_size in (2, 7):
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_eval_batch_size=batch_size,
+                                 use_cpu=True, report_to=[], remove_unused_columns=False)
+        trainer = WeightedLossTrainer(model=model, args=args, eval_dataset=data.eval, loss=loss,
+                                      data_collator=WeightedDataCollator(tokenizer))
+        collectives = []
+        for name in ("gather", "gather_for_metrics", "reduce"):
+            original = getattr(trainer.accelerator, name)
+            setattr(trainer.accelerator, name,
+                    lambda *a, _name=name, _f=original, **k: collectives.append(_name) or _f(*a, **k))
+        counted = trainer._get_num_items_in_batch
+        trainer._get_num_items_in_batch = lambda *a, **k: collectives.append("num_items") or counted(*a, **k)
+        metrics[batch_size] = trainer.evaluate()
+        assert collectives == [], batch_size
+    for key in ("eval_loss", "eval_ce", "eval_token_accuracy", "eval_loss_bucket_1"):
+        assert metrics[2][key] == pytest.approx(metrics[7][key], rel=1e-6), key
+    assert metrics[7]["eval_loss"] != pytest.approx(metrics[7]["eval_ce"], rel=1e-3)  # the weights count
