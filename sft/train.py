@@ -41,6 +41,11 @@ log = logging.getLogger("sft")
 register()
 
 
+# Names a controller of yours cannot take: what every run puts under them in each checkpoint's state.
+RESERVED_NAMES = {"preemption": "the controller every run has (SIGTERM: save and stop; signal_grace_s)",
+                  "clip": "the clip policy's state in every checkpoint", "trainer": "Trainer's state in every checkpoint"}
+
+
 @dataclass
 class Recipe:
     """What `build` makes from a config: the trainer and the parts the rest of the run needs."""
@@ -174,9 +179,8 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     tokenizer = instantiate(cfg.tokenizer)
     loss = build_loss(cfg.loss)
     controllers = build_controllers(cfg.controllers)
-    if "preemption" in controllers:
-        raise ConfigError("controllers.preemption", None, "is the name of the controller every run has (SIGTERM: "
-                          "save and stop; signal_grace_s): name yours otherwise")
+    for name in RESERVED_NAMES.keys() & controllers.keys():  # each is a key of the checkpoints' state
+        raise ConfigError(f"controllers.{name}", None, f"is the name of {RESERVED_NAMES[name]}: name yours otherwise")
     spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
     with args.main_process_first(desc="preprocessing"):
         data = load_sft_datasets(spec, tokenizer, loss, scores_needed_by=scores_used_by(loss, controllers),
@@ -243,9 +247,7 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
     from sft.training.checkpoints import CheckpointState, LearningRateChange, check_resume_data, git_commit
 
     trainer, data = recipe.trainer, recipe.data
-    stateful = {"clip": recipe.clip_policy, "trainer": trainer, **recipe.controllers}
-    if len(stateful) < 2 + len(recipe.controllers):
-        raise ConfigError("controllers", None, "a controller cannot be named clip or trainer")
+    stateful = {"clip": recipe.clip_policy, "trainer": trainer, **recipe.controllers}  # build refuses those names
     saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
     run_info = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "data_hash": data.data_hash,
                 "data": data.identity, "sft_version": version("sft"), "git_commit": git_commit(),

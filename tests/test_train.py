@@ -87,3 +87,12 @@ def test_a_policy_that_does_not_clip_hands_trainer_no_threshold(tmp_path):
     static = build(composed("clip.max_norm=0.5", "data.eval_file=null"), str(tmp_path / "b")).trainer
     assert none.args.max_grad_norm == 0 and static.args.max_grad_norm == 0.5
     assert {"preemption", "guard", "watchdog"} == set(none.controllers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["preemption", "trainer"])
+def test_a_controller_named_as_a_key_of_the_checkpoint_state_is_refused(tmp_path, name):
+    from conftest import assert_cli_refuses
+
+    assert_cli_refuses(tmp_path, f"error: config: controllers.{name}: is the name of ",
+                       f"+controllers.{name}._target_=sft.training.controllers.EarlyStopping", "trainer.max_steps=1")
