@@ -27,7 +27,7 @@ LOCK_FILE = ".sft.lock"
 # What a run writes into its dir (besides Hydra's .hydra/ and log): what `overwrite=true` deletes.
 RUN_OUTPUTS = ("checkpoint-*", "model", "results.json", "eval_initial.json", "eval_rows.jsonl", "rejected.jsonl",
                "nan_batches", "spikes", "hangs", "runs")
-_YOUNG_LOCK_S = 10.0  # an empty lock file younger than this is being written by its holder
+_YOUNG_LOCK_S = 10.0  # an empty lock file younger than this is being written (file systems without links)
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -65,16 +65,30 @@ class RunDirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                self._create(json.dumps(me) + "\n")
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me) + "\n")
             self.held = True
             atexit.register(self.release)
             return
         raise ConfigError("hydra.run.dir", self.run_dir, f"could not take {self.path}: another run keeps taking it")
+
+    def _create(self, text: str) -> None:
+        """Create the lock file holding `text`, or raise FileExistsError. The text is written to a file of
+        its own and hard-linked into place, so another run never reads a lock that is still empty."""
+        draft = self.path.with_name(f"{self.path.name}.{os.getpid()}")
+        draft.write_text(text)
+        try:
+            os.link(draft, self.path)
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: exclusive create, then write
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        finally:
+            draft.unlink(missing_ok=True)
 
     def _take_over_if_stale(self) -> None:
         try:

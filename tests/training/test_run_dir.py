@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,6 +38,33 @@ def test_a_second_run_in_a_locked_dir_is_refused_naming_the_holder(tmp_path):
     second = RunDirLock(tmp_path)
     second.acquire()  # free again
     second.release()
+
+
+RACE = """
+import sys, time
+from sft.config import ConfigError
+from sft.training.run_dir import RunDirLock
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start together
+try:
+    RunDirLock(sys.argv[1]).acquire()
+    print("took")
+    time.sleep(0.3)
+except ConfigError as refused:
+    print(refused)
+"""
+
+
+def test_runs_starting_at_the_same_moment_one_takes_the_lock_the_others_are_told_who(tmp_path):
+    for attempt in range(3):
+        run_dir = tmp_path / str(attempt)
+        at = time.time() + 0.5
+        racers = [subprocess.Popen([sys.executable, "-c", RACE, str(run_dir), str(at)], stdout=subprocess.PIPE,
+                                   text=True) for _ in range(4)]
+        said = [racer.communicate(timeout=60)[0].strip() for racer in racers]
+        assert sorted(said)[-1] == "took" and said.count("took") == 1, said
+        # Never a lock caught before its holder wrote it: each refusal names the winner's pid.
+        assert all("another run is using it: pid " in line for line in said if line != "took"), said
+        assert sorted(p.name for p in run_dir.iterdir()) == [], said  # released, no draft left
 
 
 def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
