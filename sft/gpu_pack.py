@@ -13,6 +13,10 @@ between its `gpu-pack` markers, where the README shows the measured figures.
 Without a CUDA GPU it says so in one line and exits 2, running nothing. Needs the project installed with a
 CUDA build of torch (`pip install -e '.[gpu]'`; flash-attn and bitsandbytes separately, as their builds
 need the machine's CUDA); a kernel that is not installed skips its test, and the figures say so.
+
+`python -m sft.gpu_pack --check` runs nothing: it lists what the pack needs, what this machine has (a GPU or
+not included) and how to install what is missing, and exits 0 (it reports; `ready: no` says the pack would
+not run). Run it first on a fresh GPU image.
 """
 
 from __future__ import annotations
@@ -30,6 +34,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 README_BEGIN, README_END = "<!-- gpu-pack:begin -->", "<!-- gpu-pack:end -->"
 KERNELS = ("cut-cross-entropy", "liger-kernel", "flash-attn", "bitsandbytes")
+# (module, distribution, needed for, how to install): the pack's own imports first, then the kernels its tests check
+REQUIREMENTS = [
+    ("torch", "torch", "everything", "a CUDA build: pip install torch --index-url https://download.pytorch.org/whl/cu128"),
+    ("transformers", "transformers", "everything", "pip install -e . (pins the version)"),
+    ("peft", "peft", "LoRA", "pip install -e ."),
+    ("accelerate", "accelerate", "the trainer", "pip install -e ."),
+    ("datasets", "datasets", "the data", "pip install -e ."),
+    ("hydra", "hydra-core", "the config", "pip install -e ."),
+    ("omegaconf", "omegaconf", "the config", "pip install -e ."),
+    ("antlr4", "antlr4-python3-runtime", "Hydra's override parser", "pip install antlr4-python3-runtime==4.9.3 "
+     "(a source distribution only: needs setuptools and wheel in the image)"),
+    ("pytest", "pytest", "the GPU tests", "pip install -e '.[dev]'"),
+    ("sft", "sft", "python -m sft.bench in a subprocess", "pip install -e . from the repository"),
+    ("cut_cross_entropy", "cut-cross-entropy", "loss.impl=cce (the GPU default) and its test", "pip install -e '.[gpu]'"),
+    ("liger_kernel", "liger-kernel", "loss.impl=liger and its test", "pip install -e '.[gpu]'"),
+    ("flash_attn", "flash-attn", "the varlen packing test and flash_attention_2",
+     "pip install flash-attn --no-build-isolation (no wheel for most images: it compiles against the machine's "
+     "CUDA, 10+ minutes)"),
+    ("bitsandbytes", "bitsandbytes", "the QLoRA test", "pip install bitsandbytes"),
+]
+REQUIRED = {"torch", "transformers", "peft", "accelerate", "datasets", "hydra", "omegaconf", "antlr4", "pytest"}
 
 
 def cuda_missing() -> str | None:
@@ -39,6 +64,42 @@ def cuda_missing() -> str | None:
     if not torch.cuda.is_available():
         return f"no CUDA GPU on this machine (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})"
     return None
+
+
+def check_machine() -> tuple[list[str], bool]:
+    """What `--check` prints: one line per requirement (found with its version, or missing with how to install it),
+    the GPU; and whether the pack would run (the required modules and a CUDA GPU)."""
+    import importlib.util
+
+    lines, ready = [], True
+    for module, distribution, needed_for, how in REQUIREMENTS:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            try:
+                where = version(distribution)
+            except PackageNotFoundError:
+                where = "found (not installed as a distribution: run from the source tree)"
+            lines.append(f"  ok       {distribution:<24} {where}")
+        else:
+            ready &= module not in REQUIRED
+            kind = "MISSING " if module in REQUIRED else "optional"
+            lines.append(f"  {kind} {distribution:<24} needed for {needed_for}: {how}")
+    try:
+        gpu = cuda_missing()
+    except ImportError:
+        gpu = "torch is not installed"
+    ready &= gpu is None
+    lines.append(f"  {'ok      ' if gpu is None else 'MISSING '} {'CUDA GPU':<24} {gpu or _gpu_name()}")
+    return lines, ready
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, CUDA {torch.version.cuda}"
 
 
 def machine() -> dict:
@@ -131,7 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests-timeout", type=int, default=240)
     parser.add_argument("--bench-timeout", type=int, default=330)
     parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
+    parser.add_argument("--check", action="store_true", help="list what the pack needs and this machine has; run "
+                        "nothing")
     args = parser.parse_args(argv)
+    if args.check:
+        lines, ready = check_machine()
+        print("gpu pack: what it needs, and what this machine has\n" + "\n".join(lines)
+              + f"\nready: {'yes' if ready else 'no'}")
+        return 0
     if reason := cuda_missing():
         print(f"gpu pack: {reason}: nothing to run (the gpu tests skip without one)", file=sys.stderr)
         return 2

@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     from sft.experiments.tracking import log_sweep_report, sweep_experiment
     from sft.training.preemption import PREEMPTED_EXIT_CODE
 
-    argv = sys.argv[1:] if argv is None else argv
+    from sft.config.secrets import secrets_to_environment
+
+    argv = secrets_to_environment(sys.argv[1:] if argv is None else argv)  # the jobs inherit the environment
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
     sweep_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")),
                      time.strftime("multirun/%Y-%m-%d/%H-%M-%S"))

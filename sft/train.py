@@ -23,11 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from sft.config.registry import CONF_DIR, register
 from sft.config.schema import ConfigError
+from sft.config.secrets import mask_saved_config, secrets_to_environment
 from sft.config.validate import check
 from sft.experiments.results import RunResults
 from sft.experiments.tracking import (finish_mlflow, finish_trackers, in_sweep, job_overrides, log_hparams,
                                       name_the_run, start_mlflow)
-from sft.training.advice import TrainingStopped, raise_if_failed, train_with_advice
+from sft.files import own_path, write_text
+from sft.training.advice import TrainingStopped, raise_if_failed, stop_on_full_disk, train_with_advice
 from sft.training.arguments import evaluates, training_arguments
 from sft.training.distributed import (end_process_group, rank_overrides, refuse_multirun_in_launch, set_cpu_threads,
                                       share_run_dir, slurm_distributed_env)
@@ -72,27 +74,29 @@ def train(cfg: DictConfig) -> RunResults:
     output_dir = cfg.trainer.output_dir or run_dir
     locks = lock_run_dirs(run_dir, output_dir)
     try:
-        checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force)
+        checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force, cfg.trust_checkpoint)
         check_fsdp_resume(cfg, checkpoint)
         changes = continue_or_claim(cfg, output_dir, checkpoint)
         recipe = build(cfg, run_dir, checkpoint)
         track_checkpoints(recipe, cfg, checkpoint, changes)
         start_mlflow(cfg, run_dir)
         preemption = recipe.controllers["preemption"]
-        preemption.install()
+        preemption.on_exit = lambda: record_preempted(recipe.trainer, run_dir, started)
+        preemption.install()  # until results.json: a signal after training lets the run finish
         try:
             train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
+            preemption.training_done = True
+            if preemption.stopped_at is not None:
+                stop_preempted(recipe.trainer, preemption, run_dir, started)
+            raise_if_failed(recipe.controllers)
+            final_eval = evaluate_and_save(recipe, cfg, run_dir)
+            results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
+            log_hparams(cfg, run_dir, results.to_json(), recipe.trainer.args)
+            finish_trackers()
+            if recipe.trainer.is_world_process_zero():
+                results.write(run_dir)
         finally:
             preemption.uninstall()
-        if preemption.stopped_at is not None:
-            stop_preempted(recipe.trainer, preemption, run_dir, started)
-        raise_if_failed(recipe.controllers)
-        final_eval = evaluate_and_save(recipe, cfg, run_dir)
-        results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
-        log_hparams(cfg, run_dir, results.to_json(), recipe.trainer.args)
-        finish_trackers()
-        if recipe.trainer.is_world_process_zero():
-            results.write(run_dir)
         finish_mlflow(run_dir, "FINISHED")
     except BaseException as e:
         from sft.training.preemption import Preempted
@@ -137,8 +141,14 @@ def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) 
         claim(output_dir, cfg.overwrite, sweep_job=in_sweep())
     if checkpoint is None:
         return []
-    current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    return check_resume_config(checkpoint, current, cfg.resume_force)
+    return check_resume_config(checkpoint, saved_config(cfg), cfg.resume_force)
+
+
+def saved_config(cfg: DictConfig) -> dict:
+    """The config as checkpoints keep it: resolved, its secrets masked (`sft.config.secrets`)."""
+    from sft.config.secrets import masked
+
+    return masked(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
 
 def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
@@ -154,6 +164,17 @@ def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
     end_process_group()
     raise Preempted(f"{preemption.signal} at step {preemption.stopped_at}: saved {checkpoint}; continue with "
                     f"the same command plus resume=auto hydra.run.dir={run_dir}", checkpoint)
+
+
+def record_preempted(trainer, run_dir: str, started: float) -> None:
+    """A run that exits at a signal without finishing (a second signal, or past `signal_grace_s`; also after
+    training): `results.json` says preempted, with the newest complete checkpoint to continue from."""
+    from sft.training.checkpoints import latest_complete
+
+    if trainer.is_world_process_zero():
+        last = latest_complete(trainer.args.output_dir)
+        RunResults(status="preempted", checkpoint=str(last) if last else None, global_step=trainer.state.global_step,
+                   resumed_from=None, wall_time_s=round(time.time() - started, 1)).write(run_dir)
 
 
 def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recipe:
@@ -242,15 +263,15 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
     """Every checkpoint gets `sft_state.json` (run info, each stateful part's state); on resume that state
     comes back, once the data is checked to be the checkpoint's, and a new learning rate takes effect."""
     import uuid
-    from importlib.metadata import version
 
+    from sft import version
     from sft.training.checkpoints import CheckpointState, LearningRateChange, check_resume_data, git_commit
 
     trainer, data = recipe.trainer, recipe.data
     stateful = {"clip": recipe.clip_policy, "trainer": trainer, **recipe.controllers}  # build refuses those names
     saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
-    run_info = {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "data_hash": data.data_hash,
-                "data": data.identity, "sft_version": version("sft"), "git_commit": git_commit(),
+    run_info = {"config": saved_config(cfg), "data_hash": data.data_hash,
+                "data": data.identity, "sft_version": version(), "git_commit": git_commit(),
                 # a resume goes on with the run it resumes: rotation deletes only that run's checkpoints
                 "run_id": saved.get("run_id") if saved is not None else uuid.uuid4().hex[:12]}
     trainer.add_callback(CheckpointState(run_info, stateful, cfg.trainer.save_total_limit, checkpoint,
@@ -273,7 +294,8 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     final_eval = final_evaluation(trainer) if evaluates(cfg) else {}
     if final_eval and trainer.is_world_process_zero():
         write_eval_rows(run_dir, trainer.last_eval_rows, trainer.eval_scores, trainer.tasks)
-    trainer.save_model(os.path.join(run_dir, "model"))
+    with stop_on_full_disk(run_dir, "the final model (model/)"):
+        trainer.save_model(str(own_path(os.path.join(run_dir, "model"))))
     if cfg.exact_match is not None and recipe.data.eval is not None:
         final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
             trainer, recipe.tokenizer, recipe.data.eval_rows(), list(cfg.eval_buckets),
@@ -342,7 +364,7 @@ def initial_eval_loss(trainer, run_dir: str) -> float | None:
     first = next((e for e in trainer.state.log_history if "eval_loss" in e), None)
     if first is not None and first.get("step") == 0:
         if trainer.is_world_process_zero():
-            saved.write_text(json.dumps(first) + "\n")
+            write_text(own_path(saved), json.dumps(first) + "\n")
         return first["eval_loss"]
     return json.loads(saved.read_text())["eval_loss"] if saved.exists() else None
 
@@ -366,6 +388,8 @@ def main(cfg: DictConfig) -> float | None:
     from sft.training.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     started = time.time()
+    if os.environ.get("RANK", "0") == "0":
+        mask_saved_config(HydraConfig.get().runtime.output_dir)
     finished = start_sweep_job(cfg) if in_sweep() else None
     if finished is not None:
         return finished.eval_ce
@@ -375,6 +399,9 @@ def main(cfg: DictConfig) -> float | None:
     except Exception as e:
         # instantiate wraps what the built function raised; the user needs that reason, not the wrapper.
         reason = e.__cause__ if isinstance(e, InstantiationException) else e
+        if isinstance(reason, Preempted):  # also inside a sweep: the machine is going away, so is the sweep
+            print(f"preempted: {reason}", file=sys.stderr)
+            sys.exit(PREEMPTED_EXIT_CODE)
         if in_sweep() and cfg.sweep.continue_on_error:
             record_failure(reason, time.time() - started)
             return None
@@ -384,9 +411,6 @@ def main(cfg: DictConfig) -> float | None:
             fail(str(reason))
         if isinstance(reason, TrainingStopped):
             fail(str(reason), code=1)
-        if isinstance(reason, Preempted):  # also inside a sweep: the machine is going away, so is the sweep
-            print(f"preempted: {reason}", file=sys.stderr)
-            sys.exit(PREEMPTED_EXIT_CODE)
         raise
     if os.environ.get("RANK", "0") == "0":
         print(f"run dir: {HydraConfig.get().runtime.output_dir}")
@@ -445,9 +469,14 @@ def cli() -> None:
             return
     from sft.config.argv import refused_override
 
-    if refused := refused_override(sys.argv[1:]):  # before Hydra, whose errors would not name the knob
+    sys.argv[1:] = secrets_to_environment(sys.argv[1:])  # before Hydra writes or W&B records the command line
+    from sft.training.run_dir import unlink_planted, unwritable_dir
+
+    # before Hydra, whose errors would not name the knob, and which writes into the run dir first
+    if refused := refused_override(sys.argv[1:]) or unwritable_dir(sys.argv[1:]):
         print(f"error: config: {refused}", file=sys.stderr)
         sys.exit(2)
+    unlink_planted(sys.argv[1:])
     refuse_multirun_in_launch(sys.argv[1:])
     share_run_dir()
     sys.argv.extend(rank_overrides())

@@ -77,3 +77,23 @@ def test_figures_say_what_each_test_did_and_replace_only_the_readme_block(tmp_pa
     assert text.startswith("# top\n\n" + README_BEGIN + "\nMeasured 2026-12-01") and text.endswith(README_END + "\n\n## after\n")
     assert "not measured yet" not in text
     assert not put_into_readme(tmp_path / "test_three.py", figures)  # no markers: left alone
+
+
+def test_check_lists_what_the_pack_needs_and_how_to_install_it_without_running_anything(monkeypatch):
+    # On a fresh GPU image the pack met missing installs one at a time (issue 32): --check names them all at once.
+    proc = subprocess.run([sys.executable, "-m", "sft.gpu_pack", "--check"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from sft.gpu_pack import REQUIREMENTS, check_machine
+
+    out = proc.stdout
+    assert all(f" {distribution} " in out for _, distribution, _, _ in REQUIREMENTS) and " CUDA GPU " in out
+    assert out.strip().endswith("ready: yes" if torch.cuda.is_available() else "ready: no")
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "antlr4" else find_spec(name, *a))
+    lines, ready = check_machine()
+    assert not ready
+    assert any(line.startswith("  MISSING  antlr4-python3-runtime") and "pip install antlr4-python3-runtime==4.9.3" in line
+               for line in lines)

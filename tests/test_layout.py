@@ -16,7 +16,7 @@ TESTS = REPO / "tests"
 # The config's base (schemas, validation) is below every stage; its composition (the registry that gathers every
 # stage's schemas, --help, the command-line checks) above them; the commands and tools on top.
 STAGES = [
-    ("config base", ("sft.config.schema", "sft.config.validate", "sft.sample_data")),
+    ("config base", ("sft.config.schema", "sft.config.validate", "sft.config.secrets", "sft.sample_data", "sft.files")),
     ("data", ("sft.data",)),
     ("loss", ("sft.loss",)),
     ("model", ("sft.model",)),

@@ -272,6 +272,35 @@ def run_scale_case(case: str, cfg) -> dict:
             "worker_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
 
 
+def run_checksums_case(case: str, cfg) -> dict:
+    """A checkpoint of `bench.checksum_gb` GB (four shards, as a 7B model's bf16 weights) written to a temporary
+    dir beside `bench.checksum_dir`, then its manifest (every file's CRC-32, `sft.training.checkpoints.manifest`)
+    timed twice: as at a save (the shards just written, in the page cache) and as at a resume after a restart
+    (read from the disk: the page cache dropped first, where this process may; else reported as not measured)."""
+    import os
+
+    from sft.training.checkpoints import manifest
+
+    shard = int(cfg.bench.checksum_gb * 1e9 / 4)
+    with tempfile.TemporaryDirectory(prefix="sft-bench-checksums-", dir=cfg.bench.checksum_dir) as tmp:
+        for i in range(4):
+            with open(Path(tmp, f"model-{i + 1:05d}-of-00004.safetensors"), "wb") as f:
+                for _ in range(0, shard, 1 << 26):
+                    f.write(os.urandom(min(1 << 26, shard)))
+                f.truncate(shard)
+        started = time.perf_counter()
+        manifest(Path(tmp))
+        cached = time.perf_counter() - started
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3")
+        except OSError:
+            return {"gb": 4 * shard / 1e9, "cached_s": cached, "disk_s": None}
+        started = time.perf_counter()
+        manifest(Path(tmp))
+        return {"gb": 4 * shard / 1e9, "cached_s": cached, "disk_s": time.perf_counter() - started}
+
+
 def _on_gpu() -> bool:
     import torch
 
@@ -328,6 +357,8 @@ def child(case: str, config_file: str) -> None:
         result = run_tokenize_case(case, cfg)
     elif case == "scale":
         result = run_scale_case(case, cfg)
+    elif case == "checksums":
+        result = run_checksums_case(case, cfg)
     else:
         result = run_preprocess_case(case, cfg)
     print(RESULT + json.dumps(result), flush=True)

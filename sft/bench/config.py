@@ -11,6 +11,7 @@ from sft.config.schema import Schema, knob
 
 CASES = ["hf", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "eval_hf", "eval_sft", "loss_naive",
          "loss_chunked", "preprocess", "tokenize", "scale", "startup"]
+ON_REQUEST = ["checksums"]  # writes a 15 GB checkpoint: only when named in bench.cases
 
 
 @dataclass
@@ -35,7 +36,15 @@ class BenchConfig(Schema):
     scale_rows: int = knob(1000000, "multi-turn rows (about 300 tokens) preprocessed cold, then loaded cached "
                            "(scale)")
     eval_repeats: int = knob(3, "evaluations timed per eval case (the best counts), after one untimed")
+    checksum_gb: float = knob(15.0, "the checkpoint the checksums case writes and checksums (a 7B model's bf16 "
+                              "weights: 15 GB)")
+    checksum_dir: Optional[str] = knob(None, "where it writes it (null: the system's temporary dir)")
     case_timeout_s: int = knob(1800, "a case running longer is stopped and reported")
+
+    def check(self, cfg=None):
+        unknown = [case for case in self.cases if case not in CASES + ON_REQUEST]
+        self.require("cases", not unknown, f"no such case: {', '.join(unknown)} (cases: "
+                     f"{', '.join(CASES + ON_REQUEST)})")
 
 
 def compose(overrides: list[str]):

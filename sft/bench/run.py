@@ -49,6 +49,8 @@ from omegaconf import OmegaConf
 from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LOSS_CASES, RESULT, TRAINING_CASES, TRL_CASES, child,
                              timed_training_overrides)
 from sft.bench.config import compose
+from sft.config.schema import ConfigError
+from sft.config.validate import check
 
 TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if at most)
     "ce_vs_hf": (0.97, "min"),
@@ -187,6 +189,7 @@ def target_of(key: str):
 def run_all(overrides: list[str]) -> dict:
     """Every case of `bench.cases`, interleaved and repeated; the raw numbers, medians and ratios."""
     base = compose(overrides)
+    check(base)  # the bench's node and the training config it runs, as python -m sft.train checks them
     b = base.bench
     report: dict = {"overrides": overrides, "raw": {}, "cases": {}, "ratios": {}, "skipped": {}}
     wanted = list(b.cases)
@@ -264,6 +267,11 @@ def run_all(overrides: list[str]) -> dict:
                           "cached_peak_rss_gb": warm["peak_rss_gb"]}
         ratios["scale_peak_rss_gb"] = max(cold["peak_rss_gb"], cold["worker_peak_rss_gb"])
         ratios["scale_cached_load_s"] = warm["seconds"]
+    if "checksums" in b.cases:
+        cases["checksums"] = c = spawn("checksums", base)
+        ratios["checksum_cached_gb_per_s"] = c["gb"] / c["cached_s"]
+        if c["disk_s"] is not None:
+            ratios["checksum_disk_gb_per_s"] = c["gb"] / c["disk_s"]
     if "startup" in b.cases:
         ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job")
         ratios["startup_help_s"] = startup_seconds("--help")
@@ -314,6 +322,11 @@ def print_report(report: dict) -> None:
         print(f"scale         {c['rows']} rows: {c['rows_per_second']:.0f} rows/s ({c['first_s']:.0f} s), peak RSS "
               f"{c['peak_rss_gb']:.2f} GiB (largest worker {c['worker_peak_rss_gb']:.2f} GiB); cached load "
               f"{c['cached_s']:.1f} s ({c['cached_peak_rss_gb']:.2f} GiB)")
+    if "checksums" in cases:
+        c = cases["checksums"]
+        disk = "not measured (cannot drop the page cache here)" if c["disk_s"] is None else f"{c['disk_s']:.1f} s"
+        print(f"checksums     a {c['gb']:.0f} GB checkpoint: {c['cached_s']:.1f} s from the page cache (a save), "
+              f"{disk} from the disk (a resume)")
     for case, reason in report.get("skipped", {}).items():
         print(f"{case:<22}skipped: {reason}")
     print()
@@ -333,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         child(args.case, args.config)
         return 0
-    report = run_all(overrides)
+    try:
+        report = run_all(overrides)
+    except ConfigError as e:
+        print(f"error: config: {e}", file=sys.stderr)
+        return 2
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print_report(report)
     print(f"\nwrote {args.out}")

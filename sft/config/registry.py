@@ -66,10 +66,13 @@ class TrainConfig(Schema):
     resume: Optional[str] = knob(None, "null (a fresh run), auto (the newest complete checkpoint in the run dir) "
                                  "or a checkpoint directory")
     resume_force: bool = knob(False, "resume even if the data or a fixed setting changed, or verification fails")
+    trust_checkpoint: bool = knob(False, "resume=<a DeepSpeed checkpoint this run dir did not write>: DeepSpeed "
+                                  "unpickles its files, which runs any code in them; true if you trust its maker")
     overwrite: bool = knob(False, "a new run into a dir holding another run's outputs: delete them (else refused)")
-    checkpoint_checksums: CheckpointChecksums = knob(CheckpointChecksums.small, "checksums in each checkpoint's "
-                                                     "manifest: small (files up to 64 MiB; sizes of all) | all "
-                                                     "(minutes at 7B)")
+    checkpoint_checksums: CheckpointChecksums = knob(CheckpointChecksums.all, "CRC-32s in each checkpoint's "
+                                                     "manifest, verified on resume: all (every file; ~3 GB/s from "
+                                                     "the page cache, the disk's speed otherwise) | small (files up "
+                                                     "to 64 MiB; sizes of all)")
     signal_grace_s: float = knob(600.0, "SIGTERM/SIGINT: at most this long to finish the step and save a "
                                  "checkpoint (sft.training.preemption)")
 

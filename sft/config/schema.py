@@ -17,6 +17,8 @@ from typing import Any
 
 # (group, name) -> the schema of `conf/<group>/<name>.yaml` (its `defaults` name `<name>_schema`)
 SCHEMAS: dict[tuple[str | None, str], type] = {}
+# config path ("loss", "controllers.*") -> the class that a `_target_` there must be or extend (`target_base`)
+TARGET_BASES: dict[str, type] = {}
 
 
 class ConfigError(ValueError):
@@ -70,6 +72,18 @@ def config_schema(group: str | None, name: str):
     """Register a schema as `<name>_schema` of config group `group` (`sft.config.registry` stores them all)."""
     def register(cls: type) -> type:
         SCHEMAS[(group, f"{name}_schema")] = cls
+        return cls
+    return register
+
+
+def target_base(*paths: str):
+    """Declare the class the `_target_` of the config nodes at `paths` must be or extend (`*`: any one key, as in
+    `controllers.*`). `sft.config.validate` checks every `_target_` against it before anything is built: the
+    command line is trusted input, but a typo or a pasted override must not call an arbitrary function
+    (`+controllers.x._target_=shutil.copyfile`)."""
+    def register(cls: type) -> type:
+        for path in paths:
+            TARGET_BASES[path] = cls
         return cls
     return register
 

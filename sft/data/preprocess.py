@@ -47,8 +47,10 @@ PARALLEL_BYTES = 8 << 20  # and validates JSONL files this large (other sources:
 
 def log_template_profile(tokenizer, prefill: str = "refuse") -> None:
     """What the chat template does around an answer, where a user should know it (`TemplateProfile.notes`). A
-    template that does not compile is one config error, not a refusal of every row."""
+    template that does not compile, or that jinja's sandbox stops on a plain chat, is one config error, not a refusal
+    of every row."""
     from jinja2 import TemplateSyntaxError
+    from jinja2.exceptions import SecurityError
 
     from sft.config.schema import ConfigError
 
@@ -58,6 +60,13 @@ def log_template_profile(tokenizer, prefill: str = "refuse") -> None:
     except TemplateSyntaxError as e:
         raise ConfigError("tokenizer.chat_template", None, f"{chat_settings(tokenizer).template_name} does not "
                           f"compile: {e.message} (line {e.lineno})") from None
+    try:
+        render._render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], None, False)
+    except SecurityError as e:
+        raise ConfigError("tokenizer.chat_template", None, f"{chat_settings(tokenizer).template_name} is stopped by "
+                          f"jinja's sandbox on a plain chat ({e}): a template may not reach Python internals") from None
+    except Exception:  # noqa: BLE001 - a template may refuse such a chat: the rows' own refusals say why
+        pass
     profile = render.profile
     own = ", and the template's own end of turn" if profile.end_of_turn else ""
     log.info("data: answers end at %s (%s%s)", ", ".join(map(repr, profile.stops)) or "no token",

@@ -19,6 +19,7 @@ import numpy as np
 
 from sft.data.formats import FormatError, RowFormat
 from sft.data.sources import Source, SourceError
+from sft.files import own_path
 
 if TYPE_CHECKING:
     pass
@@ -432,7 +433,7 @@ def report_rejected(rejected: list[Rejected], rejected_file: str | None) -> None
     log.warning("data: skipped %d invalid row(s) (data.on_error=skip): %s", len(rejected),
                 "; ".join(f"{kind} x{n}" for kind, n in sorted(counts.items())))
     if rejected_file:
-        with open(rejected_file, "w", encoding="utf-8") as f:
+        with open(own_path(rejected_file), "w", encoding="utf-8") as f:
             for r in rejected:
                 f.write(json.dumps({"file": r.file, "line": r.line, "field": r.field, "reason": r.reason,
                                     "row": r.raw}, ensure_ascii=False) + "\n")

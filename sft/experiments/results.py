@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar, Optional
 
+from sft.files import own_path, write_text
+
 FILE = "results.json"
 EVAL_ROWS = "eval_rows.jsonl"  # the final evaluation, one line per eval sequence (see write_eval_rows)
 BUCKET = "eval_loss_bucket_"
@@ -116,7 +118,7 @@ class RunResults:
     def write(self, run_dir: str | Path) -> None:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        write_text(own_path(run_dir / FILE), json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
     def read(cls, run_dir: str | Path) -> RunResults | None:
@@ -135,7 +137,7 @@ def write_eval_rows(run_dir: str | Path, rows: dict, scores: dict, tasks: dict |
     "difficulty_score": 2.0}`.
     """
     tasks = tasks or {}
-    with open(Path(run_dir) / EVAL_ROWS, "w") as f:
+    with open(own_path(Path(run_dir) / EVAL_ROWS), "w") as f:
         for (source, line, view), (num, den, ce, tokens, correct) in sorted(rows.items()):
             mixture = {"source": source, "task": tasks.get(source)} if tasks else {}
             f.write(json.dumps({**mixture, "line": line, "view": view, "ce_sum": ce, "tokens": int(tokens),

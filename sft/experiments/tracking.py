@@ -19,8 +19,9 @@ def in_sweep() -> bool:
 
 
 def job_overrides() -> list[str]:
-    """The overrides that make this job what it is (Hydra's task overrides)."""
-    return list(HydraConfig.get().overrides.task)
+    """The overrides that make this job what it is (Hydra's task overrides), as given: an interpolation in one
+    stays unresolved (a secret moved to the environment, `sft.config.secrets`, is never read back into it)."""
+    return list(OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False))
 
 
 def run_name() -> str | None:
@@ -91,12 +92,14 @@ def start_mlflow(cfg: DictConfig, run_dir: str) -> None:
         return
     import mlflow
 
+    from sft.config.secrets import masked
+
     mlflow.set_experiment(sweep_experiment(HydraConfig.get().sweep.dir) if in_sweep()
                           else os.environ.get("MLFLOW_EXPERIMENT_NAME", "sft"))
     mlflow.start_run(run_name=cfg.trainer.run_name or run_name() or Path(run_dir).name)
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    config = masked(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     params = [(k, v[:MAX_PARAM_VAL_LENGTH]) for k, v in flat_params(config).items()]
     for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
         mlflow.log_params(dict(params[i:i + MAX_PARAMS_TAGS_PER_BATCH]))

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sft.config.schema import target_base
+
 
 @dataclass
 class AuxBatch:
@@ -25,6 +27,7 @@ class AuxBatch:
         return select_targets(self.labels, self.weights, self.position_ids)
 
 
+@target_base("loss.aux.*")
 class AuxTerm:
     """An auxiliary term of a loss (`loss.aux.<name>`), added as `coef * sum of numerators / sum of
     denominators` over the optimizer step (all micro-batches, all ranks), as the main loss is; logged as

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict
 import numpy as np
 from omegaconf import MISSING
 
-from sft.config.schema import Choice, Schema, knob
+from sft.config.schema import Choice, Schema, knob, target_base
 
 
 class Normalize(Choice):
@@ -64,6 +64,7 @@ class Impl(Choice):
     cce = "cce"
 
 
+@target_base("loss")
 @dataclass(eq=False, kw_only=True)
 class WeightedTokenLoss(Schema):
     """Base of every loss: per-token cross entropy with per-token weights and a step-global normaliser.

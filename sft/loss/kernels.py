@@ -137,14 +137,41 @@ def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainabl
     return lean if requested == "chunked" else requested
 
 
+CCE_DTYPES = (torch.float16, torch.bfloat16)  # cut-cross-entropy's kernels (its backward) take no other
+
+
+def cce_dtype_problem(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> str | None:
+    """Why cut-cross-entropy cannot run on hidden states and a projection weight of these dtypes (an fp32 run,
+    fp32 master weights under bf16 autocast, QLoRA's fp32 lm_head), or None."""
+    if hidden_dtype not in CCE_DTYPES or weight_dtype not in CCE_DTYPES:
+        return (f"its kernels take float16/bfloat16 only, and the hidden states are {str(hidden_dtype)[6:]}, the "
+                f"lm_head {str(weight_dtype)[6:]}")
+    if hidden_dtype != weight_dtype:
+        return f"the hidden states ({str(hidden_dtype)[6:]}) and the lm_head ({str(weight_dtype)[6:]}) differ in dtype"
+    return None
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log a warning the first time this process meets it (a fallback taken at every micro-batch)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
 def _cce_problem() -> str | None:
     """Why cut-cross-entropy cannot give per-token losses here, or None if it can."""
     try:
         from cut_cross_entropy import linear_cross_entropy
     except Exception as e:  # not installed, or it fails to import (no triton ...)
         return f"cut-cross-entropy is not usable ({type(e).__name__}: {e})"
-    if "reduction" not in inspect.signature(linear_cross_entropy).parameters:
+    parameters = inspect.signature(linear_cross_entropy).parameters
+    if "reduction" not in parameters:
         return "this cut-cross-entropy has no reduction='none' (per-token losses), which the weights need"
+    if "filter_eps" not in parameters:
+        return "this cut-cross-entropy cannot turn off its gradient filtering (filter_eps): its gradients are approximate"
     return None
 
 

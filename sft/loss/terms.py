@@ -74,6 +74,14 @@ def compute_terms(t: Targets, normalize: str, factor: Callable | None, *, logits
     times its coefficient and the loss's forward-dependent `factor(ce)` where it has one."""
     coef, den = coefficients(normalize, t)
     correct = None
+    if impl == "cce":
+        from sft.loss.kernels import cce_dtype_problem
+
+        if (problem := cce_dtype_problem(hidden.dtype, lm_head.dtype)) is not None:
+            from sft.loss.kernels import warn_once
+
+            warn_once(f"loss.impl=cce: {problem}; using chunked (exact) for these tensors")
+            impl = "chunked"
     if impl == "naive":
         selected = logits[t.rows, t.cols]
         ce = F.cross_entropy(selected.float(), t.labels, reduction="none")
@@ -91,8 +99,9 @@ def compute_terms(t: Targets, normalize: str, factor: Callable | None, *, logits
 
         transform = transform or LogitTransform()
         h = hidden[t.rows, t.cols]
+        # filter_eps=None: every logit's gradient (its default, "auto", drops small ones: approximate)
         ce = linear_cross_entropy(h * transform.scale if transform.scale != 1.0 else h, lm_head, t.labels,
-                                  softcap=transform.softcap, reduction="none").float()
+                                  softcap=transform.softcap, reduction="none", filter_eps=None).float()
         coef = coef if factor is None else coef * factor(ce.detach())
         loss_sum = (coef * ce).sum()
     elif impl == "liger":

@@ -4,6 +4,8 @@ controller that stopped training as failed (`TrainingStopped`, exit code 1)."""
 
 from __future__ import annotations
 
+import contextlib
+
 from sft.config.schema import ConfigError
 
 
@@ -15,20 +17,58 @@ class TrainingStopped(RuntimeError):
 def train_with_advice(trainer, cfg, checkpoint: str | None):
     """`trainer.train`, turning a CUDA out-of-memory error into the settings that lower memory, and a full
     disk while saving into one line (`TrainingStopped`) saying so."""
+    import pickle
+
     import torch
 
     try:
         return trainer.train(resume_from_checkpoint=checkpoint)
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met a pickled object: refused, not run
+        if not checkpoint:
+            raise
+        raise ConfigError("resume", checkpoint, f"{pickled_file(checkpoint) or 'a file'} holds Python objects, not "
+                          "only tensors, which torch.load(weights_only=True) refuses to run: a checkpoint is code, "
+                          "so resume only from checkpoints you trust (docs/checkpoints.md)") from None
     except torch.OutOfMemoryError as e:  # a RuntimeError: before the disk-full clause
         raise torch.OutOfMemoryError(f"{out_of_memory_advice(cfg)} Original error: {str(e).splitlines()[0]}") from e
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - a SafetensorError is neither OSError nor RuntimeError
         if checkpoint and "size mismatch" in str(e):  # the config matched (or resume_force), the weights do not
             mismatch = next(line.strip() for line in str(e).splitlines() if "size mismatch" in line)
             raise ConfigError("resume", checkpoint, f"its weights do not fit this model ({mismatch}): a checkpoint "
                               "of another model or LoRA shape") from e
         if not disk_full(e):
             raise
-        raise TrainingStopped(disk_full_message(trainer.args.output_dir, trainer.state.global_step)) from e
+        raise TrainingStopped(disk_full_message(trainer.args.output_dir,
+                                                f"checkpoint-{trainer.state.global_step}")) from e
+
+
+@contextlib.contextmanager
+def stop_on_full_disk(output_dir: str, saving: str):
+    """A full disk while saving `saving` (e.g. the final model) as one line (`TrainingStopped`) saying how to go on."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised unless the disk is full
+        if not disk_full(e):
+            raise
+        raise TrainingStopped(disk_full_message(output_dir, saving)) from e
+
+
+def pickled_file(checkpoint: str) -> str | None:
+    """The first file of a checkpoint that `torch.load(weights_only=True)` refuses, or None."""
+    import pickle
+    from pathlib import Path
+
+    import torch
+
+    for path in sorted(Path(checkpoint).rglob("*")):
+        if path.suffix in (".pt", ".pth", ".bin") and path.is_file():
+            try:
+                torch.load(path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError:
+                return path.name
+            except Exception:  # noqa: BLE001 - another fault of that file: not the one looked for
+                continue
+    return None
 
 
 def out_of_memory_advice(cfg) -> str:
@@ -56,8 +96,8 @@ def disk_full(error: BaseException) -> bool:
     return "No space left on device" in text or "unexpected pos" in text or "file write failed" in text
 
 
-def disk_full_message(output_dir: str, step: int) -> str:
-    """The disk is full: where, how much is free, about how much a checkpoint takes, and how to go on."""
+def disk_full_message(output_dir: str, saving: str) -> str:
+    """The disk is full: what was being saved, how much is free, about how much a checkpoint takes, how to go on."""
     import shutil
 
     from sft.training.checkpoints import latest_complete
@@ -66,9 +106,9 @@ def disk_full_message(output_dir: str, step: int) -> str:
     last = latest_complete(output_dir)
     needed = (f"; {last.name} took {sum(f.stat().st_size for f in last.rglob('*') if f.is_file()) / 2**20:,.0f} MiB"
               if last else "")
-    return (f"the disk is full: saving checkpoint-{step} in {output_dir} failed with {free:,.0f} MiB free{needed}. "
-            "That checkpoint is incomplete, so no resume uses it, and the earlier ones are untouched: free space "
-            "(or lower trainer.save_total_limit), then run again with resume=auto")
+    return (f"the disk is full: saving {saving} in {output_dir} failed with {free:,.0f} MiB free{needed}. "
+            "What was being written is incomplete, so no resume uses it, and the earlier checkpoints are untouched: "
+            "free space (or lower trainer.save_total_limit), then run again with resume=auto")
 
 
 def raise_if_failed(controllers: dict) -> None:

@@ -4,16 +4,20 @@ builds from it (`training_arguments`). `python -m sft.config` writes the fields 
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional
 
 from sft.config.schema import ConfigError, Schema, config_schema, knob, missing
-from sft.training.trainer_fields import TrainingArgumentsFields
+from sft.training.trainer_fields import GENERATED_FROM, TrainingArgumentsFields
 
 # report_to entries and the module each needs ("module pip-name" where they differ)
 TRACKER_PACKAGES = {"mlflow": "mlflow mlflow-skinny", "wandb": "wandb", "tensorboard": "tensorboard",
                     "comet_ml": "comet_ml comet-ml", "clearml": "clearml", "neptune": "neptune", "dvclive": "dvclive",
-                    "trackio": "trackio", "swanlab": "swanlab", "codecarbon": "codecarbon"}
+                    "trackio": "trackio", "swanlab": "swanlab", "codecarbon": "codecarbon", "azure_ml": "azureml",
+                    "dagshub": "dagshub", "flyte": "flytekit", "kubeflow": None}
+REPORT_TO_WORDS = ("all", "none")  # transformers' own: every installed tracker, or none
 
 
 @config_schema("trainer", "trainer")
@@ -89,7 +93,14 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     use_cpu: bool = knob(False, "train on the CPU even where there is a GPU")
 
     def check(self, cfg=None):
-        self.require("learning_rate", self.learning_rate > 0, "must be > 0")
+        import math
+
+        self.require("learning_rate", math.isfinite(self.learning_rate) and self.learning_rate > 0,
+                     "must be a finite number > 0")
+        for key in ("save_steps", "eval_steps", "logging_steps"):
+            value = getattr(self, key)
+            self.require(key, value is None or (math.isfinite(value) and value > 0),
+                         "must be > 0 (below 1: a fraction of the training's steps)")
         self.require("weight_decay", self.weight_decay >= 0, "must be >= 0")
         for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             self.require(key, getattr(self, key) >= 1, "must be >= 1")
@@ -99,7 +110,10 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
                      "must be >= 1 (or null to keep every checkpoint)")
         self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
         for tracker in [self.report_to] if isinstance(self.report_to, str) else (self.report_to or []):
-            absent = missing(TRACKER_PACKAGES[tracker]) if tracker in TRACKER_PACKAGES else None
+            self.require("report_to", tracker in TRACKER_PACKAGES or tracker in REPORT_TO_WORDS,
+                         f"{tracker!r} is not a tracker transformers knows (one of "
+                         f"{', '.join(sorted(TRACKER_PACKAGES))}; all; none)")
+            absent = missing(TRACKER_PACKAGES[tracker]) if TRACKER_PACKAGES.get(tracker) else None
             self.require("report_to", absent is None, f"{tracker} is not installed: pip install {(absent or '?')[-1]}")
 
 
@@ -133,7 +147,8 @@ def trainer_fields_source() -> str:
              'sft.config`, do not edit; a test fails when the installed transformers adds, removes or changes a',
              'field."""',
              "", "from __future__ import annotations", "", "from dataclasses import dataclass, field",
-             "from typing import Any, Optional", "", "", "@dataclass", "class TrainingArgumentsFields:"]
+             "from typing import Any, Optional", "", f"GENERATED_FROM = {transformers.__version__!r}  # transformers",
+             "", "", "@dataclass", "class TrainingArgumentsFields:"]
     for f in dataclasses.fields(TrainingArguments):
         if not f.init or f.name in TrainerConfig.owned_fields:
             continue
@@ -166,6 +181,10 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     fields.update(process_fields(deepspeed=bool(cfg.deepspeed), fsdp=cfg.fsdp is not None, on_gpu=on_gpu))
     if cfg.fsdp is not None:
         fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"]))
+    check_installed_fields(fields)
+    if fields.get("hub_token"):  # the Hub client reads HF_TOKEN; TrainingArguments is pickled into every checkpoint
+        os.environ["HF_TOKEN"] = fields["hub_token"]
+        fields["hub_token"] = None
     try:
         return TrainingArguments(
             **fields,
@@ -178,7 +197,38 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
             deepspeed=OmegaConf.to_container(cfg.deepspeed, resolve=True) if cfg.deepspeed else None,
         )
     except ValueError as e:
-        raise ConfigError("trainer", None, str(e).splitlines()[0]) from e
+        raise ConfigError(*field_of_error(str(e).splitlines()[0], fields)) from e
+
+
+def check_installed_fields(fields: dict) -> None:
+    """The trainer schema is generated from one transformers (`trainer_fields.py`): another one installed may
+    lack a field, which TrainingArguments would refuse with a TypeError. One config error naming the fields and
+    the versions instead."""
+    import dataclasses
+
+    import transformers
+    from transformers import TrainingArguments
+
+    known = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    lacking = sorted(set(fields) - known)
+    if lacking:
+        raise ConfigError("trainer", None, f"the installed transformers {transformers.__version__} has no "
+                          f"{', '.join(lacking)}: sft's trainer fields are transformers {GENERATED_FROM}'s "
+                          f"(pip install 'transformers=={GENERATED_FROM}', the version pyproject.toml pins)")
+
+
+def field_of_error(message: str, fields: dict) -> tuple[str, object, str]:
+    """(knob, value, reason) of a `TrainingArguments` error: an enum's `bogus is not a valid SchedulerType` names
+    the field that holds `bogus`; any other message names the group."""
+    import re
+
+    invalid = re.match(r"'?(.+?)'? is not a valid (\w+)", message)
+    named = [k for k, v in fields.items() if invalid and isinstance(v, str) and v == invalid.group(1)]
+    if named:
+        choices = re.search(r"select one of (\[.*\])", message)
+        return f"trainer.{named[0]}", invalid.group(1), (f"must be one of {choices.group(1)}" if choices
+                                                         else f"not a valid {invalid.group(2)}")
+    return "trainer", None, message
 
 
 def evaluates(cfg) -> bool:

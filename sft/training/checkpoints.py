@@ -7,10 +7,16 @@ Trainer's own files (the resolved config, the data identity, the package version
 the state of every controller). `resume=auto` picks the newest checkpoint that has it; rotation keeps the
 newest `save_total_limit` complete ones plus the best one and the one this run resumed from.
 
-The marker also lists every file of the checkpoint (every rank's) with its size and, for files up to
-64 MiB (all of them with `checkpoint_checksums=all`), a CRC-32 (`manifest`). A resume verifies them
-(`verify`): `resume=auto` passes over a newest checkpoint that lost or changed a file, naming it, to the
-next one that is whole; an explicit `resume=<dir>` that fails is refused (`resume_force=true` overrides).
+The marker also lists every file of the checkpoint (every rank's) with its size and a CRC-32 (`manifest`;
+with `checkpoint_checksums=small` only files up to 64 MiB get one). A resume verifies them (`verify`, the files
+read in parallel: disk-bound, about 3 GB/s from the page cache): `resume=auto` passes over a newest checkpoint
+that lost or changed a file, naming it, to the next one that is whole; an explicit `resume=<dir>` that fails is
+refused (`resume_force=true` overrides).
+
+Before Trainer writes a checkpoint, rank 0 creates it with `WRITING_FILE` in it (`start_checkpoint`): a dir
+with that marker and no `sft_state.json` is this run's crash debris, which `resume=auto` deletes. A
+`checkpoint-N` with neither (copied in from a plain Trainer run, say) was not written here: it is renamed
+`checkpoint-N.foreign`, never deleted (`set_aside_foreign`).
 
 A resume from step N renames the dir's checkpoints after N (damaged ones that `resume=auto` passed over,
 or a later branch left by `resume=<older checkpoint>`) to `checkpoint-M.damaged` / `.abandoned`: kept
@@ -32,11 +38,13 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from sft.config.schema import ConfigError
+from sft.files import write_text
 from sft.training.compat import set_scheduler_last_lr
 
 log = logging.getLogger("sft")
 
 STATE_FILE = "sft_state.json"
+WRITING_FILE = ".sft-writing"  # in a checkpoint dir from before Trainer writes it until sft_state.json is written
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 SMALL_FILE = 64 * 2**20  # files up to this size get a checksum in the manifest
 
@@ -56,12 +64,49 @@ def latest_complete(output_dir: str | os.PathLike) -> Path | None:
     return complete[-1] if complete else None
 
 
+def start_checkpoint(folder: str | os.PathLike) -> None:
+    """Mark `folder` as being written by sft (before Trainer writes into it); a planted symlink there is removed,
+    so that nothing is written through it."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        log.warning("checkpoint: %s is a symlink, not a checkpoint of this run: removed it", folder)
+        folder.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / WRITING_FILE).write_text(f"{os.getpid()}\n")
+
+
+def crash_debris(checkpoint: Path) -> bool:
+    """Whether an incomplete checkpoint dir is sft's own, left by a crash while writing it."""
+    return (checkpoint / WRITING_FILE).is_file()
+
+
 def remove_incomplete(output_dir: str | os.PathLike) -> list[Path]:
-    """Delete checkpoint dirs without a completion marker (left by a crash); return them."""
-    removed = [p for _, p, ok in checkpoints(output_dir) if not ok]
+    """Delete sft's checkpoint dirs that have no completion marker (left by a crash); return them. A dir that
+    sft did not write is left alone (`set_aside_foreign`)."""
+    removed = [p for _, p, ok in checkpoints(output_dir) if not ok and crash_debris(p)]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
+
+
+def set_aside_foreign(output_dir: str | os.PathLike) -> list[Path]:
+    """Rename `checkpoint-N` dirs that sft did not write (no `sft_state.json`, no `WRITING_FILE`: a plain
+    Trainer's, copied in) to `checkpoint-N.foreign`: kept, but never resumed from, rotated or written into."""
+    moved = []
+    for _, path, complete in checkpoints(output_dir):
+        if not complete and not crash_debris(path):
+            target = _free_name(path, "foreign")
+            path.rename(target)
+            moved.append(target)
+    return moved
+
+
+def _free_name(path: Path, suffix: str) -> Path:
+    target, n = path.with_name(f"{path.name}.{suffix}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{suffix}-{n}")
+    return target
 
 
 def read_state(checkpoint: str | os.PathLike) -> dict:
@@ -77,15 +122,24 @@ def crc32(path: Path) -> int:
     return value
 
 
-def manifest(folder: Path, checksum_all: bool = False) -> dict[str, dict]:
-    """Every file of a checkpoint but the marker: its size, and a CRC-32 for files up to `SMALL_FILE` (all
-    with `checksum_all`)."""
-    files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != STATE_FILE):
-        entry = {"size": path.stat().st_size}
-        if checksum_all or entry["size"] <= SMALL_FILE:
-            entry["crc32"] = crc32(path)
-        files[path.relative_to(folder).as_posix()] = entry
+def crc32_all(paths: list[Path]) -> list[int]:
+    """The CRC-32 of each file, several files at once: reading is the bound, and zlib releases the GIL."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(paths) < 2:
+        return [crc32(p) for p in paths]
+    with ThreadPoolExecutor(min(4, len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(crc32, paths))
+
+
+def manifest(folder: Path, checksum_all: bool = True) -> dict[str, dict]:
+    """Every file of a checkpoint but the markers: its size and CRC-32 (with `checksum_all=False`, a CRC-32 for
+    files up to `SMALL_FILE` only)."""
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (STATE_FILE, WRITING_FILE))
+    files = {path.relative_to(folder).as_posix(): {"size": path.stat().st_size} for path in paths}
+    summed = [p for p in paths if checksum_all or p.stat().st_size <= SMALL_FILE]
+    for path, value in zip(summed, crc32_all(summed)):
+        files[path.relative_to(folder).as_posix()]["crc32"] = value
     return files
 
 
@@ -96,13 +150,16 @@ def verify(checkpoint: str | os.PathLike) -> str | None:
         files = read_state(folder).get("files")
     except (OSError, ValueError) as e:
         return f"{STATE_FILE}: unreadable ({type(e).__name__}: {e})"
-    for name, saved in (files or {}).items():  # a checkpoint of an older sft lists none
+    files = files or {}  # a checkpoint of an older sft lists none
+    for name, saved in files.items():
         path = folder / name
         if not path.is_file():
             return f"{name}: missing"
         if path.stat().st_size != saved["size"]:
             return f"{name}: {path.stat().st_size} bytes, {saved['size']} when saved"
-        if "crc32" in saved and crc32(path) != saved["crc32"]:
+    summed = [name for name, saved in files.items() if "crc32" in saved]
+    for name, value in zip(summed, crc32_all([folder / name for name in summed])):
+        if value != files[name]["crc32"]:
             return f"{name}: its bytes changed since it was saved (CRC-32)"
     return None
 
@@ -135,12 +192,7 @@ def set_aside_after(output_dir: str | os.PathLike, step: int, damaged: dict[Path
     for later, path, complete in checkpoints(output_dir):
         if later <= step or not complete:  # incomplete ones are crash debris, removed by find_checkpoint
             continue
-        suffix = "damaged" if path in damaged else "abandoned"
-        target = path.with_name(f"{path.name}.{suffix}")
-        n = 1
-        while target.exists():
-            n += 1
-            target = path.with_name(f"{path.name}.{suffix}-{n}")
+        target = _free_name(path, "damaged" if path in damaged else "abandoned")
         path.rename(target)
         log.warning("resume: %s is after the checkpoint resumed from (step %d)%s: renamed %s, kept but never used",
                     path, step, f" and {damaged[path]}" if path in damaged else "", target.name)
@@ -157,11 +209,19 @@ def inside(checkpoint: str | os.PathLike | None, output_dir: str | os.PathLike) 
     return checkpoint is not None and Path(checkpoint).resolve().parent == Path(output_dir).resolve()
 
 
-def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | None:
+def deepspeed_checkpoint(checkpoint: str | os.PathLike) -> bool:
+    """Whether a checkpoint holds DeepSpeed's engine state (`latest`, `global_step*/`), which DeepSpeed loads
+    with `torch.load(weights_only=False)`: unpickling it runs whatever code its files contain."""
+    folder = Path(checkpoint)
+    return (folder / "latest").is_file() or any(folder.glob("global_step*"))
+
+
+def find_checkpoint(resume: str | None, output_dir: str, force: bool, trust: bool = False) -> str | None:
     """The checkpoint to resume from: none, the newest complete one in the run dir (`auto`), or a path.
 
     Checkpoints of the run dir after the one chosen are renamed aside (`set_aside_after`),
-    so that the resumed run never writes into them, nor rotates them away.
+    so that the resumed run never writes into them, nor rotates them away. An explicit DeepSpeed checkpoint
+    from elsewhere is refused unless `trust` (its pickles run code; its manifest can be forged by its maker).
     """
     if resume is None:
         return None
@@ -178,10 +238,18 @@ def find_checkpoint(resume: str | None, output_dir: str, force: bool) -> str | N
         if os.environ.get("RANK", "0") == "0":
             for debris in remove_incomplete(output_dir):
                 log.warning("resume=auto: removed %s, a checkpoint left incomplete by a crash", debris)
+            for foreign in set_aside_foreign(output_dir):
+                log.warning("resume=auto: %s has no %s (not a checkpoint sft wrote, or one an older sft "
+                            "left incomplete): renamed %s, kept but never resumed from (resume=%s resume_force=true resumes "
+                            "from it)", foreign.with_suffix(""), STATE_FILE, foreign.name, foreign)
         set_aside_after(output_dir, step_of(found) if found else 0, damaged)
         log.info("resume=auto: %s",
                  f"resuming from {found}" if found else f"no checkpoint in {output_dir}, starting fresh")
         return str(found) if found else None
+    if deepspeed_checkpoint(resume) and not inside(resume, output_dir) and not trust:
+        raise ConfigError("resume", resume, "a DeepSpeed checkpoint that this run dir did not write: DeepSpeed "
+                          "unpickles its files, which runs any code in them (a checkpoint is code, like a model "
+                          "with remote code); trust_checkpoint=true if you trust whoever made it")
     if not Path(resume, STATE_FILE).is_file() and not force:
         raise ConfigError("resume", resume, f"no {STATE_FILE}: an incomplete checkpoint, or not one of sft's "
                           "(resume_force=true resumes anyway)")
@@ -201,7 +269,7 @@ FIXED_ON_RESUME = ("model.", "lora.", "tokenizer.", "deepspeed", "deepspeed.zero
                    "trainer.per_device_train_batch_size", "trainer.gradient_accumulation_steps", "trainer.seed",
                    "trainer.data_seed", "trainer.optim", "trainer.train_sampling_strategy")
 CHANGEABLE_ON_RESUME = ("model.attn_implementation",)  # the same weights, another kernel
-NOT_COMPARED = ("resume", "resume_force", "overwrite")
+NOT_COMPARED = ("resume", "resume_force", "overwrite", "trust_checkpoint")
 ABSENT = "<absent>"
 
 
@@ -306,9 +374,7 @@ def git_commit() -> str | None:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(payload, indent=1, sort_keys=True) + "\n")
 
 
 class CheckpointState(TrainerCallback, ExportableState):
@@ -337,6 +403,7 @@ class CheckpointState(TrainerCallback, ExportableState):
                        "controllers": {name: c.state_dict() for name, c in self.controllers.items()},
                        "files": manifest(folder, self.checksum_all)}
             write_json_atomic(folder / STATE_FILE, payload)
+            (folder / WRITING_FILE).unlink(missing_ok=True)
             self.rotate(args.output_dir, state.best_model_checkpoint)
         PartialState().wait_for_everyone()
 
@@ -356,7 +423,7 @@ class CheckpointState(TrainerCallback, ExportableState):
                 continue
             if ok and not self.ours(path):
                 continue
-            if ok or step < newest_step:  # an incomplete one older than a complete one is crash debris
+            if ok or (step < newest_step and crash_debris(path)):  # older, incomplete and ours: crash debris
                 shutil.rmtree(path, ignore_errors=True)
                 log.info("checkpoint rotation: removed %s", path)
 

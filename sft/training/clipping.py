@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sft.config.schema import Schema, config_schema, knob, learned_state, restore_learned_state
+from sft.config.schema import Schema, config_schema, knob, learned_state, restore_learned_state, target_base
 
 
+@target_base("clip")
 @config_schema("clip", "none")
 @dataclass(eq=False, kw_only=True)
 class GradClipPolicy(Schema):

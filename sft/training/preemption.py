@@ -13,6 +13,11 @@ with the same run dir) and exits with `PREEMPTED_EXIT_CODE`.
 A second signal exits at once, except within `DUPLICATE_S` of the first: launchers (torchrun, accelerate,
 SLURM's job step) deliver the same signal to a worker that the process group already got.
 `signal_grace_s` bounds the wait for the step and the checkpoint: past it the process exits without one.
+
+A signal after training (the final evaluation, the model's save, exact match) lets the run finish, within
+`signal_grace_s`: its `results.json` is then the finished run's. Where it cannot finish (the grace runs out, or
+a second signal), `on_exit` runs before the process exits: the recipe records `status: "preempted"` there,
+with the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class Preemption(Controller):
         self._received_at = 0.0
         self._stop = False
         self.stopped_at: int | None = None
+        self.training_done = False  # set by the recipe once trainer.train returns
+        self.on_exit = None  # called (no arguments) right before an exit without a finished run
 
     def state_dict(self) -> dict:
         return {}  # a resumed run waits for signals of its own
@@ -84,21 +91,34 @@ class Preemption(Controller):
         now = time.monotonic()
         if self.signal is None:
             self.signal, self._received_at = signal.Signals(signum).name, now
-            log.warning("%s: finishing the current step, then saving a checkpoint and stopping (a second signal "
-                        "exits at once; at most signal_grace_s=%g s)", self.signal, self.grace_s)
+            if self.training_done:
+                log.warning("%s after training: finishing the run (final evaluation and save; a second signal "
+                            "exits at once; at most signal_grace_s=%g s)", self.signal, self.grace_s)
+            else:
+                log.warning("%s: finishing the current step, then saving a checkpoint and stopping (a second "
+                            "signal exits at once; at most signal_grace_s=%g s)", self.signal, self.grace_s)
             timer = threading.Timer(self.grace_s, self._give_up)
             timer.daemon = True
             timer.start()
         elif now - self._received_at > DUPLICATE_S:
-            log.warning("%s again: exiting now, without a checkpoint", signal.Signals(signum).name)
-            logging.shutdown()
-            os._exit(128 + signum)
+            log.warning("%s again: exiting now, without %s", signal.Signals(signum).name,
+                        "finishing the run" if self.training_done else "a checkpoint")
+            self._exit(128 + signum)
 
     def _give_up(self) -> None:
-        log.error("%s: the step and its checkpoint did not finish within signal_grace_s=%g s: exiting without "
-                  "one (resume=auto continues from the last complete checkpoint)", self.signal, self.grace_s)
+        log.error("%s: the %s did not finish within signal_grace_s=%g s: exiting (resume=auto continues from the "
+                  "last complete checkpoint)", self.signal,
+                  "final evaluation and save" if self.training_done else "step and its checkpoint", self.grace_s)
+        self._exit(128 + signal.SIGTERM)
+
+    def _exit(self, code: int) -> None:
+        if self.on_exit is not None:
+            try:
+                self.on_exit()
+            except Exception as e:  # noqa: BLE001 - exiting all the same
+                log.error("preemption: %s", e)
         logging.shutdown()
-        os._exit(128 + signal.SIGTERM)
+        os._exit(code)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._stop:

@@ -1,8 +1,9 @@
 """One run per run dir: a lock while a run uses it, and no new run over another run's outputs.
 
 - `RunDirLock`: rank 0 holds `<run dir>/.sft.lock` (pid, host, start) from start to exit, so a second run
-  given the same `hydra.run.dir` refuses to start instead of interleaving checkpoints with the first. A lock
-  left by a killed process on this host is taken over; one held on another host is refused, naming it.
+  given the same `hydra.run.dir` refuses to start instead of interleaving checkpoints with the first. A killed
+  run's lock is removed by its sentinel (`sft.training.sentinel`); one left all the same (the machine went down)
+  by a process on this host is taken over; one held on another host is refused, naming it.
 - `claim`: a new run (no `resume`) into a dir holding another run's checkpoints or results is refused in
   one line naming that run, unless `overwrite=true` (which deletes those outputs first).
 """
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from sft.config.schema import ConfigError
+from sft.training.sentinel import guard
 
 log = logging.getLogger("sft")
 
@@ -71,6 +73,7 @@ class RunDirLock:
                 continue
             self.held = True
             atexit.register(self.release)
+            guard("lock", self.path)  # released also after a SIGKILL, or an exit that runs no atexit
             return
         raise ConfigError("hydra.run.dir", self.run_dir, f"could not take {self.path}: another run keeps taking it")
 
@@ -180,3 +183,49 @@ def claim(run_dir: str | os.PathLike, overwrite: bool, sweep_job: bool = False) 
                 shutil.rmtree(path)
             else:
                 path.unlink()
+
+
+def given_dirs(argv: list[str]) -> dict[str, str]:
+    """The dirs a command line writes to, by the knob that names them: the run (or sweep) dir, as given or from
+    `SFT_RUN_DIR` (else where Hydra's default puts it), and `trainer.output_dir` where set."""
+    multirun = bool({"-m", "--multirun"} & set(argv))
+    given = dict(a.lstrip("+").split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
+    run_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    folders = {run_key: given.get(run_key) or os.environ.get("SFT_RUN_DIR") or ("multirun" if multirun else "outputs")}
+    if given.get("trainer.output_dir") not in (None, "null"):
+        folders["trainer.output_dir"] = given["trainer.output_dir"]
+    return {key: folder.strip("'\"") for key, folder in folders.items() if "${" not in folder}  # else Hydra resolves
+
+
+def unwritable_dir(argv: list[str]) -> ConfigError | None:
+    """A dir of the command line that cannot be written (a read-only file system, no permission), as the error
+    naming its knob: before Hydra fails on it with a traceback (its log file, `.hydra/`) or the lock does."""
+    import tempfile
+
+    for key, folder in given_dirs(argv).items():
+        existing = Path(folder).absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as e:
+            return ConfigError(key, folder, f"cannot be written ({e.strerror}: {existing}); give a writable dir")
+    return None
+
+
+# What Hydra writes into a run dir before any code of the run runs, and the run's own folders written file by file
+PLANTABLE = (".hydra", "train.log", "runs", "hangs", "nan_batches", "spikes", "model")
+
+
+def unlink_planted(argv: list[str]) -> None:
+    """Remove symlinks where a run given an existing dir writes its own files (`PLANTABLE`): a link there would
+    have the run write through it, into whatever it points at. The run writes its own files instead."""
+    for folder in given_dirs(argv).values():
+        for name in PLANTABLE:
+            path = Path(folder, name)
+            if path.is_symlink():
+                target = os.readlink(path)
+                path.unlink()
+                log.warning("run dir: %s was a symlink (to %s): removed it; the run writes its own files there",
+                            path, target)

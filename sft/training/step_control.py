@@ -33,6 +33,7 @@ from accelerate.utils import gather_object
 
 from sft.data.batch import packed_bounds
 from sft.data.split import row_scores
+from sft.files import own_dir, own_path, write_text
 from sft.training.clipping import GradClipPolicy
 from sft.training.compat import mark_update_skipped, set_deepspeed_clip
 from sft.training.controllers.base import Controller, StepVerdict, implements
@@ -172,12 +173,11 @@ class StepControl:
         culprits = [r for r in rows if isinstance(r["loss"], str)] or sorted(rows, key=lambda r: -r["loss"])
         skipped = verdict.skip and ctx.engine is None
         if report.main_process:
-            folder = Path(report.output_dir) / verdict.folder
-            folder.mkdir(parents=True, exist_ok=True)
+            folder = own_dir(Path(report.output_dir) / verdict.folder)
             written = {"step": step, "verdict": verdict.kind, "loss": str(loss), "grad_norm": str(norm),
                        "update_skipped": skipped, "rows": culprits,
                        **({"train_file": files[0]} if len(files) == 1 else {})}
-            (folder / f"step-{step}.json").write_text(json.dumps(written, indent=1, ensure_ascii=False) + "\n")
+            write_text(own_path(folder / f"step-{step}.json"), json.dumps(written, indent=1, ensure_ascii=False) + "\n")
             named = ", ".join(f"{r.get('source', files[0])}:{r['source_line']} (loss {r['loss']})"
                               for r in culprits[:5])
             log.warning("step %d: %s (loss %s, grad norm %s): update %s; rows: %s; details in %s", step,

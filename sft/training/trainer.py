@@ -31,6 +31,8 @@ still has each one, with the same parameters):
   (`sft.eval.samples`), their samples going to TensorBoard and W&B;
 - `create_accelerator_and_postprocess` (public) lets accelerate's FSDP2 plugin take a CPU process group too
   (`sft.training.distributed.fsdp_without_gpus`), and refuses to go on where FSDP was asked for and is not on;
+- `_save_checkpoint` (private: where Trainer starts a checkpoint) marks the dir as sft's before writing into it
+  (`sft.training.checkpoints.start_checkpoint`), so that a crash's debris is told from a checkpoint sft did not write;
 - `_save` (private: the one place every engine's state dict reaches `save_pretrained`) leaves out the tied
   copies (a tied lm_head) that a gathered FSDP state dict carries as separate tensors;
 - `log` (public) adds `ce` and `weight_mean` (the mean weight of an assistant token) next to `loss`,
@@ -49,6 +51,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import os
 
 import torch
 from accelerate.utils import gather_object
@@ -219,6 +222,15 @@ class WeightedLossTrainer(Trainer):
         threshold), and logs the pre-clip norm returned.
         """
         return self.step_control.finish(model, self._step_context())
+
+    @override
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint, in a dir marked as being written by sft (`start_checkpoint`) until `sft_state.json`."""
+        from sft.training.checkpoints import start_checkpoint
+
+        if self.args.should_save:
+            start_checkpoint(os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}"))
+        return super()._save_checkpoint(model, trial)
 
     @override
     def _get_grad_norm(self, model, grad_norm=None):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+GENERATED_FROM = '5.24.0'  # transformers
+
 
 @dataclass
 class TrainingArgumentsFields:

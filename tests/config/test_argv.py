@@ -46,3 +46,72 @@ def test_an_option_of_your_search_path_is_not_refused_before_hydra_reads_the_sea
     assert refused_override([f"hydra.searchpath=[file://{tmp_path}]", "loss=mine", "loss.alpha=2"]) is None
     refused = refused_override([f"hydra.searchpath=[file://{tmp_path}]", "loss=mine", "loss.normalize=mean"])
     assert str(refused) == "loss.normalize='mean': must be one of weight, token, sample"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.learning_rate=abc", "trainer.learning_rate: Value 'abc' of type 'str' could not be converted to Float"),
+    ("trainer.per_device_train_batch_size=1.5",
+     "trainer.per_device_train_batch_size: Value '1.5' of type 'float' could not be converted to Integer"),
+    ("loss.alpha=[1,2]", "loss.alpha: Value '[1, 2]' of type 'list' could not be converted to Float"),
+    ("nosuchgroup=x", "nosuchgroup: not a group or knob of the config"),
+    ("trainer.learnin_rate=1", "trainer.learnin_rate: not a knob of trainer (did you mean trainer.learning_rate?)"),
+    ("loss=nonexistent", "loss='nonexistent': no such option (options: ce, dft, focal, hard_sample, keywords, length)"),
+    ("loss=focall", "loss='focall': no such option (options: ce, dft, focal, hard_sample, keywords, length) "
+                    "(did you mean focal?)"),
+    ("exact_match.max_rows=5", "exact_match.max_rows: exact_match is off (exact_match: null in this config): turn it "
+                               "on with exact_match=default, then set its keys"),
+    ("model.random_init.hidden_size=64", "model.random_init.hidden_size: a new key of model.random_init (a free-form "
+                                         "dict): add it with +model.random_init.hidden_size=..."),
+    ("data.train_file=/data/données.jsonl", "data.train_file='/data/données.jsonl': the override grammar reads "
+                                            "unquoted values as ASCII only: quote the value, "
+                                            "'data.train_file=\"/data/données.jsonl\"'"),
+    ("+hydra.callbacks.x._target_=shutil.copyfile", "hydra.callbacks.x._target_: a Hydra callback or plugin is "
+                                                    "built before any check: set it in a config file"),
+])
+def test_each_bad_override_is_one_line_naming_the_key(override, message):
+    # Each exited 1 with Hydra's multi-line text or a traceback (issue 33); the CLI prints `error: config: <this>`.
+    from sft.config.argv import refused_override
+
+    assert str(refused_override([override])).startswith(message)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.learning_rate=1e999", "trainer.learning_rate=inf: must be a finite number > 0"),
+    ("trainer.save_steps=-1", "trainer.save_steps=-1.0: must be > 0"),
+    ("trainer.eval_steps=0", "trainer.eval_steps=0.0: must be > 0"),
+    ("trainer.report_to=[nosuchtracker]", "trainer.report_to=['nosuchtracker']: 'nosuchtracker' is not a tracker "
+                                          "transformers knows"),
+])
+def test_values_once_accepted_but_wrong_are_refused_at_the_start(override, message):
+    from conftest import composed
+
+    from sft.config import ConfigError, check
+
+    with pytest.raises(ConfigError) as e:
+        check(composed(override))
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("override, key", [("trainer.lr_scheduler_type=bogus", "trainer.lr_scheduler_type"),
+                                           ("trainer.optim=bogus", "trainer.optim")])
+def test_a_value_training_arguments_refuses_names_its_field(tmp_path, override, key):
+    from conftest import composed
+
+    from sft.config import ConfigError
+    from sft.training.arguments import training_arguments
+
+    with pytest.raises(ConfigError) as e:
+        training_arguments(composed(override), str(tmp_path), resuming=False, max_grad_norm=1.0)
+    assert str(e.value).startswith(f"{key}='bogus': must be one of [")
+
+
+@pytest.mark.slow
+def test_bad_overrides_on_the_command_line_exit_2_with_one_line(tmp_path):
+    for override, message in [("trainer.learnin_rate=1", "did you mean trainer.learning_rate?"),
+                              ("trainer.optim=bogus", "trainer.optim='bogus': must be one of ["),
+                              ("+controllers.x._target_=shutil.copyfile", "controllers.x._target_='shutil.copyfile': "
+                                                                         "must be sft.training.controllers.base.Controller")]:
+        proc = run_train(override, f"hydra.run.dir={tmp_path}/run")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0] and errors[0].startswith("error: config: "), proc.stderr

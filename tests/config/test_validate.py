@@ -63,7 +63,7 @@ def test_bad_values_are_rejected_naming_the_field(overrides, key):
 def test_cli_bad_value_exits_2_with_one_line_and_no_traceback():
     proc = run_train("trainer.learning_rate=-1")
     assert proc.returncode == 2
-    assert "trainer.learning_rate=-1.0: must be > 0" in proc.stderr and "Traceback" not in proc.stderr
+    assert "trainer.learning_rate=-1.0: must be a finite number > 0" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_cli_unknown_key_fails_naming_it():
@@ -75,3 +75,38 @@ def test_cli_bad_data_names_file_line_and_field(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "q"}], "difficulty_score": 1}\n')
     assert_cli_refuses(tmp_path, f"{bad}:1: messages: no assistant turn", "data=jsonl", f"data.train_file={bad}")
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["+controllers.x._target_=shutil.copyfile", "+controllers.x.src=/etc/hostname", "+controllers.x.dst={dst}"],
+     "controllers.x._target_", "must be sft.training.controllers.base.Controller or a class extending it"),
+    (["loss._target_=shutil.copyfile"], "loss._target_", "must be sft.loss.base.WeightedTokenLoss or a class extending it"),
+    (["+loss.aux.x._target_=shutil.copyfile"], "loss.aux.x._target_", "must be sft.loss.auxiliary.AuxTerm"),
+    (["clip._target_=sft.training.controllers.EarlyStopping"], "clip._target_",
+     "must be sft.training.clipping.GradClipPolicy or a class extending it"),
+    (["collator._target_=os.system"], "collator._target_", "must be sft.data.collator.WeightedDataCollator"),
+    (["model._target_=shutil.rmtree"], "model._target_", "must be sft.model.loading.load_model"),
+    (["+model.random_init.x._target_=shutil.rmtree"], "model.random_init.x._target_",
+     "nothing is built from a _target_ here"),
+])
+def test_a_target_is_checked_against_what_its_node_builds_before_anything_is_called(tmp_path, overrides, key,
+                                                                                    message):
+    # +controllers.x._target_=shutil.copyfile once copied a file before the node was refused (issue 33).
+    dst = tmp_path / "written"
+    with pytest.raises(ConfigError) as e:
+        check(composed(*(o.format(dst=dst) for o in overrides)))
+    assert str(e.value).startswith(key) and message in str(e.value)
+    assert not dst.exists()
+
+
+def test_targets_of_your_own_that_extend_the_nodes_class_pass(tmp_path):
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "examples" / "own_loss"))
+    try:
+        check(composed(f"hydra.searchpath=[file://{REPO}/examples/own_loss/conf]", "loss=domain_weighted"))
+        check(composed("clip._target_=sft.training.clipping.ZClip", "+controllers=early_stopping"))
+    finally:
+        sys.path.remove(str(REPO / "examples" / "own_loss"))

@@ -81,6 +81,8 @@ def test_sigkill_then_resume_auto_equals_the_uninterrupted_run(tmp_path, uninter
     killed = run_patched(patch, *RUN, f"hydra.run.dir={tmp_path}")
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert (tmp_path / "checkpoint-8" / "sft_state.json").exists() and not (tmp_path / "results.json").exists()
+    # A kill is no hang, and leaves no lock: the process's sentinel tidies both once it is gone.
+    assert wait_for_sentinel(tmp_path / "hangs" / "rank-0.txt") and wait_for_sentinel(tmp_path / ".sft.lock")
     resumed = run_train(*RUN, "resume=auto", f"hydra.run.dir={tmp_path}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((tmp_path / "results.json").read_text())["resumed_from"] == str(tmp_path / "checkpoint-8")
@@ -195,3 +197,212 @@ def test_two_runs_started_into_one_dir_at_once_one_refuses(tmp_path):
         state = json.loads((tmp_path / f"checkpoint-{step}" / "sft_state.json").read_text())
         assert state["config"]["trainer"]["seed"] == seed
     assert not (tmp_path / ".sft.lock").exists()
+
+
+# --- issue 33: what a signal, a full disk, a read-only disk or a prepared run dir leaves ---------------------------
+
+SHORT = ["trainer.max_steps=4", "trainer.save_steps=2", "trainer.eval_strategy=no", "trainer.logging_steps=1"]
+
+SIGTERM_TWICE_AT_STEP_2 = """
+import os, signal, time
+from transformers import Trainer
+from sft.training.preemption import Preemption
+_on_step_end = Preemption.on_step_end
+def on_step_end(self, args, state, control, **kwargs):
+    if state.global_step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled now: the step's checkpoint is asked for
+    return _on_step_end(self, args, state, control, **kwargs)
+Preemption.on_step_end = on_step_end
+_save = Trainer._save_checkpoint
+def save(self, model, trial):
+    if self.state.global_step == 2:
+        time.sleep(2.5)  # past the window in which a launcher's copy of the first signal is ignored
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _save(self, model, trial)
+Trainer._save_checkpoint = save
+"""
+
+
+def wait_for_sentinel(path, timeout=5.0):
+    """The sentinel tidies after the process is gone (it polls every 0.2 s): wait for `path` to go."""
+    deadline = time.time() + timeout
+    while path.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    return not path.exists()
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_exits_at_once_recording_preempted_with_no_hang_report_nor_lock(tmp_path):
+    proc = run_patched(SIGTERM_TWICE_AT_STEP_2, *SHORT, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "SIGTERM again: exiting now, without a checkpoint" in proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["status"] == "preempted" and "checkpoint" not in results  # checkpoint-2 was never finished
+    assert wait_for_sentinel(tmp_path / "hangs" / "rank-0.txt") and wait_for_sentinel(tmp_path / ".sft.lock")
+    resumed = run_train(*SHORT, "resume=auto", f"hydra.run.dir={tmp_path}")  # its debris removed, from step 0
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "left incomplete by a crash" in resumed.stdout + resumed.stderr and not list(tmp_path.glob("*.foreign"))
+
+
+SIGTERM_WHILE_SAVING_THE_MODEL = """
+import os, signal
+from sft.training.trainer import WeightedLossTrainer
+_save_model = WeightedLossTrainer.save_model
+def save_model(self, output_dir=None, *args, **kwargs):
+    if output_dir and os.path.basename(output_dir) == "model":
+        os.kill(os.getpid(), signal.SIGTERM)  # after training: the run finishes within signal_grace_s
+    return _save_model(self, output_dir, *args, **kwargs)
+WeightedLossTrainer.save_model = save_model
+"""
+
+
+@pytest.mark.slow
+def test_a_sigterm_after_training_lets_the_run_finish(tmp_path):
+    proc = run_patched(SIGTERM_WHILE_SAVING_THE_MODEL, *SHORT, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SIGTERM after training: finishing the run" in proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["status"] == "ok" and results["global_step"] == 4
+    assert (tmp_path / "model" / "model.safetensors").is_file() and not (tmp_path / "hangs").exists()
+
+
+SIGTERM_IN_THE_FIRST_JOB = """
+import os, signal
+from sft.training.preemption import Preemption
+_on_step_end = Preemption.on_step_end
+def on_step_end(self, args, state, control, **kwargs):
+    if state.global_step == 2 and args.output_dir.endswith("/0"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _on_step_end(self, args, state, control, **kwargs)
+Preemption.on_step_end = on_step_end
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_an_in_process_sweep_stops_the_sweep_with_75(tmp_path):
+    # As ./launch.sh -m does: the machine is going away, so is the sweep; the job is preempted, not failed.
+    proc = run_patched(SIGTERM_IN_THE_FIRST_JOB, "-m", "trainer.seed=1,2", *SHORT, f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "0" / "results.json").read_text())["status"] == "preempted"
+    assert (tmp_path / "0" / "checkpoint-2" / "sft_state.json").is_file() and not (tmp_path / "1").exists()
+
+
+DISK_FULL_WRITING_THE_MODEL = """
+import os
+import transformers.modeling_utils as modeling_utils
+from safetensors import SafetensorError
+_save_file = modeling_utils.safe_save_file
+def save_file(tensors, filename, *args, **kwargs):
+    if os.path.basename(os.path.dirname(filename)) == "model":
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+    return _save_file(tensors, filename, *args, **kwargs)
+modeling_utils.safe_save_file = save_file
+"""
+
+READ_ONLY_FILE_SYSTEM = """
+import errno, os, tempfile
+_temporary_file = tempfile.TemporaryFile
+def temporary_file(*args, dir=None, **kwargs):
+    if dir is not None and "read-only" in str(dir):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    return _temporary_file(*args, dir=dir, **kwargs)
+tempfile.TemporaryFile = temporary_file
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_saving_the_model_and_a_read_only_dir_are_one_line(tmp_path):
+    full = run_patched(DISK_FULL_WRITING_THE_MODEL, *SHORT, f"hydra.run.dir={tmp_path}")
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    errors = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: the disk is full: saving the final model (model/) in "
+                                                     f"{tmp_path} failed with "), errors
+    assert (tmp_path / "checkpoint-4" / "sft_state.json").is_file()  # resume=auto finishes the run from here
+    (tmp_path / "read-only").mkdir()
+    for key in ("hydra.run.dir", "trainer.output_dir"):
+        proc = run_patched(READ_ONLY_FILE_SYSTEM, *SHORT, f"{key}={tmp_path}/read-only/run",
+                           *([f"hydra.run.dir={tmp_path}/run"] if key != "hydra.run.dir" else []))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: config: {key}='{tmp_path}/read-only/run': cannot be written (Read-only file system: "
+            f"{tmp_path}/read-only); give a writable dir")
+
+
+@pytest.mark.slow
+def test_a_prepared_run_dir_keeps_checkpoints_it_did_not_write_and_its_links_are_not_followed(tmp_path):
+    # resume=auto deleted checkpoints without sft_state.json and trained from step 0; symlinks planted where a run
+    # writes had it clobber their targets (issue 33).
+    run, victim = tmp_path / "run", tmp_path / "victim"
+    (run / "checkpoint-3").mkdir(parents=True)  # a plain Trainer's, copied in
+    (run / "checkpoint-3" / "model.safetensors").write_bytes(b"their weights")
+    victim.mkdir()
+    for name in ("results.json", "train.log"):
+        (victim / name).write_text("keep me\n")
+        (run / name).symlink_to(victim / name)
+    for name in ("model", "hangs", ".hydra"):
+        (victim / name).mkdir()
+        (run / name).symlink_to(victim / name, target_is_directory=True)
+    proc = run_train(*SHORT, "resume=auto", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "checkpoint-3.foreign" / "model.safetensors").read_bytes() == b"their weights"
+    log = proc.stdout + proc.stderr
+    assert "checkpoint-3 has no sft_state.json" in log and "renamed checkpoint-3.foreign" in log
+    assert json.loads((run / "results.json").read_text())["global_step"] == 4
+    for name in ("results.json", "train.log"):
+        assert (victim / name).read_text() == "keep me\n" and not (run / name).is_symlink()
+    for name in ("model", "hangs", ".hydra"):
+        assert list((victim / name).iterdir()) == [] and not (run / name).is_symlink()
+    assert (run / "model" / "model.safetensors").is_file() and (run / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_a_secret_given_as_a_config_value_is_written_nowhere(tmp_path):
+    secret = "hf_NotARealToken1234567890"
+    run, wandb_dir = tmp_path / "run", tmp_path / "wandb"
+    proc = run_train(*SHORT, "trainer.save_steps=4", f"trainer.hub_token={secret}",
+                     "trainer.report_to=[tensorboard,mlflow,wandb]", f"hydra.run.dir={run}",
+                     env={"WANDB_DIR": str(wandb_dir), "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}",
+                          "MLFLOW_ALLOW_FILE_STORE": "true"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "checkpoint-4" / "training_args.bin").is_file() and (tmp_path / "mlruns").is_dir()
+    recorded = next(wandb_dir.rglob("*.wandb")).read_bytes()  # W&B's run, with the argv it records
+    assert b"trainer.hub_token=${oc.env:SFT_SECRET_TRAINER__HUB_TOKEN}" in recorded
+    leaks = [str(p) for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaks == [] and secret not in proc.stdout + proc.stderr
+    saved = json.loads((run / "checkpoint-4" / "sft_state.json").read_text())["config"]["trainer"]["hub_token"]
+    assert saved == "<secret>"
+
+
+PICKLE_PAYLOAD = """
+import os, torch
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch {marker}",))
+torch.save({{"state": Payload()}}, "{path}")
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpoint_with_a_pickled_payload_is_refused_in_one_line_and_never_run(tmp_path, uninterrupted):
+    import subprocess
+    import sys
+    import zlib
+
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    shutil.copytree(uninterrupted, run)
+    for later in (8, 12):
+        shutil.rmtree(run / f"checkpoint-{later}")
+    optimizer = run / "checkpoint-4" / "optimizer.pt"
+    subprocess.run([sys.executable, "-c", PICKLE_PAYLOAD.format(marker=marker, path=optimizer)], check=True)
+    state_file = run / "checkpoint-4" / "sft_state.json"
+    state = json.loads(state_file.read_text())  # its maker can forge the manifest too
+    state["files"]["optimizer.pt"] = {"size": optimizer.stat().st_size, "crc32": zlib.crc32(optimizer.read_bytes())}
+    state_file.write_text(json.dumps(state))
+    proc = run_train(*RUN, "resume=auto", f"hydra.run.dir={run}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: config: resume='{run / 'checkpoint-4'}': optimizer.pt holds Python objects, not only tensors, which "
+        "torch.load(weights_only=True) refuses to run: a checkpoint is code, so resume only from checkpoints you "
+        "trust (docs/checkpoints.md)")
+    assert not marker.exists()

@@ -77,3 +77,42 @@ def test_liger_on_a_gpu_needs_a_version_with_a_per_token_gradient(monkeypatch, c
     assert f"loss.impl=liger: {reason}" in caplog.text and "using chunked" in caplog.text
     with caplog.at_level("WARNING", logger="sft"):
         assert choose_impl("liger", vocab_size=151936, on_gpu=True, zero3_trainable_head=True) == "naive"
+
+
+@pytest.mark.parametrize("hidden, weight, problem", [
+    (torch.bfloat16, torch.bfloat16, None), (torch.float16, torch.float16, None),
+    (torch.float32, torch.float32, "its kernels take float16/bfloat16 only"),
+    (torch.bfloat16, torch.float32, "its kernels take float16/bfloat16 only"),  # fp32 master weights under autocast
+    (torch.bfloat16, torch.float16, "differ in dtype"),
+])
+def test_cce_is_used_only_for_the_dtypes_its_kernels_take(hidden, weight, problem):
+    from sft.loss.kernels import cce_dtype_problem
+
+    found = cce_dtype_problem(hidden, weight)
+    assert (found is None) if problem is None else problem in found
+
+
+def test_loss_impl_cce_on_fp32_tensors_is_the_chunked_loss_exactly_with_one_warning(caplog, monkeypatch):
+    # cut-cross-entropy's backward takes bf16/fp16 only: an fp32 run, or QLoRA's fp32 lm_head, falls back (issue 32).
+    from sft.loss import kernels
+
+    monkeypatch.setattr(kernels, "_warned", set())
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 6, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    labels = torch.tensor([[-100, 3, 5, -100, 7, 9], [-100, -100, 1, 2, 3, 4]])
+    weights = torch.rand(2, 6)
+    loss = HardSampleLoss(alpha=1.0)
+    with caplog.at_level("WARNING", logger="sft"):
+        results = [loss.terms(labels, weights, hidden=hidden, lm_head=weight, impl=impl)
+                   for impl in ("cce", "cce", "chunked")]
+    grads = []
+    for terms in (results[0], results[2]):
+        hidden.grad = weight.grad = None
+        terms.loss_sum.backward()
+        grads.append((hidden.grad.clone(), weight.grad.clone()))
+    assert torch.equal(results[0].loss_sum, results[2].loss_sum) and torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][1], grads[1][1])
+    warned = [r.message for r in caplog.records if "loss.impl=cce" in r.message]
+    assert warned == ["loss.impl=cce: its kernels take float16/bfloat16 only, and the hidden states are float32, the "
+                      "lm_head float32; using chunked (exact) for these tensors"]

@@ -49,3 +49,32 @@ def test_a_tracker_that_is_not_installed_is_one_config_error(monkeypatch):
     assert str(e.value) == ("trainer.report_to=['tensorboard', 'mlflow']: mlflow is not installed: "
                             "pip install mlflow-skinny")
     check(composed("trainer.report_to=[tensorboard]"))
+
+
+def test_a_field_the_installed_transformers_lacks_is_one_config_error_naming_the_pinned_version():
+    # A GPU image with another transformers once met `activation_checkpointing` as a bare TypeError (issue 32).
+    import transformers
+
+    from sft.config.schema import ConfigError
+    from sft.training.arguments import check_installed_fields
+
+    check_installed_fields({"learning_rate": 1e-4, "activation_checkpointing": False})
+    with pytest.raises(ConfigError) as e:
+        check_installed_fields({"learning_rate": 1e-4, "a_field_of_another_version": 1})
+    assert str(e.value) == (f"trainer: the installed transformers {transformers.__version__} has no "
+                            f"a_field_of_another_version: sft's trainer fields are transformers "
+                            f"{transformers.__version__}'s (pip install 'transformers=={transformers.__version__}', "
+                            "the version pyproject.toml pins)")
+
+
+def test_pyproject_pins_the_transformers_the_trainer_fields_were_generated_from():
+    import re
+
+    import transformers
+    from conftest import REPO
+
+    pin = re.search(r'"transformers>=([\d.]+),<([\d.]+)"', (REPO / "pyproject.toml").read_text())
+    low, high = (tuple(int(p) for p in v.split(".")) for v in pin.groups())
+    installed = tuple(int(p) for p in transformers.__version__.split(".")[:3])
+    assert low <= installed < high
+    assert f"(transformers {transformers.__version__})" in (REPO / "sft/training/trainer_fields.py").read_text()

@@ -60,7 +60,7 @@ DAMAGE = {
 }
 
 
-def fake_checkpoint(folder, checksum_all=False):
+def fake_checkpoint(folder, checksum_all=True):
     from sft.training.checkpoints import STATE_FILE, manifest, write_json_atomic
 
     folder.mkdir(parents=True)
@@ -82,15 +82,74 @@ def test_verification_names_the_file_a_checkpoint_lost_or_changed(tmp_path, name
     assert verify(folder).startswith(problem)
 
 
-def test_large_files_are_checksummed_only_when_asked(tmp_path, monkeypatch):
+def test_every_file_is_checksummed_by_default_large_ones_too(tmp_path, monkeypatch):
+    # At 7B every shard is over 64 MiB: zeroed bytes inside one must be found by default (issue 33).
     from sft.training import checkpoints
 
     monkeypatch.setattr(checkpoints, "SMALL_FILE", 1000)  # model.safetensors (2,560 bytes) is "large" now
-    sizes_only, summed = fake_checkpoint(tmp_path / "a"), fake_checkpoint(tmp_path / "b", checksum_all=True)
-    for folder in (sizes_only, summed):
+    default, sizes_only = fake_checkpoint(tmp_path / "a"), fake_checkpoint(tmp_path / "b", checksum_all=False)
+    for folder in (default, sizes_only):
         zero_bytes(folder / "model.safetensors")
-    assert checkpoints.verify(sizes_only) is None
-    assert checkpoints.verify(summed).startswith("model.safetensors: its bytes changed")
+    assert checkpoints.verify(default).startswith("model.safetensors: its bytes changed")
+    assert checkpoints.verify(sizes_only) is None  # checkpoint_checksums=small: sizes only above SMALL_FILE
+    from sft.config.registry import compose
+
+    assert compose("train", []).checkpoint_checksums == "all"
+
+
+def test_checksums_of_many_files_equal_one_file_at_a_time(tmp_path):
+    import zlib
+
+    from sft.training.checkpoints import crc32_all
+
+    paths = []
+    for i in range(5):
+        paths.append(tmp_path / f"shard-{i}")
+        paths[-1].write_bytes(os.urandom(3000 + 1000 * i))
+    assert crc32_all(paths) == [zlib.crc32(p.read_bytes()) for p in paths]
+
+
+def test_resume_auto_sets_aside_checkpoints_it_did_not_write_and_deletes_only_its_own_debris(tmp_path, caplog):
+    # A plain Trainer's checkpoint copied in has no sft_state.json: it is renamed, never deleted (issue 33).
+    from sft.training.checkpoints import WRITING_FILE, find_checkpoint
+
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"weights")
+    fake_checkpoint(tmp_path / "checkpoint-6")
+    debris = tmp_path / "checkpoint-8"
+    debris.mkdir()
+    (debris / WRITING_FILE).write_text("123\n")
+    with caplog.at_level("WARNING", logger="sft"):
+        found = find_checkpoint("auto", str(tmp_path), force=False)
+    assert found == str(tmp_path / "checkpoint-6")
+    assert not debris.exists()
+    for step in (2, 4):
+        kept = tmp_path / f"checkpoint-{step}.foreign"
+        assert (kept / "model.safetensors").read_bytes() == b"weights" and not (tmp_path / f"checkpoint-{step}").exists()
+        assert f"checkpoint-{step} has no sft_state.json" in caplog.text and f"renamed checkpoint-{step}.foreign" in caplog.text
+    assert "removed " + str(debris) in caplog.text
+
+
+def test_a_deepspeed_checkpoint_from_elsewhere_is_refused_unless_trusted_by_name(tmp_path):
+    # DeepSpeed unpickles its files (weights_only=False): resuming from a stranger's checkpoint runs its code.
+    from sft.config.schema import ConfigError
+    from sft.training.checkpoints import find_checkpoint
+
+    elsewhere = fake_checkpoint(tmp_path / "downloaded" / "checkpoint-3")
+    (elsewhere / "latest").write_text("global_step3")
+    (elsewhere / "global_step3").mkdir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(ConfigError) as refused:
+        find_checkpoint(str(elsewhere), str(run_dir), force=False)
+    assert str(refused.value).startswith(f"resume='{elsewhere}': a DeepSpeed checkpoint that this run dir did not "
+                                         "write: DeepSpeed unpickles its files")
+    assert "trust_checkpoint=true" in str(refused.value)
+    assert find_checkpoint(str(elsewhere), str(run_dir), force=False, trust=True) == str(elsewhere)
+    own = fake_checkpoint(run_dir / "checkpoint-3")  # one this run dir wrote: its own run's, no opt-in needed
+    (own / "latest").write_text("global_step3")
+    assert find_checkpoint(str(own), str(run_dir), force=False) == str(own)
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 from omegaconf import MISSING
 
-from sft.config.schema import Choice, ConfigError, Schema, knob, learned_state, restore_learned_state
+from sft.config.schema import Choice, ConfigError, Schema, knob, learned_state, restore_learned_state, target_base
 from sft.training.callbacks import Callback
 
 log = logging.getLogger("sft")
@@ -50,6 +50,7 @@ class StepVerdict:
     summary: str  # for the log line, e.g. "non-finite loss or gradient"
 
 
+@target_base("controllers.*")
 @dataclass(eq=False, kw_only=True)
 class Controller(Callback, Schema):
     """Base of every controller; each method below is a no-op unless a controller needs it."""

@@ -3,7 +3,9 @@
 Each rank arms `faulthandler.dump_traceback_later` (a C-level timer thread that needs no GIL, so it
 fires even inside a stuck collective) and re-arms it after every step and evaluation batch. When it
 fires, the rank's `hangs/rank-<k>.txt` in the run dir gets the stack of every thread under a header
-naming the rank and its last completed step, and the process exits with status 1 instead of hanging.
+naming the rank and its last completed step, and the process exits with status 1 instead of hanging. The armed
+header is only a report once the stacks follow it: a run that ends otherwise removes it (`_disarm` at exit; after a
+SIGKILL or an immediate exit on a second signal, the process's sentinel, `sft.training.sentinel`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sft.config.schema import config_schema, knob
+from sft.files import own_dir, own_path
+from sft.training.sentinel import guard
 from sft.training.controllers.base import Controller
 
 
@@ -54,10 +58,9 @@ class HangWatchdog(Controller):
         faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._file)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir) / "hangs"
-        folder.mkdir(parents=True, exist_ok=True)
-        self._path = folder / f"rank-{self._rank}.txt"
+        self._path = own_path(own_dir(Path(args.output_dir) / "hangs") / f"rank-{self._rank}.txt")
         self._file = open(self._path, "w")
+        guard("report", self._path)
         # A run that ends by an exception (or sys.exit) never reaches on_train_end: disarm at exit all the
         # same, or the armed header would read as a hang. A real hang exits through faulthandler (_exit).
         atexit.register(self._disarm)

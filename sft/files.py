@@ -1,0 +1,51 @@
+"""Writing a run's own files without following links planted where they go.
+
+A run dir may be shared, or prepared by someone else: a symlink `results.json -> ~/.bashrc` (or a `model/` that
+links elsewhere) would make the run overwrite its target. Every file the run writes into its dirs goes through
+`own_path`, which removes a symlink at that path (the run's file takes its place; the link's target is untouched),
+and `write_text` writes whole files atomically through a fresh temporary file (`O_EXCL`: never a planted one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("sft")
+
+
+def own_path(path: str | os.PathLike) -> Path:
+    """`path`, with a symlink there removed (logged): what is written there lands in the run's dir.
+
+        own_path("run/results.json")  # run/results.json -> /etc/passwd: the link is removed, not followed
+    """
+    path = Path(path)
+    if path.is_symlink():
+        target = os.readlink(path)
+        path.unlink()
+        log.warning("%s was a symlink (to %s): removed it; the run writes its own file there, never through a link",
+                    path, target)
+    return path
+
+
+def own_dir(path: str | os.PathLike) -> Path:
+    """`own_path`, then the dir made (with its parents)."""
+    path = own_path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` whole or not at all: a fresh temporary file beside it, then renamed over it (a rename
+    replaces a symlink itself, never its target)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
