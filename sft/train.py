@@ -120,8 +120,9 @@ def lock_run_dirs(run_dir: str, output_dir: str) -> list:
         return []
     locks = []
     try:
-        for folder in dict.fromkeys([run_dir, output_dir]):
-            locks.append(RunDirLock(folder))
+        folders = [(run_dir, "hydra.run.dir")] + ([(output_dir, "trainer.output_dir")] if output_dir != run_dir else [])
+        for folder, key in folders:
+            locks.append(RunDirLock(folder, key))
             locks[-1].acquire()
     except ConfigError:
         for lock in locks:

@@ -55,8 +55,8 @@ def _alive(holder: dict) -> bool:
 class RunDirLock:
     """`<run dir>/.sft.lock` while this process runs in the dir (`acquire` ... `release`, also at exit)."""
 
-    def __init__(self, run_dir: str | os.PathLike):
-        self.run_dir = str(run_dir)
+    def __init__(self, run_dir: str | os.PathLike, key: str = "hydra.run.dir"):
+        self.run_dir, self.key = str(run_dir), key
         self.path = Path(run_dir) / LOCK_FILE
         self.held = False
 
@@ -64,13 +64,16 @@ class RunDirLock:
         """Take the lock, or raise `ConfigError` naming the run that holds it."""
         me = {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": _start_ticks(os.getpid()),
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
             try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._create(json.dumps(me) + "\n")
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
+            except OSError as e:  # a read-only file system, no permission, a full disk
+                raise ConfigError(self.key, self.run_dir, f"cannot be written ({e.strerror}: {self.path}); give a "
+                                  "writable dir") from None
             self.held = True
             atexit.register(self.release)
             guard("lock", self.path)  # released also after a SIGKILL, or an exit that runs no atexit

@@ -133,3 +133,21 @@ def test_config_changes_list_every_differing_leaf_and_which_a_resume_refuses():
     assert [key for key, _, _ in config_changes(saved, current) if fixed_on_resume(key)] == ["lora", "lora.r"]
     assert not fixed_on_resume("model.attn_implementation") and fixed_on_resume("model.pretrained_model_name_or_path")
     assert fixed_on_resume("deepspeed") and not fixed_on_resume("deepspeed.gradient_clipping")
+
+
+def test_a_lock_that_cannot_be_written_is_one_config_error_naming_the_knob(tmp_path, monkeypatch):
+    # A read-only trainer.output_dir set in a config file (the command line's are checked before Hydra) met EROFS.
+    import errno
+    import os
+
+    from sft.config.schema import ConfigError
+    from sft.training.run_dir import RunDirLock
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(RunDirLock, "_create", read_only)
+    with pytest.raises(ConfigError) as e:
+        RunDirLock(tmp_path / "ckpt", "trainer.output_dir").acquire()
+    assert str(e.value) == (f"trainer.output_dir='{tmp_path / 'ckpt'}': cannot be written (Read-only file system: "
+                            f"{tmp_path / 'ckpt' / '.sft.lock'}); give a writable dir")
