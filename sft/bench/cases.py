@@ -15,12 +15,16 @@ from omegaconf import OmegaConf
 
 from sft.bench import config as bench_config
 
-CASE_OVERRIDES = {"hf": [], "ce": ["loss=ce"], "hard_sample": ["loss=hard_sample"],
-                  "packing": ["loss=hard_sample", "data.packing=true"], "trl": ["loss=ce"],
-                  "trl_padding_free": ["loss=ce"]}
+# Each training case and what it trains with. `raw`, `hf`, `ce_naive` and `trl` compute the same full logits and
+# cross entropy (the framework's cost alone); `ce` and `packing` the lean loss that `loss.impl=auto` picks; the
+# packed cases all run the sdpa_varlen kernel but `trl_padding_free_mask` (TRL's own: a block-diagonal mask).
+CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": ["loss=ce", "loss.impl=naive"],
+                  "ce": ["loss=ce"], "hard_sample": ["loss=hard_sample"], "packing": ["loss=ce", "data.packing=true"],
+                  "trl": ["loss=ce"], "trl_padding_free": ["loss=ce", "model.attn_implementation=sdpa_varlen"],
+                  "trl_padding_free_mask": ["loss=ce"]}
 TRAINING_CASES = tuple(CASE_OVERRIDES)
-TRL_CASES = ("trl", "trl_padding_free")  # need `pip install -e .[bench]`; skipped with a line otherwise
-LOSS_CASES = ("loss_naive", "loss_chunked")
+TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped
+LOSS_CASES = ("loss_naive", "loss_lean")
 EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
 RESULT = "BENCH_RESULT "
 
@@ -36,15 +40,20 @@ def timed_training_overrides(cfg) -> list[str]:
 
 
 def step_clock():
-    """A Trainer callback that records the time at the end of every optimizer step (in `.times`)."""
+    """A Trainer callback that records the wall and CPU time at the end of every optimizer step (`.times`, `.cpu`)."""
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
         def __init__(self):
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def on_step_end(self, args, state, control, **kwargs):
+            self.tick()
+
+        def tick(self):
             self.times.append(time.perf_counter())
+            self.cpu.append(time.process_time())
 
     return StepClock()
 
@@ -64,7 +73,7 @@ def case_trainer(case: str, cfg, run_dir: str):
     """The trainer `case` trains (or evaluates) with: this project's (`sft.train.build`), a plain `Trainer`
     (`hf`), or TRL's `SFTTrainer` (`trl`, `trl_padding_free`), the last two on `sft`'s own tokenised rows and
     labels, so every case sees the same tokens."""
-    if case not in ("hf", "trl", "trl_padding_free", "eval_hf"):
+    if case not in ("hf", *TRL_CASES, "eval_hf"):
         from sft.train import build
 
         return build(cfg, run_dir).trainer
@@ -82,7 +91,8 @@ def case_trainer(case: str, cfg, run_dir: str):
         from trl import SFTConfig
 
         # sft's rows are already cut to data.max_length; the rest of TRL's defaults as a user meets them.
-        args = SFTConfig(**fields, max_length=None, padding_free=case == "trl_padding_free", dataset_num_proc=None)
+        args = SFTConfig(**fields, max_length=None, padding_free=case.startswith("trl_padding_free"),
+                         dataset_num_proc=None)
     else:
         from transformers import TrainingArguments
 
@@ -106,22 +116,33 @@ def case_trainer(case: str, cfg, run_dir: str):
 
 
 def run_training_case(case: str, cfg) -> dict:
-    """Train as `case` says; tokens per second over the timed steps, peak memory, MFU where known."""
+    """Train as `case` says; tokens per second over the timed steps, the CPU time they took and its share of the
+    threads' wall time (below 1: other work took cores), peak memory, MFU where known."""
+    import torch
+
     from sft.data.split import column
     from sft.training.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
 
     trainer = case_trainer(case, cfg, tempfile.mkdtemp(prefix=f"sft-bench-{case}-"))
     collator = trainer.data_collator = CountingCollator(trainer.data_collator)
     clock = step_clock()
-    trainer.add_callback(clock)
-    trainer.train()
+    if case == "raw":
+        losses = raw_loop(trainer, clock)
+    else:
+        trainer.add_callback(clock)
+        trainer.train()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
     accumulation, warmup = trainer.args.gradient_accumulation_steps, cfg.bench.warmup_steps
     timed_batches = collator.tokens[warmup * accumulation: len(clock.times) * accumulation]
     seconds = clock.times[-1] - clock.times[warmup - 1]
+    cpu_seconds = clock.cpu[-1] - clock.cpu[warmup - 1]
     tokens_per_second = sum(timed_batches) / seconds
     result = {"tokens_per_second": tokens_per_second, "peak_memory_gb": peak_memory_gb(),
-              "timed_steps": len(clock.times) - warmup, "seconds": seconds}
+              "timed_steps": len(clock.times) - warmup, "seconds": seconds, "cpu_seconds": cpu_seconds,
+              "threads": torch.get_num_threads(), "losses": losses}
+    if not _on_gpu():  # the threads' CPU time over their wall time: 1 on a quiet machine
+        result["cpu_share"] = cpu_seconds / (seconds * torch.get_num_threads())
     peak = cfg.throughput.peak_tflops or device_peak_tflops()
     if peak:
         lengths = [len(ids) for ids in column(trainer.train_dataset, "input_ids")]
@@ -129,6 +150,50 @@ def run_training_case(case: str, cfg) -> dict:
         flops = flops_per_token(trainer.model, mean_length) * tokens_per_second
         result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
     return result
+
+
+def raw_loop(trainer, clock) -> list[float]:
+    """A hand-written PyTorch loop over `trainer`'s own batches (sft's rows, order and collator): the model's
+    logits, the cross entropy of the step's assistant tokens over their count, backward, clipping at
+    `max_grad_norm`, AdamW and the same learning-rate schedule. What no framework can beat by much (`sft_vs_raw`);
+    its step losses equal `ce_naive`'s (tested). Returns them."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import get_scheduler
+
+    model, args = trainer.model, trainer.args
+    steps, accumulation = args.max_steps, args.gradient_accumulation_steps
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                  eps=args.adam_epsilon, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(steps),
+                              num_training_steps=steps)
+    batches, losses = iter(()), []
+    model.train()
+    for _ in range(steps):
+        micro = []
+        for _ in range(accumulation):
+            try:
+                micro.append(next(batches))
+            except StopIteration:  # the next epoch
+                batches = iter(trainer.get_train_dataloader())
+                micro.append(next(batches))
+        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+        total = 0.0
+        for b in micro:
+            logits = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"),
+                           position_ids=b.get("position_ids")).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), b["labels"][:, 1:].flatten(),
+                                   ignore_index=-100, reduction="sum") / count
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+        clock.tick()
+    return losses
 
 
 def run_eval_case(case: str, cfg) -> dict:
@@ -146,10 +211,12 @@ def run_eval_case(case: str, cfg) -> dict:
 
 
 def run_loss_case(case: str, cfg) -> dict:
-    """Forward and backward of the loss alone: the naive path (logits, then cross entropy) or chunked."""
+    """Forward and backward of the loss alone: the naive path (logits, then cross entropy), or the lean kernel
+    that training picks here (`loss.impl=auto`: cut-cross-entropy on a GPU, the chunked loss on a CPU)."""
     import torch
 
     from sft.loss.builtin import CrossEntropyLoss
+    from sft.loss.kernels import choose_impl
 
     b = cfg.bench
     device = "cuda" if _on_gpu() else "cpu"
@@ -161,13 +228,14 @@ def run_loss_case(case: str, cfg) -> dict:
     labels = torch.randint(0, b.loss_vocab, (b.loss_batch, b.loss_seq), device=device)
     weights = torch.rand(b.loss_batch, b.loss_seq, device=device)
     loss = CrossEntropyLoss(chunk_tokens=cfg.loss.chunk_tokens)
+    impl = "naive" if case == "loss_naive" else choose_impl("auto", vocab_size=b.loss_vocab, on_gpu=device == "cuda")
 
     def forward_backward():
-        if case == "loss_naive":
+        if impl == "naive":
             logits = torch.nn.functional.linear(hidden, weight)  # what the model's output projection makes
             terms = loss.terms(labels, weights, logits=logits)
         else:
-            terms = loss.terms(labels, weights, hidden=hidden, lm_head=weight, impl="chunked")
+            terms = loss.terms(labels, weights, hidden=hidden, lm_head=weight, impl=impl)
         terms.loss_sum.backward()
         hidden.grad = weight.grad = None
 
@@ -177,7 +245,7 @@ def run_loss_case(case: str, cfg) -> dict:
     _sync(device)
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "peak_memory_gb": _memory_peak(device) - baseline,
-            "tokens": b.loss_batch * b.loss_seq}
+            "tokens": b.loss_batch * b.loss_seq, "impl": impl}
 
 
 def run_preprocess_case(case: str, cfg) -> dict:
@@ -301,6 +369,14 @@ def run_checksums_case(case: str, cfg) -> dict:
         return {"gb": 4 * shard / 1e9, "cached_s": cached, "disk_s": time.perf_counter() - started}
 
 
+def threads(cfg) -> int:
+    """The torch threads of every case on a CPU: `bench.threads`, else one per core this process may use."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cfg.bench.threads or cores
+
+
 def _on_gpu() -> bool:
     import torch
 
@@ -347,6 +423,10 @@ def child(case: str, config_file: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     bench_config.register()
     cfg = OmegaConf.load(config_file)
+    if not _on_gpu():  # every case the same threads (launch.sh's runs: one per core)
+        import torch
+
+        torch.set_num_threads(threads(cfg))
     if case in TRAINING_CASES:
         result = run_training_case(case, cfg)
     elif case in EVAL_CASES:

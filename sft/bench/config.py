@@ -9,8 +9,8 @@ from typing import List, Optional
 from sft.config import registry
 from sft.config.schema import Schema, knob
 
-CASES = ["hf", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "eval_hf", "eval_sft", "loss_naive",
-         "loss_chunked", "preprocess", "tokenize", "scale", "startup"]
+CASES = ["raw", "hf", "ce_naive", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "trl_padding_free_mask",
+         "eval_hf", "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
 ON_REQUEST = ["checksums"]  # writes a 15 GB checkpoint: only when named in bench.cases
 
 
@@ -24,7 +24,12 @@ class BenchConfig(Schema):
                                             "plainly (ce_vs_hf), at the others with the size (ce_vs_hf_b16)")
     steps: int = knob(40, "optimizer steps per training case")
     warmup_steps: int = knob(5, "steps not timed")
-    repeats: int = knob(3, "rounds over all cases, interleaved; medians are reported")
+    repeats: int = knob(3, "rounds over all cases, interleaved; each ratio is the median of its per-round ratios")
+    threads: Optional[int] = knob(None, "torch threads of every case on a CPU (null: one per core)")
+    min_cpu_share: float = knob(0.8, "a round in which a training case got less of its threads' wall time as CPU "
+                                "time is loaded (other work took cores): flagged, and run again")
+    reruns: int = knob(2, "how many times loaded rounds are run again, at most")
+    startup_repeats: int = knob(5, "runs of each start-up command (the median counts)")
     loss_vocab: int = knob(151936, "the loss-only case's vocabulary (Qwen2.5's)")
     loss_hidden: int = knob(896, "the loss-only case's hidden size (Qwen2.5-0.5B's)")
     loss_batch: int = knob(4, "the loss-only case's rows")

@@ -1,29 +1,44 @@
-"""`python -m sft.bench [--out bench.json] [overrides]`: what this project's extra control costs.
+"""`python -m sft.bench [--out bench.json] [overrides]`: what this project's extra control costs, and what it gains.
 
 Trains the same model on the same rows in the same order for `bench.steps` optimizer steps as
+- `raw`: a hand-written PyTorch loop on sft's own batches (the model's logits, the assistant tokens' cross
+  entropy, clipping, AdamW, the same schedule): the limit no framework can beat by much;
 - `hf`: a plain `transformers.Trainer` with `DataCollatorForSeq2Seq` and the model's own loss;
-- `ce`, `hard_sample`: this project (`sft.train.build`, guard and clip policy included) with that loss;
-- `packing`: `hard_sample` with `data.packing=true`;
-- `trl`, `trl_padding_free`: TRL's `SFTTrainer` (padded, and its padding-free mode) on `sft`'s own tokenised
-  rows and labels, so it trains on the same tokens with the same loss (tested); skipped with one line when
-  TRL is not installed (`pip install -e '.[bench]'`);
+- `ce_naive`: this project (`sft.train.build`, guard and clip policy included) computing the same full logits and
+  cross entropy as `raw` and `hf` (`loss.impl=naive`): the framework's own cost;
+- `ce`, `hard_sample`: this project with the lean loss `loss.impl=auto` picks (chunked on a CPU: only the
+  assistant tokens are projected), and with the difficulty weights;
+- `packing`: `ce` with `data.packing=true` (the sdpa_varlen kernel);
+- `trl`, `trl_padding_free`, `trl_padding_free_mask`: TRL's `SFTTrainer` padded, padding-free on the same
+  sdpa_varlen kernel as `packing`, and padding-free on its own kernel (a block-diagonal mask), all on `sft`'s own
+  tokenised rows and labels with the model's own loss (tested: the same step losses as `sft` with `loss=ce`);
+  skipped with one line when TRL is not installed (`pip install -e '.[bench]'`);
 each at every micro-batch size of `bench.batch_sizes` (64, then the training default of 16: `ce_b16` ...);
 times `Trainer.evaluate()` on the eval rows, a plain Trainer's (`eval_hf`) against this project's
 (`eval_sft`), per 1,000 rows; and times the loss alone, forward and backward, on `bench.loss_batch x
-bench.loss_seq` tokens at `bench.loss_vocab x bench.loss_hidden` (Qwen2.5's vocabulary) with
-- `loss_naive` (the full logits, then the cross entropy) and `loss_chunked` (`loss.impl=chunked`).
-Each case runs in a fresh process, so peak memory is its own; the rounds interleave the cases and
-repeat `bench.repeats` times, and the medians are compared. Training cases are timed from the end of
-step `bench.warmup_steps` to the last step: input tokens (padding excluded) per second.
+bench.loss_seq` tokens at `bench.loss_vocab x bench.loss_hidden` (Qwen2.5's vocabulary): `loss_naive` (the
+full logits, then the cross entropy) and `loss_lean` (the kernel training picks: cut-cross-entropy on a GPU,
+chunked on a CPU).
+
+The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same loss computation on both sides),
+`lean_loss_gain` (`ce` over `ce_naive`), `hard_sample_vs_ce`, `packing_gain` (`packing` over `ce`), `ce_vs_trl`,
+`packing_vs_trl_padding_free` (the same kernel) and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two
+kernels). Each case runs in a fresh process with the same torch threads (`bench.threads`), so peak memory is its
+own (on a CPU: the whole process's peak resident memory, imports and data included). The rounds interleave the
+cases and repeat `bench.repeats` times; a ratio is the median of its per-round ratios, with their spread. Each
+round records the load average, wall and CPU time; a round in which a training case got less than
+`bench.min_cpu_share` of its threads' time is loaded: flagged and run again (`bench.reruns`). Training cases are
+timed from the end of step `bench.warmup_steps` to the last step: input tokens (padding excluded) per second.
 
 Also: `preprocess`, tokenising `bench.preprocess_rows` rows into a fresh cache and then loading them
 from it; `tokenize`, the same `bench.tokenize_rows` multi-turn rows (about 300 tokens each) tokenised in
 one process by `sft.data.labels.tokenize_batch` and by sft 0.1's (`sft.bench.baseline`), interleaved, one core
 each, beside the tokenizer alone on the same texts (what no labelling can go below); `scale`, preprocessing
 `bench.scale_rows` such rows into a fresh cache on every core (rows/s, the peak resident memory of the
-process and of its largest worker), then loading them from the cache; `startup`, the wall time of `python -m
-sft.train --cfg job`, `--help` and `--help loss loss=focal`, and of the default run from the command to its first
-optimizer step (`startup_first_step_s`, warm caches).
+process and of its largest worker), then loading them from the cache; `startup`, the median wall time of
+`python -m sft.train --cfg job`, `--help` and `--help loss loss=focal`, and of the default run from the command to
+its first optimizer step (`startup_first_step_s`, warm caches); `checksums` (only when named), a 15 GB
+checkpoint's CRC-32s from the page cache and from the disk.
 
 `preset=gpu_7b` is the GPU check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16,
 packed rows of about 4k tokens, the lean loss, 20 steps (see conf/preset/gpu_7b.yaml).
@@ -48,18 +63,20 @@ from omegaconf import OmegaConf
 
 from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LOSS_CASES, RESULT, TRAINING_CASES, TRL_CASES, child,
                              timed_training_overrides)
+from sft.bench.rows import multi_turn_rows, synthetic_rows
 from sft.bench.config import compose
 from sft.config.schema import ConfigError
 from sft.config.validate import check
 
 TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if at most)
-    "ce_vs_hf": (0.97, "min"),
-    "hard_sample_vs_hf": (0.97, "min"),
-    "packing_vs_hf": (1.3, "min"),
-    "ce_vs_trl": (1.05, "min"),
+    "sft_vs_raw": (0.95, "min"),
+    "overhead_vs_hf": (0.97, "min"),
+    "hard_sample_vs_ce": (0.97, "min"),
+    "packing_gain": (1.3, "min"),
+    "ce_vs_trl": (1.0, "min"),
     "packing_vs_trl_padding_free": (1.3, "min"),
-    "chunked_vs_naive_loss_memory": (0.3, "max"),
-    "chunked_vs_naive_loss_time": (1.3, "max"),
+    "lean_vs_naive_loss_memory": (0.3, "max"),
+    "lean_vs_naive_loss_time": (1.3, "max"),
     "preprocess_cached_speedup": (10.0, "min"),
     "tokenize_vs_baseline": (3.0, "min"),
     "scale_peak_rss_gb": (4.0, "max"),
@@ -67,13 +84,24 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "startup_cfg_job_s": (1.0, "max"),
     "startup_help_s": (1.0, "max"),
     "startup_help_group_s": (1.0, "max"),
-    "startup_first_step_s": (10.0, "max"),
+    "startup_first_step_s": (5.0, "max"),
 }
+# name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL
+TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_naive", "hf"),
+                   "lean_loss_gain": ("ce", "ce_naive"), "hard_sample_vs_ce": ("hard_sample", "ce"),
+                   "packing_gain": ("packing", "ce"), "ce_vs_trl": ("ce", "trl"),
+                   "packing_vs_trl_padding_free": ("packing", "trl_padding_free"),
+                   "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask")}
+
+
 # --- the driver --------------------------------------------------------------------------------------
 
 
 def spawn(case: str, cfg, env: dict | None = None) -> dict:
-    """Run one case in a fresh process; its result, or why it failed."""
+    """Run one case in a fresh process (the same threads for every case); its result, or why it failed."""
+    from sft.bench.cases import threads
+
+    env = {"OMP_NUM_THREADS": str(threads(cfg)), **(env or {})}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(OmegaConf.to_yaml(cfg))
     try:
@@ -89,58 +117,21 @@ def spawn(case: str, cfg, env: dict | None = None) -> dict:
     raise RuntimeError(f"bench case {case} failed (exit {proc.returncode}):\n{tail}")
 
 
-def synthetic_rows(path: Path, rows: int) -> None:
-    """`rows` chats in the bundled data's format: distinct additions, so none is a duplicate."""
-    from sft.sample_data import SYSTEM_PROMPT
-
-    with open(path, "w") as f:
-        for i in range(rows):
-            a, b = 7919 * i % 100003, 104729 * i % 99991
-            f.write(json.dumps({"messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                                             {"role": "user", "content": f"What is {a} + {b}?"},
-                                             {"role": "assistant", "content": f"{a} + {b} = {a + b}"}],
-                                "difficulty_score": 1.0 + i % 4}) + "\n")
-
-
-def multi_turn_rows(path: Path, rows: int, turns: int = 2) -> None:
-    """`rows` chats of a system turn and `turns` additions worked column by column, about 300 tokens each (the
-    tiny tokenizer's), written one by one (a million rows take no memory to make)."""
-    from sft.sample_data import SYSTEM_PROMPT
-
-    def worked(a: int, b: int) -> str:
-        steps, carry, x, y = [], 0, a, b
-        while x or y or carry:
-            total = x % 10 + y % 10 + carry
-            steps.append(f"{x % 10} + {y % 10}{' + 1' if carry else ''} = {total}, write {total % 10}"
-                         + (", carry 1" if total >= 10 else ""))
-            carry, x, y = total // 10, x // 10, y // 10
-        return "; ".join(steps) + f". So {a} + {b} = {a + b}."
-
-    with open(path, "w") as f:
-        for i in range(rows):
-            messages = [{"role": "system", "content": SYSTEM_PROMPT}]
-            for turn in range(turns):
-                a, b = 10 + (7919 * i + 31 * turn) % 9990, 10 + (104729 * i + 17 * turn) % 9990
-                messages += [{"role": "user", "content": f"Add {a} and {b}, column by column."},
-                             {"role": "assistant", "content": worked(a, b)}]
-            f.write(json.dumps({"messages": messages, "difficulty_score": 1.0 + i % 4}) + "\n")
-
-
-def startup_seconds(*args: str) -> float:
-    """Wall time of `python -m sft.train args...`, the best of three."""
-    best = float("inf")
-    for _ in range(3):
+def startup_seconds(*args: str, repeats: int = 5) -> float:
+    """Wall time of `python -m sft.train args...`: the median of `repeats` runs."""
+    times = []
+    for _ in range(repeats):
         started = time.perf_counter()
         subprocess.run([sys.executable, "-m", "sft.train", *args], capture_output=True, check=True)
-        best = min(best, time.perf_counter() - started)
-    return best
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
-def first_step_seconds(repeats: int = 2) -> float:
+def first_step_seconds(repeats: int = 5) -> float:
     """Wall time of the default run (`python -m sft.train`, no overrides but these) trained for one step,
     with no evaluation or checkpoint: from the command to the first optimizer step, plus saving the tiny
-    model. Caches are warmed by one untimed run; the best of `repeats`."""
-    best = float("inf")
+    model. Caches are warmed by one untimed run; the median of `repeats`."""
+    times = []
     one_step = ["trainer.max_steps=1", "trainer.eval_strategy=no", "trainer.save_strategy=no", "trainer.report_to=[]"]
     with tempfile.TemporaryDirectory(prefix="sft-bench-first-step-") as tmp:
         for n in range(repeats + 1):
@@ -148,8 +139,8 @@ def first_step_seconds(repeats: int = 2) -> float:
             subprocess.run([sys.executable, "-m", "sft.train", *one_step, f"hydra.run.dir={tmp}/{n}"],
                            capture_output=True, check=True)
             if n:  # the first run warms the caches (tiny model, tokenised data)
-                best = min(best, time.perf_counter() - started)
-    return best
+                times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def trl_missing() -> str | None:
@@ -166,17 +157,20 @@ def case_id(case: str, batch_size: int, first: int) -> str:
     return case if batch_size == first else f"{case}_b{batch_size}"
 
 
-def training_ratios(cases: dict, suffix: str) -> dict:
-    """Throughput ratios (and peak-memory ratios against TRL) among the training cases of one batch size."""
+def paired(rounds: list[dict], ours: str, theirs: str, key: str = "tokens_per_second") -> list[float]:
+    """`ours[key] / theirs[key]` in each round where both ran: the ratio of two cases measured side by side."""
+    return [r[ours][key] / r[theirs][key] for r in rounds if ours in r and theirs in r]
+
+
+def training_ratios(rounds: list[dict], suffix: str) -> dict[str, list[float]]:
+    """Each ratio of `TRAINING_RATIOS` among the training cases of one batch size, per round (and peak memory
+    against TRL's cases)."""
     ratios = {}
-    pairs = [("ce", "hf"), ("hard_sample", "hf"), ("packing", "hf"), ("ce", "trl"),
-             ("packing", "trl_padding_free")]
-    for ours, theirs in pairs:
-        a, b = cases.get(ours + suffix), cases.get(theirs + suffix)
-        if a and b:
-            ratios[f"{ours}_vs_{theirs}{suffix}"] = a["tokens_per_second"] / b["tokens_per_second"]
+    for name, (ours, theirs) in TRAINING_RATIOS.items():
+        if values := paired(rounds, ours + suffix, theirs + suffix):
+            ratios[name + suffix] = values
             if theirs.startswith("trl"):
-                ratios[f"{ours}_vs_{theirs}_memory{suffix}"] = a["peak_memory_gb"] / b["peak_memory_gb"]
+                ratios[f"{name}_memory{suffix}"] = paired(rounds, ours + suffix, theirs + suffix, "peak_memory_gb")
     return ratios
 
 
@@ -186,12 +180,38 @@ def target_of(key: str):
     return TARGETS.get(base)
 
 
+def run_rounds(jobs: dict, b, report: dict) -> list[dict]:
+    """`b.repeats` rounds over every job, in turn; each round's load average and, on a CPU, the least CPU share a
+    training case got (`report["rounds"]`). A loaded round (a share below `b.min_cpu_share`) is run again, at most
+    `b.reruns` times, and kept flagged if it stays loaded."""
+    rounds = []
+    for number in range(1, b.repeats + 1):
+        for attempt in range(b.reruns + 1):
+            load = os.getloadavg()[0]
+            results = {}
+            for name, (case, cfg) in jobs.items():
+                print(f"[round {number}/{b.repeats}] {name} ...", file=sys.stderr, flush=True)
+                results[name] = spawn(case, cfg)
+            shares = [r["cpu_share"] for r in results.values() if "cpu_share" in r]
+            info = {"round": number, "attempt": attempt + 1, "load_before": load, "load_after": os.getloadavg()[0],
+                    "min_cpu_share": min(shares) if shares else None,
+                    "loaded": bool(shares) and min(shares) < b.min_cpu_share}
+            if not info["loaded"] or attempt == b.reruns:
+                break
+            print(f"[round {number}/{b.repeats}] loaded: a training case got {min(shares):.0%} of its threads' time "
+                  "(other work took cores); running the round again", file=sys.stderr, flush=True)
+        rounds.append(results)
+        report["rounds"].append(info)
+    return rounds
+
+
 def run_all(overrides: list[str]) -> dict:
     """Every case of `bench.cases`, interleaved and repeated; the raw numbers, medians and ratios."""
     base = compose(overrides)
     check(base)  # the bench's node and the training config it runs, as python -m sft.train checks them
     b = base.bench
-    report: dict = {"overrides": overrides, "raw": {}, "cases": {}, "ratios": {}, "skipped": {}}
+    report: dict = {"overrides": overrides, "raw": {}, "cases": {}, "ratios": {}, "spread": {}, "rounds": [],
+                    "skipped": {}}
     wanted = list(b.cases)
     if any(case in TRL_CASES for case in wanted) and (reason := trl_missing()):
         print(f"skipping {', '.join(c for c in wanted if c in TRL_CASES)}: {reason}", file=sys.stderr)
@@ -208,24 +228,24 @@ def run_all(overrides: list[str]) -> dict:
     evaluation = compose(overrides + ["loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"])
     jobs.update({case: (case, evaluation) for case in wanted if case in EVAL_CASES})
     jobs.update({case: (case, base) for case in wanted if case in LOSS_CASES})
-    raw = report["raw"] = {name: [] for name in jobs}
-    for round_ in range(b.repeats):
-        for name, (case, cfg) in jobs.items():
-            print(f"[round {round_ + 1}/{b.repeats}] {name} ...", file=sys.stderr, flush=True)
-            raw[name].append(spawn(case, cfg))
-    for name, runs in raw.items():
+    rounds = run_rounds(jobs, b, report)
+    for name in jobs:
+        runs = [r[name] for r in rounds]
+        report["raw"][name] = runs
         report["cases"][name] = {key: statistics.median(run[key] for run in runs)
                                  for key in runs[0] if isinstance(runs[0][key], (int, float))}
-    cases, ratios = report["cases"], report["ratios"]
+    cases, per_round = report["cases"], {}
     for size in batch_sizes:
-        ratios.update(training_ratios(cases, case_id("", size, batch_sizes[0])))
+        per_round.update(training_ratios(rounds, case_id("", size, batch_sizes[0])))
     if all(case in cases for case in EVAL_CASES):
-        ours, theirs = (cases[case]["seconds_per_1000_rows"] for case in ("eval_sft", "eval_hf"))
-        ratios["eval_vs_hf_time"] = ours / theirs
+        per_round["eval_vs_hf_time"] = paired(rounds, "eval_sft", "eval_hf", "seconds_per_1000_rows")
     if all(case in cases for case in LOSS_CASES):
-        naive, chunked = cases["loss_naive"], cases["loss_chunked"]
-        ratios["chunked_vs_naive_loss_memory"] = chunked["peak_memory_gb"] / naive["peak_memory_gb"]
-        ratios["chunked_vs_naive_loss_time"] = chunked["seconds"] / naive["seconds"]
+        per_round["lean_vs_naive_loss_memory"] = paired(rounds, "loss_lean", "loss_naive", "peak_memory_gb")
+        per_round["lean_vs_naive_loss_time"] = paired(rounds, "loss_lean", "loss_naive", "seconds")
+    ratios = report["ratios"]
+    for key, values in per_round.items():
+        ratios[key] = statistics.median(values)
+        report["spread"][key] = [min(values), max(values)]
     if "preprocess" in b.cases:
         with tempfile.TemporaryDirectory(prefix="sft-bench-preprocess-") as tmp:
             env = {"SFT_CACHE": str(Path(tmp, "cache"))}  # cold: nothing cached yet
@@ -273,10 +293,11 @@ def run_all(overrides: list[str]) -> dict:
         if c["disk_s"] is not None:
             ratios["checksum_disk_gb_per_s"] = c["gb"] / c["disk_s"]
     if "startup" in b.cases:
-        ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job")
-        ratios["startup_help_s"] = startup_seconds("--help")
-        ratios["startup_help_group_s"] = startup_seconds("--help", "loss", "loss=focal")
-        ratios["startup_first_step_s"] = first_step_seconds()
+        n = b.startup_repeats
+        ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job", repeats=n)
+        ratios["startup_help_s"] = startup_seconds("--help", repeats=n)
+        ratios["startup_help_group_s"] = startup_seconds("--help", "loss", "loss=focal", repeats=n)
+        ratios["startup_first_step_s"] = first_step_seconds(n)
     report["targets"] = {}
     for key, value in ratios.items():
         if (target := target_of(key)) is not None:
@@ -287,17 +308,21 @@ def run_all(overrides: list[str]) -> dict:
 
 def print_report(report: dict) -> None:
     cases = report["cases"]
-    print(f"\n{'case':<22}{'tokens/s':>12}{'vs hf':>8}{'peak GiB':>10}{'vs hf':>8}{'mfu':>8}")
+    gpu = any("cpu_share" not in c for c in cases.values() if "tokens_per_second" in c)
+    memory = "peak GiB" if gpu else "peak RSS"
+    print(f"\n{'case':<26}{'tokens/s':>12}{'vs hf':>8}{memory:>10}{'vs hf':>8}{'cpu s':>8}{'mfu':>8}")
     for name, c in cases.items():
         if "tokens_per_second" not in c:
             continue
         suffix = name[len(name.rsplit("_b", 1)[0]):] if name.rsplit("_b", 1)[-1].isdigit() else ""
         hf = cases.get("hf" + suffix, {})
-        print(f"{name:<22}{c['tokens_per_second']:>12.0f}"
+        print(f"{name:<26}{c['tokens_per_second']:>12.0f}"
               f"{c['tokens_per_second'] / hf['tokens_per_second'] if hf else float('nan'):>8.2f}"
               f"{c['peak_memory_gb']:>10.2f}"
               f"{c['peak_memory_gb'] / hf['peak_memory_gb'] if hf else float('nan'):>8.2f}"
-              f"{c['mfu'] if 'mfu' in c else float('nan'):>8.3f}")
+              f"{c.get('cpu_seconds', float('nan')):>8.1f}{c['mfu'] if 'mfu' in c else float('nan'):>8.3f}")
+    if not gpu and any("tokens_per_second" in c for c in cases.values()):
+        print("(memory on a CPU: each case's whole-process peak resident memory, imports and data included)")
     for case in EVAL_CASES:
         if case in cases:
             c = cases[case]
@@ -305,8 +330,9 @@ def print_report(report: dict) -> None:
     for case in LOSS_CASES:
         if case in cases:
             c = cases[case]
+            impl = report["raw"][case][0]["impl"]
             print(f"{case:<22}{c['tokens'] / c['seconds']:>12.0f}{'':>8}{c['peak_memory_gb']:>10.2f}   "
-                  f"({c['seconds']:.2f} s forward+backward)")
+                  f"({c['seconds']:.2f} s forward+backward, {impl})")
     if "preprocess" in cases:
         p = cases["preprocess"]
         print(f"preprocess    {p['rows']} rows: first {p['first_s']:.1f} s, cached {p['cached_s']:.2f} s")
@@ -329,12 +355,19 @@ def print_report(report: dict) -> None:
               f"{disk} from the disk (a resume)")
     for case, reason in report.get("skipped", {}).items():
         print(f"{case:<22}skipped: {reason}")
-    print()
+    for info in report.get("rounds", []):
+        share = "" if info["min_cpu_share"] is None else f", least CPU share {info['min_cpu_share']:.0%}"
+        flag = "  LOADED: its ratios are not to be trusted" if info["loaded"] else ""
+        print(f"round {info['round']} (attempt {info['attempt']}): load average {info['load_before']:.1f} -> "
+              f"{info['load_after']:.1f}{share}{flag}")
+    print(f"\n{'ratio':<40}{'median':>8}  {'rounds (min-max)':<18}")
     for key, value in report["ratios"].items():
         target = report["targets"].get(key)
-        mark = "" if target is None else (f"  target {'>=' if target['kind'] == 'min' else '<='} {target['target']}: "
+        spread = report.get("spread", {}).get(key)
+        rounds = f"{spread[0]:.3f}-{spread[1]:.3f}" if spread else ""
+        mark = "" if target is None else (f"target {'>=' if target['kind'] == 'min' else '<='} {target['target']}: "
                                           f"{'met' if target['met'] else 'NOT MET'}")
-        print(f"{key:<38}{value:>8.3f}{mark}")
+        print(f"{key:<40}{value:>8.3f}  {rounds:<18}{mark}")
 
 
 def main(argv: list[str] | None = None) -> int:

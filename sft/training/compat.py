@@ -8,7 +8,10 @@
 - `set_scheduler_last_lr`: torch's `LRScheduler._last_lr`, so that the rate logged after a resume with another
   `trainer.learning_rate` is the new one;
 - `present_cpu_group_as_gpu`: accelerate's `PartialState.distributed_type`, so that its FSDP2 plugin takes a CPU
-  (gloo) process group.
+  (gloo) process group;
+- `import_deepspeed_only_when_used`: the `is_deepspeed_available` that accelerate's `extract_model_from_parallel`
+  reads, so that unwrapping a model (Trainer does it while it is set up) does not import DeepSpeed (1.5 s) in a run
+  that never uses it.
 """
 
 from __future__ import annotations
@@ -59,3 +62,20 @@ def present_cpu_group_as_gpu(state):
     finally:
         if state.distributed_type == DistributedType.MULTI_GPU:
             state.distributed_type = DistributedType.MULTI_CPU
+
+
+def import_deepspeed_only_when_used() -> None:
+    """accelerate's `extract_model_from_parallel` imports DeepSpeed, where it is installed, to test whether a model
+    is a `DeepSpeedEngine`. No object can be one before DeepSpeed was imported: so its availability is asked only
+    once DeepSpeed is in `sys.modules` (a DeepSpeed run imports it before any engine exists)."""
+    import sys
+
+    import accelerate.utils.other as other
+
+    available = getattr(other.is_deepspeed_available, "__wrapped__", other.is_deepspeed_available)
+
+    def is_deepspeed_available() -> bool:
+        return "deepspeed" in sys.modules and available()
+
+    is_deepspeed_available.__wrapped__ = available
+    other.is_deepspeed_available = is_deepspeed_available

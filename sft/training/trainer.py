@@ -65,6 +65,7 @@ from sft.loss.base import WeightedTokenLoss
 from sft.loss.kernels import choose_impl
 from sft.loss.logits import LogitTransform, router_aux_loss_coef
 from sft.training.clipping import GradClipPolicy
+from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.controllers.base import Controller
 from sft.training.distributed import fsdp_without_gpus
 from sft.training.step_control import StepContext, StepControl, StepReport
@@ -84,6 +85,7 @@ class WeightedLossTrainer(Trainer):
         self.controllers = dict(controllers or {})
         self.throughput = throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
+        import_deepspeed_only_when_used()  # Trainer unwraps the model while it is set up: no DeepSpeed import for it
         super().__init__(*args, callbacks=callbacks, **kwargs)
         self.loss = loss
         self.clip_policy = clip_policy or GradClipPolicy()

@@ -93,3 +93,32 @@ def test_accelerates_process_state_takes_the_gpu_type_for_the_block_and_gets_the
         assert PartialState().distributed_type == DistributedType.FSDP
     finally:
         state.distributed_type = before
+
+
+@pytest.mark.slow
+def test_setting_up_a_trainer_without_deepspeed_no_longer_imports_it_and_unwrapping_still_sees_engines(tmp_path):
+    # import_deepspeed_only_when_used replaces the is_deepspeed_available that accelerate's extract_model_from_parallel
+    # reads: Trainer's set-up imported DeepSpeed (1.5 s of start-up) in runs that never use it (issue 32).
+    script = """
+import sys, torch
+from transformers import Trainer, TrainingArguments
+from sft.training.compat import import_deepspeed_only_when_used
+import_deepspeed_only_when_used()
+import_deepspeed_only_when_used()  # twice: still one wrapper around accelerate's own
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+    def forward(self, x):
+        return self.linear(x)
+Trainer(model=Tiny(), args=TrainingArguments(output_dir=sys.argv[1], report_to=[], use_cpu=True))
+assert "deepspeed" not in sys.modules, "Trainer's set-up imported deepspeed"
+import accelerate.utils.other as other
+assert other.is_deepspeed_available.__wrapped__.__module__ == "accelerate.utils.imports"
+import deepspeed  # once a run imports it, accelerate tests for engines again
+from accelerate.utils import extract_model_from_parallel
+assert other.is_deepspeed_available()
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "ok", proc.stderr[-3000:]
