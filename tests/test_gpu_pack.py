@@ -22,6 +22,7 @@ def test_the_pack_refuses_in_one_line_without_a_gpu_and_writes_nothing(tmp_path)
     assert not (tmp_path / "pack").exists()
 
 
+@pytest.mark.slow
 @needs_cpu_only
 def test_every_gpu_test_is_collected_and_skipped_without_cuda(tmp_path):
     junit = tmp_path / "junit.xml"
