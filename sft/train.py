@@ -34,6 +34,7 @@ from sft.training.arguments import evaluates, training_arguments
 from sft.training.distributed import (end_process_group, rank_overrides, refuse_multirun_in_launch, set_cpu_threads,
                                       share_run_dir, slurm_distributed_env)
 from sft.training.engines import check_fsdp_resume
+from sft.training.run_dir import lock_run_dirs
 
 if TYPE_CHECKING:
     from sft.data.load import SFTData
@@ -72,7 +73,7 @@ def train(cfg: DictConfig) -> RunResults:
     name_the_run()
     run_dir = HydraConfig.get().runtime.output_dir
     output_dir = cfg.trainer.output_dir or run_dir
-    locks = lock_run_dirs(run_dir, output_dir)
+    locks = lock_run_dirs(run_dir, output_dir)  # one run in a dir at a time
     try:
         checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force, cfg.trust_checkpoint)
         check_fsdp_resume(cfg, checkpoint)
@@ -90,6 +91,7 @@ def train(cfg: DictConfig) -> RunResults:
                 stop_preempted(recipe.trainer, preemption, run_dir, started)
             raise_if_failed(recipe.controllers)
             final_eval = evaluate_and_save(recipe, cfg, run_dir)
+            final_eval.update(benchmark_after_training(recipe, cfg, run_dir, final_eval))
             results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
             log_hparams(cfg, run_dir, results.to_json(), recipe.trainer.args)
             finish_trackers()
@@ -109,26 +111,6 @@ def train(cfg: DictConfig) -> RunResults:
             lock.release()
     end_process_group()
     return results
-
-
-def lock_run_dirs(run_dir: str, output_dir: str) -> list:
-    """Rank 0 holds the run dir (and the checkpoint dir, if another) for the run (`sft.training.run_dir.RunDirLock`):
-    a second run started into it refuses to start."""
-    from sft.training.run_dir import RunDirLock
-
-    if os.environ.get("RANK", "0") != "0":
-        return []
-    locks = []
-    try:
-        folders = [(run_dir, "hydra.run.dir")] + ([(output_dir, "trainer.output_dir")] if output_dir != run_dir else [])
-        for folder, key in folders:
-            locks.append(RunDirLock(folder, key))
-            locks[-1].acquire()
-    except ConfigError:
-        for lock in locks:
-            lock.release()
-        raise
-    return locks
 
 
 def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) -> list:
@@ -230,6 +212,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
         tasks=data.tasks,
         throughput=instantiate(cfg.throughput),
         eval_generation=eval_generation(cfg, data),
+        eval_harness=instantiate(cfg.eval_harness, _convert_="all") if cfg.eval_harness is not None else None,
     )
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
 
@@ -290,18 +273,43 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     saved into `<run dir>/model`."""
     from sft.eval.generation import hardest_bucket_exact_match
     from sft.experiments.results import write_eval_rows
+    from sft.model.serving import set_generation_stops
 
     trainer = recipe.trainer
     final_eval = final_evaluation(trainer) if evaluates(cfg) else {}
     if final_eval and trainer.is_world_process_zero():
         write_eval_rows(run_dir, trainer.last_eval_rows, trainer.eval_scores, trainer.tasks)
+    model_dir = str(own_path(os.path.join(run_dir, "model")))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    set_generation_stops(model, recipe.tokenizer)  # a server stops where answers were trained to end
     with stop_on_full_disk(run_dir, "the final model (model/)"):
-        trainer.save_model(str(own_path(os.path.join(run_dir, "model"))))
+        trainer.save_model(model_dir)
+        if hasattr(model, "get_base_model") and trainer.is_world_process_zero():  # an adapter: its stops beside it
+            model.get_base_model().generation_config.save_pretrained(model_dir)
     if cfg.exact_match is not None and recipe.data.eval is not None:
         final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
             trainer, recipe.tokenizer, recipe.data.eval_rows(), list(cfg.eval_buckets),
             cfg.exact_match.max_rows, cfg.exact_match.max_new_tokens)
     return final_eval
+
+
+def benchmark_after_training(recipe: Recipe, cfg: DictConfig, run_dir: str, final_eval: dict) -> dict:
+    """`eval_harness` on the final model, logged at the last step (unless the final evaluation ran it): the model in
+    memory, or, where ZeRO-3 or FSDP shard it over the ranks, the saved `model/` (rank 0 loads it)."""
+    from hydra.utils import instantiate
+
+    trainer = recipe.trainer
+    if trainer.eval_harness is None or any(k.startswith("eval_harness/") for k in final_eval):
+        return {}
+    model, saved = trainer.accelerator.unwrap_model(trainer.model), os.path.join(run_dir, "model")
+    if trainer.shards_parameters and trainer.is_world_process_zero():
+        from peft import PeftModel
+
+        model = (PeftModel.from_pretrained(instantiate(cfg.model), saved) if cfg.lora is not None
+                 else instantiate(cfg.model, name_or_path=saved))
+    metrics = trainer.benchmark(model)
+    trainer.log(dict(metrics))
+    return metrics
 
 
 def eval_generation(cfg: DictConfig, data: SFTData):
@@ -337,6 +345,7 @@ def collect_results(recipe: Recipe, final_eval: dict, train_output, run_dir: str
         eval_token_accuracy=final_eval.get("eval_token_accuracy"),
         eval_loss_buckets=RunResults.buckets(final_eval),
         eval_tasks=RunResults.tasks(final_eval),
+        eval_extra={k: v for k, v in RunResults.extra_metrics(final_eval).items() if not k.endswith("/seconds")},
         train_loss=train_output.training_loss,
         global_step=trainer.state.global_step,
         train_tokens_per_second=trainer.throughput.tokens_per_second,
@@ -443,28 +452,15 @@ def record_failure(error: BaseException, wall_time_s: float) -> None:
         failed.write(HydraConfig.get().runtime.output_dir)
 
 
-def help_answer(argv: list[str]) -> str | None:
-    """`--help [GROUP] [overrides]`: the groups and the composed config, or GROUP's knobs with their help."""
-    from sft.config.help import group_help, help_text
-
-    words = [a for a in argv if a not in ("--help", "-h")]
-    at = argv.index("--help") if "--help" in argv else argv.index("-h")
-    group = argv[at + 1] if at + 1 < len(argv) and "=" not in argv[at + 1] and not argv[at + 1].startswith("-") \
-        else None
-    if group is None:
-        return help_text(words)
-    try:
-        return group_help(group, [w for w in words if w != group])
-    except ConfigError as e:
-        fail(f"config: {e}")
-    except Exception as e:  # noqa: BLE001 - overrides Hydra refuses: said as Hydra says it
-        fail(f"config: {str(e).splitlines()[0]}")
-
-
 def cli() -> None:
     """The `python -m sft.train` entry point: settle the multi-process details, then run `main`."""
     if {"--help", "-h"} & set(sys.argv[1:]):
-        text = help_answer(sys.argv[1:])
+        from sft.config.help import help_answer
+
+        try:
+            text = help_answer(sys.argv[1:])
+        except ConfigError as e:
+            fail(f"config: {e}")
         if text is not None:  # else Hydra's own --help (a pkg:// search path, or an error to report)
             print(text, end="")
             return

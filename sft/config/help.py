@@ -22,6 +22,23 @@ from sft.config.schema import Choice, ConfigError, Schema, import_target
 WIDTH = 100
 
 
+def help_answer(argv: list[str]) -> str | None:
+    """`--help [GROUP] [overrides]`: the groups and the composed config, or GROUP's knobs with their help; None for
+    Hydra's own `--help`. An override that does not compose is a `ConfigError`."""
+    words = [a for a in argv if a not in ("--help", "-h")]
+    at = argv.index("--help") if "--help" in argv else argv.index("-h")
+    group = argv[at + 1] if at + 1 < len(argv) and "=" not in argv[at + 1] and not argv[at + 1].startswith("-") \
+        else None
+    if group is None:
+        return help_text(words)
+    try:
+        return group_help(group, [w for w in words if w != group])
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - overrides Hydra refuses: said as Hydra says it
+        raise ConfigError(group, None, str(e).splitlines()[0]) from None
+
+
 def help_text(overrides: list[str]) -> str | None:
     """The config groups with their options (YAML files only: the `*_schema` entries are the options' schemas, not
     choices), those of your `hydra.searchpath` included, and the composed config, in Hydra's layout. None where this

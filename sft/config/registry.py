@@ -22,6 +22,7 @@ from sft import sample_data
 from sft.config.schema import SCHEMAS, Choice, Schema, config_schema, knob
 from sft.data.spec import CollatorConfig, DataSpec  # noqa: F401 - registers data_schema
 from sft.eval.generation import ExactMatchConfig  # noqa: F401 - registers exact_match_schema
+from sft.eval.harness import EvalHarness  # noqa: F401 - registers eval_harness_schema
 from sft.eval.samples import EvalGeneration  # noqa: F401 - registers eval_generation_schema
 from sft.experiments.sweep import SweepConfig
 from sft.loss import builtin  # noqa: F401 - registers the built-in losses' schemas
@@ -60,6 +61,7 @@ class TrainConfig(Schema):
                                      factory=lambda: [1.0, 2.0, 3.0])
     exact_match: Any = knob(None, "exact_match=default: greedy exact match on the hardest bucket after training")
     eval_generation: Any = knob(None, "eval_generation=default: generation samples at evaluations")
+    eval_harness: Any = knob(None, "eval_harness=sample (or your tasks): lm-evaluation-harness after training")
     sweep: SweepConfig = knob(help="how a multirun goes", factory=SweepConfig)
     throughput: ThroughputMeter = knob(help="the throughput and MFU figures", factory=ThroughputMeter)
     bench: Any = knob(None, "python -m sft.bench only: conf/bench.yaml (sft.bench.config)")

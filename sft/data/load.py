@@ -85,7 +85,7 @@ def load_sft_datasets(spec: DataSpec, tokenizer, loss=None, scores_needed_by: li
     """
     if scores_needed_by is None:
         scores_needed_by = scores_used_by(loss)
-    log_template_profile(tokenizer, str(spec.prefill))
+    log_template_profile(tokenizer, spec.labelling())
     token_weights = loss.token_weights if loss is not None and loss.has_token_weights else None
     train_on = str(spec.train_on)
     shared = {**preprocessing_identity(tokenizer, spec.max_length, spec.default_score),

@@ -10,7 +10,7 @@ import math
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -22,8 +22,10 @@ from sft.data.formats import RowFormat
 from sft.data.labels import tokenize_batch
 from sft.data.rows import DataError, Rejected, _log_format, _table, _without_nulls, iter_source, raw_rows
 from sft.data.sources import Source
+from sft.data.spec import Labelling
 from sft.data.split import column
 from sft.data.templates import ChatRenderer, chat_settings
+from sft.data.turns import LABELLING
 from sft.data.weights import missing_score_reason
 
 if TYPE_CHECKING:
@@ -45,10 +47,12 @@ PARALLEL_ROWS = 20000  # data.num_proc=null tokenises files of this many rows on
 PARALLEL_BYTES = 8 << 20  # and validates JSONL files this large (other sources: of PARALLEL_ROWS) on every core
 
 
-def log_template_profile(tokenizer, prefill: str = "refuse") -> None:
+def log_template_profile(tokenizer, labelling: Labelling = LABELLING) -> None:
     """What the chat template does around an answer, where a user should know it (`TemplateProfile.notes`). A
     template that does not compile, or that jinja's sandbox stops on a plain chat, is one config error, not a refusal
-    of every row."""
+    of every row; so is a labelling that would train an answer without the token the model stops at
+    (`untrained_stop`), which a template with no such token only warns of (in the notes)."""
+    prefill = str(labelling.prefill)
     from jinja2 import TemplateSyntaxError
     from jinja2.exceptions import SecurityError
 
@@ -68,6 +72,8 @@ def log_template_profile(tokenizer, prefill: str = "refuse") -> None:
     except Exception:  # noqa: BLE001 - a template may refuse such a chat: the rows' own refusals say why
         pass
     profile = render.profile
+    if profile.stops and not profile.no_end and (problem := untrained_stop(tokenizer, labelling)):
+        raise ConfigError("tokenizer.chat_template", None, f"{chat_settings(tokenizer).template_name}: {problem}")
     own = ", and the template's own end of turn" if profile.end_of_turn else ""
     log.info("data: answers end at %s (%s%s)", ", ".join(map(repr, profile.stops)) or "no token",
              chat_settings(tokenizer).stops_from, own)
@@ -104,6 +110,33 @@ def preprocessing_identity(tokenizer, max_length: int, default_score: float | No
     return {"max_length": max_length, "default_score": default_score,
             "tokenizer": tokenizer_fingerprint(tokenizer)[:16], "preprocess_version": PREPROCESS_VERSION,
             **chat_settings(tokenizer).identity()}
+
+
+def untrained_stop(tokenizer, labelling: Labelling = LABELLING) -> str | None:
+    """Why an answer would train without a stop token, or None: a probe chat of two answers is labelled as every
+    row is, and each trained stretch must end with one of the stop tokens (`stop_token_ids`: the model's, or the
+    template's own end of turn). A template that refuses the probe (a prefill under `data.prefill=refuse`) is left
+    to the rows to report."""
+    from sft.data.templates import PROBE_ANSWER, stop_token_ids
+
+    chat = [{"role": "user", "content": "Probe question 1?"}, {"role": "assistant", "content": PROBE_ANSWER},
+            {"role": "user", "content": "Probe question 2?"}, {"role": "assistant", "content": PROBE_ANSWER}]
+    from sft.data import labels
+
+    table = labels.tokenize_batch({"messages": [json.dumps(chat)], "difficulty_score": [1.0], "source_line": [0]},
+                                  tokenizer, replace(labelling, max_length=max(labelling.max_length, 512)))
+    if "refused" in table.column_names and any(table.column("refused").to_pylist()):
+        return None
+    stops = set(stop_token_ids(tokenizer))
+    for ids, labels in zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist()):
+        for end in (i for i, label in enumerate(labels) if label != -100 and (i + 1 == len(labels)
+                                                                             or labels[i + 1] == -100)):
+            if ids[end] not in stops:
+                tail = tokenizer.decode(ids[max(0, end - 3):end + 1])
+                names = ", ".join(tokenizer.convert_ids_to_tokens(sorted(stops)))
+                return (f"an answer would train ending {tail!r}, without a token the model stops at ({names}): the "
+                        "model would not learn to stop. Set tokenizer.stop_tokens to the template's end-of-turn token")
+    return None
 
 
 def data_hash(identity: dict) -> str:

@@ -243,7 +243,7 @@ class TemplateProfile:
     - `prefill`: text the generation prompt adds that an answer as the template renders it does not begin with
       (`<think>\\n` of DeepSeek-R1 distills and QwQ, an empty thinking block), or "";
     - `arguments`: the forms of tool-call arguments it renders as JSON (`object`, `text`), found when first asked;
-    - `notes`: what a user should know (a turn end that is no stop token of the model, no end at all).
+    - `notes`: what a user should know (a turn end that is no stop token of the model, no end at all: `no_end`).
     """
 
     def __init__(self, render: ChatRenderer):
@@ -254,6 +254,7 @@ class TemplateProfile:
         self.prefill = ""
         self.notes: list[str] = []
         self.final_end = self.chat_end = ""  # what follows the probe answer in a chat that ends with it, goes on
+        self.no_end = False  # the template ends an answer with no token the model could stop at (a note says so)
         try:
             try:
                 self._probe(None)
@@ -312,6 +313,7 @@ class TemplateProfile:
                               "end of every answer, and a server must stop at it (add its id to "
                               "generation_config.json's eos_token_id, or set tokenizer.stop_tokens)")
         else:
+            self.no_end = True
             self.notes.append(f"{name} writes no token after an answer that the model could learn to stop at (after "
                               f"an answer: {self.final_end[:40]!r}; the model's stop tokens: "
                               f"{_listed(self.model_stops)}): the model will not learn to stop; set "

@@ -38,7 +38,15 @@ def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, batc
                    synced_gpus: bool = False) -> list[str]:
     """Each row's greedy answer to its chat up to the last assistant turn, prompted as the labelling renders it
     (`sft.data.templates.prompt_text`) and ended by the tokens answers are trained to end with (left-padded
-    batches; the model's train/eval mode and the tokenizer's padding side are restored)."""
+    batches; the model's train/eval mode and the tokenizer's padding side are restored), special tokens left out."""
+    return [tokenizer.decode(ids, skip_special_tokens=True)
+            for ids in greedy_ids(model, tokenizer, rows, max_new_tokens, batch_size, synced_gpus)]
+
+
+def greedy_ids(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 32,
+               synced_gpus: bool = False) -> list[list[int]]:
+    """The token ids of `greedy_answers`, each up to (not including) its first stop token: special tokens kept,
+    for reading tool calls (some templates open them with a special token)."""
     import torch
 
     was_training = model.training
@@ -47,13 +55,16 @@ def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, batc
     answers = []
     try:
         stops = stop_token_ids(tokenizer)  # the tokens answers are trained to end with
+        ends = set(stops or [tokenizer.eos_token_id])
         for start in range(0, len(rows), batch_size):
             prompts = [prompt_text(tokenizer, r["messages"][:-1], _tools(r)) for r in rows[start:start + batch_size]]
             enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             with torch.no_grad():
                 out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, synced_gpus=synced_gpus,
                                      eos_token_id=stops or tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for generated in out[:, enc["input_ids"].shape[1]:].tolist():  # (padding follows a stop token only)
+                answers.append(generated[:next((i for i, token in enumerate(generated) if token in ends),
+                                               len(generated))])
     finally:
         tokenizer.padding_side = side
         model.train(was_training)

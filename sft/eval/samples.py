@@ -13,6 +13,7 @@ table (step, prompt, reference, answer) goes to TensorBoard as text and to W&B a
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import sys
 import time
@@ -70,6 +71,9 @@ class EvalGeneration(Schema):
     metrics: Dict[str, str] = knob(help="name -> import path of a function (answer, reference) -> float; logged as "
                                    "eval_gen/<name> (the mean)",
                                    factory=lambda: {"exact_match": "sft.eval.samples.exact_match"})
+    tool_calls: bool = knob(True, "score the calls of prompts whose reference answer makes tool calls, read in the "
+                            "chat template's own form: eval_gen/tool_call_accuracy (per call), "
+                            "eval_gen/tool_turn_accuracy (per turn), eval_gen/tool_calls_malformed")
 
     def check(self, cfg=None):
         for key in ("prompts", "every", "max_new_tokens"):
@@ -105,18 +109,45 @@ class EvalGeneration(Schema):
         return bool(self.rows) and (self.evaluations - 1) % self.every == 0
 
     def generate(self, model, tokenizer, synced_gpus: bool) -> tuple[dict[str, float], list[list[str]]]:
-        """The metrics (`eval_gen/<name>`, `eval_gen/seconds`) and the table rows (prompt, reference, answer)."""
-        from sft.eval.generation import greedy_answers, reference
+        """The metrics (`eval_gen/<name>`, the tool calls', `eval_gen/seconds`) and the table rows (prompt, reference,
+        answer)."""
+        from sft.eval.generation import greedy_ids, reference
 
         started = time.perf_counter()
-        answers = greedy_answers(model, tokenizer, self.rows, self.max_new_tokens, batch_size=len(self.rows),
-                                 synced_gpus=synced_gpus)
+        ids = greedy_ids(model, tokenizer, self.rows, self.max_new_tokens, batch_size=len(self.rows),
+                         synced_gpus=synced_gpus)
+        answers = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
         references = [reference(r) for r in self.rows]
         metrics = {f"eval_gen/{name}": sum(score(a, ref) for a, ref in zip(answers, references)) / len(answers)
                    for name, score in self.scorers.items()}
-        metrics["eval_gen/seconds"] = time.perf_counter() - started
         prompts_shown = [r["messages"][-2].get("content") or "" for r in self.rows]  # the last user turn
-        return metrics, [list(t) for t in zip(prompts_shown, references, answers)]
+        table = [list(t) for t in zip(prompts_shown, references, answers)]
+        if self.tool_calls:
+            metrics.update(self._score_calls(tokenizer, [tokenizer.decode(i) for i in ids], table))
+        metrics["eval_gen/seconds"] = time.perf_counter() - started
+        return metrics, table
+
+    def _score_calls(self, tokenizer, texts: list[str], table: list[list[str]]) -> dict[str, float]:
+        """Tool-call accuracy over the prompts whose reference answer makes calls (`sft.eval.tool_calls`); their rows
+        of the table show the reference calls and the answer as generated, marked where a call is malformed."""
+        from sft.eval.tool_calls import CallFormat, reference_calls, score
+
+        calling = [k for k, r in enumerate(self.rows) if reference_calls(r["messages"][-1])]
+        if not calling:
+            return {}
+        if not hasattr(self, "call_format"):
+            self.call_format = CallFormat.of(tokenizer)
+        right = total = turns = malformed = 0
+        for k in calling:
+            expected = reference_calls(self.rows[k]["messages"][-1])
+            generated, bad = self.call_format.parse(texts[k]) if self.call_format else ([], 0)
+            hits, turn = score(generated, expected)
+            right, total, turns, malformed = right + hits, total + len(expected), turns + turn, malformed + bad
+            table[k][1] = json.dumps([{"name": c.name, "arguments": c.arguments} for c in expected],
+                                     ensure_ascii=False)
+            table[k][2] = texts[k] + (f"  [{bad} malformed call(s)]" if bad else "")
+        return {"eval_gen/tool_call_accuracy": right / total, "eval_gen/tool_turn_accuracy": turns / len(calling),
+                "eval_gen/tool_calls_malformed": float(malformed)}
 
 
 def markdown_table(step: int, table: list[list[str]]) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 import yaml
 from hydra.experimental.callback import Callback
 
-from sft.experiments.results import BUCKET, TASK_METRICS, RunResults, read_eval_rows
+from sft.experiments.results import BUCKET, EVAL_EXTRA, TASK_METRICS, RunResults, read_eval_rows
 from sft.experiments.stats import EvalRows, Interval, bootstrap_interval, paired_bootstrap, t_interval
 
 # Overrides that only place or shape the run: never a swept parameter worth a column.
@@ -63,6 +63,7 @@ def job_row(job: Path) -> dict:
         "eval_ce": results.eval_ce,
         **{f"{BUCKET}{k}": v for k, v in results.eval_loss_buckets.items()},
         **results.eval_tasks,
+        **results.eval_extra,
         "eval_token_accuracy": results.eval_token_accuracy,
         "train_loss": results.train_loss,
         "global_step": results.global_step,
@@ -225,7 +226,7 @@ def settings_markdown(rows: list[dict]) -> list[str]:
         return []
     params = list(rows[0])[:list(rows[0]).index("seeds")]
     shown = [m for m in dict.fromkeys(k for r in rows for k in r)
-             if (m in FIXED or m.startswith((BUCKET, *TASK_METRICS))) and not m.startswith("diff_")
+             if (m in FIXED or m.startswith((BUCKET, *TASK_METRICS, *EVAL_EXTRA))) and not m.startswith("diff_")
              and not m.endswith("_std")]
     columns = params + ["seeds"]
     for metric in shown:

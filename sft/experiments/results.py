@@ -23,6 +23,8 @@ FILE = "results.json"
 EVAL_ROWS = "eval_rows.jsonl"  # the final evaluation, one line per eval sequence (see write_eval_rows)
 BUCKET = "eval_loss_bucket_"
 TASK_METRICS = ("eval_loss_task_", "eval_ce_task_")  # a mixture's per-task eval metrics (sft.data.mixture)
+# the final evaluation's generation metrics (sft.eval.samples) and benchmark scores (sft.eval.harness), as logged
+EVAL_EXTRA = ("eval_gen/", "eval_harness/")
 
 
 @dataclass
@@ -36,6 +38,7 @@ class RunResults:
     eval_token_accuracy: Optional[float] = None
     eval_loss_buckets: dict = field(default_factory=dict)  # bucket number -> unweighted eval loss
     eval_tasks: dict = field(default_factory=dict)  # a mixture's eval_loss_task_<task> / eval_ce_task_<task> -> value
+    eval_extra: dict = field(default_factory=dict)  # eval_gen/<metric>, eval_harness/<task>/<metric> -> value
     train_loss: Optional[float] = None
     global_step: Optional[int] = None
     train_tokens_per_second: Optional[float] = None
@@ -61,7 +64,7 @@ class RunResults:
         for key, value in values.items():
             if key in self.CONTROLLER_FIELDS:
                 setattr(self, key, value)
-            elif key in known or key.startswith((BUCKET, *TASK_METRICS)):
+            elif key in known or key.startswith((BUCKET, *TASK_METRICS, *EVAL_EXTRA)):
                 raise ValueError(f"controllers.{name}: results() gives {key!r}, a field the run itself reports; "
                                  "name the controller's field otherwise")
             elif key in self.extra:
@@ -89,7 +92,7 @@ class RunResults:
         for key, value in asdict(self).items():
             if key == "eval_loss_buckets":
                 out.update({f"{BUCKET}{k}": v for k, v in sorted(value.items(), key=lambda kv: int(kv[0]))})
-            elif key == "eval_tasks":
+            elif key in ("eval_tasks", "eval_extra"):
                 out.update(sorted(value.items()))
             elif key == "extra":
                 out.update(value)
@@ -107,13 +110,19 @@ class RunResults:
         """The per-task entries of metrics (or of the file), `eval_loss_task_<task>` and `eval_ce_task_<task>`."""
         return {k: v for k, v in metrics.items() if k.startswith(TASK_METRICS)}
 
+    @staticmethod
+    def extra_metrics(metrics: dict) -> dict:
+        """The generation and benchmark entries of metrics (or of the file): `eval_gen/...`, `eval_harness/...`."""
+        return {k: v for k, v in metrics.items() if k.startswith(EVAL_EXTRA)}
+
     @classmethod
     def from_json(cls, data: dict) -> RunResults:
         known = {f.name for f in fields(cls)} - {"extra"}
-        buckets, tasks = cls.buckets(data), cls.tasks(data)
-        extra = {k: v for k, v in data.items() if k not in known and k not in tasks and not k.startswith(BUCKET)}
+        buckets, tasks, measured = cls.buckets(data), cls.tasks(data), cls.extra_metrics(data)
+        extra = {k: v for k, v in data.items()
+                 if k not in known and k not in tasks and k not in measured and not k.startswith(BUCKET)}
         return cls(**{k: v for k, v in data.items() if k in known}, eval_loss_buckets=buckets, eval_tasks=tasks,
-                   extra=extra)
+                   eval_extra=measured, extra=extra)
 
     def write(self, run_dir: str | Path) -> None:
         run_dir = Path(run_dir)

@@ -69,6 +69,10 @@ def merge(checkpoint: str, output: str, base: str | None = None, dtype: str | No
     except (OSError, ValueError) as e:
         raise MergeError(f"cannot load the base model {base!r}: {str(e).splitlines()[0]}") from e
     merged = PeftModel.from_pretrained(model, str(adapter), torch_dtype=getattr(torch, dtype)).merge_and_unload()
+    if (adapter / "generation_config.json").is_file():  # the stops training set (sft.model.serving)
+        from transformers import GenerationConfig
+
+        merged.generation_config = GenerationConfig.from_pretrained(str(adapter))
     out = Path(output)
     merged.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(adapter)).save_pretrained(out)

@@ -131,6 +131,24 @@ class RunDirLock:
             pass
 
 
+def lock_run_dirs(run_dir: str, output_dir: str) -> list:
+    """Rank 0 holds the run dir (and the checkpoint dir, if another) for the run (`RunDirLock`):
+    a second run started into it refuses to start."""
+    if os.environ.get("RANK", "0") != "0":
+        return []
+    locks = []
+    try:
+        folders = [(run_dir, "hydra.run.dir")] + ([(output_dir, "trainer.output_dir")] if output_dir != run_dir else [])
+        for folder, key in folders:
+            locks.append(RunDirLock(folder, key))
+            locks[-1].acquire()
+    except ConfigError:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
 def run_outputs(run_dir: str | os.PathLike) -> list[Path]:
     """What earlier runs left in a run dir (`RUN_OUTPUTS`)."""
     root = Path(run_dir)

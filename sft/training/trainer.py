@@ -81,7 +81,7 @@ class WeightedLossTrainer(Trainer):
     def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
                  controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
                  sources: list[str] | None = None, tasks: dict[int, str] | None = None,
-                 throughput: ThroughputMeter | None = None, eval_generation=None, **kwargs):
+                 throughput: ThroughputMeter | None = None, eval_generation=None, eval_harness=None, **kwargs):
         self.controllers = dict(controllers or {})
         self.throughput = throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
@@ -94,6 +94,7 @@ class WeightedLossTrainer(Trainer):
             self.args.output_dir, decode, self.train_dataset, sources, self.is_world_process_zero()))
         self.eval_buckets = list(eval_buckets)
         self.eval_generation = eval_generation  # sft.eval.samples.EvalGeneration: samples at evaluations
+        self.eval_harness = eval_harness  # sft.eval.harness.EvalHarness: benchmarks at every k-th evaluation
         self.eval_scores = {}  # (source, line) -> difficulty score
         if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
             self.eval_scores = row_scores(self.eval_dataset)
@@ -369,7 +370,18 @@ class WeightedLossTrainer(Trainer):
         output.metrics.update(self._eval_metrics(rows, metric_key_prefix))
         if self.eval_generation is not None and metric_key_prefix == "eval" and self.eval_generation.due():
             output.metrics.update(self._generation_samples())
+        if self.eval_harness is not None and metric_key_prefix == "eval" and self.eval_harness.due():
+            output.metrics.update(self.benchmark(self.accelerator.unwrap_model(self.model)))
         return output
+
+    def benchmark(self, model) -> dict[str, float]:
+        """`eval_harness`'s metrics for `model`: rank 0 runs the harness, every rank gets them (the others wait)."""
+        from accelerate.utils import broadcast_object_list
+
+        metrics = [self.eval_harness.run(model, self.processing_class) if self.is_world_process_zero() else None]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(metrics, from_process=0)
+        return metrics[0]
 
     def _generation_samples(self) -> dict[str, float]:
         """`eval_generation`'s greedy answers (every rank generates; synced under ZeRO-3/FSDP), their metrics, and the

@@ -31,3 +31,40 @@ def test_a_template_that_jinjas_sandbox_stops_is_one_config_error_not_a_refusal_
     with pytest.raises(ConfigError) as e:
         preprocess.log_template_profile(blocked)
     assert str(e.value).startswith("tokenizer.chat_template: ") and "stopped by jinja's sandbox" in str(e.value)
+
+
+def test_every_family_and_quirk_trains_each_answer_through_a_stop_token(tmp_path):
+    # The start-up check (issue 31): a probe chat of two answers, labelled as every row is, ends each trained answer
+    # with a token the model stops at, for every template fixture (GLM's next role, gpt-oss's eos after the last,
+    # Command-R7B's next header, a base model's ChatML); a template with no end at all is the one exception, warned of.
+    from chat_templates import FAMILIES, QUIRKS, family_tokenizer
+
+    from sft.data.preprocess import untrained_stop
+    from sft.data.spec import Labelling
+    from sft.data.templates import ChatRenderer
+
+    for family in [*FAMILIES, *QUIRKS]:
+        tokenizer = family_tokenizer(family)
+        profile = ChatRenderer(tokenizer).profile
+        assert profile.no_end == (family == "plain_text"), family
+        problem = untrained_stop(tokenizer, Labelling(prefill="after"))
+        assert (problem is None) == (family != "plain_text"), (family, problem)
+    preprocess.log_template_profile(family_tokenizer("plain_text"))  # warned of (the profile's note), not refused
+
+
+def test_a_labelling_that_misses_the_stop_token_is_refused_at_start_naming_the_template(monkeypatch):
+    import pytest
+    from chat_templates import family_tokenizer
+
+    from sft.config.schema import ConfigError
+    from sft.data import templates
+    from sft.data.templates import configure_chat
+
+    tokenizer = family_tokenizer("llama3")  # its answers end <|eot_id|>
+    configure_chat(tokenizer, template_name="the llama3 fixture")
+    # a model (or a labelling) whose stop tokens are not what its answers are trained to end with
+    monkeypatch.setattr(templates, "stop_token_ids", lambda tok: [tok.convert_tokens_to_ids("<|begin_of_text|>")])
+    with pytest.raises(ConfigError) as e:
+        preprocess.log_template_profile(tokenizer)
+    assert str(e.value).startswith("tokenizer.chat_template: the llama3 fixture: an answer would train ending ")
+    assert "without a token the model stops at (<|begin_of_text|>)" in str(e.value)

@@ -169,6 +169,18 @@ def test_zero3_lora_two_processes_save_a_full_adapter_that_reloads_and_resumes(t
     assert resumed["resumed_from"] == str(run / "checkpoint-4") and resumed["global_step"] == 6
 
 
+def harness_in_a_plain_process(adapter_dir) -> float:
+    """The bundled perplexity task on the saved adapter over the tiny base, in this process."""
+    from peft import PeftModel
+
+    from sft.eval.harness import EvalHarness
+    from sft.model.loading import load_model, load_tokenizer
+
+    model = PeftModel.from_pretrained(load_model("tiny"), str(adapter_dir)).eval()
+    harness = EvalHarness(tasks=["sft_sample_addition_ppl"], limit=8, system_instruction="You add numbers.")
+    return harness.run(model, load_tokenizer("tiny"))["eval_harness/sft_sample_addition_ppl/perplexity"]
+
+
 def assert_whole_adapter(adapter_file):
     """Every projection's LoRA pair at its full shape (never one rank's shard), lora_B trained."""
     adapter = load_file(adapter_file)
@@ -218,10 +230,14 @@ def test_fsdp_lora_saves_a_whole_adapter_that_reloads_and_resumes_exactly_after_
               "trainer.train_sampling_strategy=sequential", "trainer.report_to=[]", f"data.eval_file={SMALL_EVAL}",
               "eval_generation=default"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    first = launch(*common, f"hydra.run.dir={whole}")
+    # with the benchmark after training: the ranks hold shards, so rank 0 evaluates the saved adapter
+    first = launch(*common, "eval_harness=sample", "eval_harness.tasks=[sft_sample_addition_ppl]",
+                   "eval_harness.limit=8", f"hydra.run.dir={whole}")
     assert first.returncode == 0, first.stderr[-3000:]
     adapter = assert_whole_adapter(whole / "model" / "adapter_model.safetensors")
     results = json.loads((whole / "results.json").read_text())
+    assert results["eval_harness/sft_sample_addition_ppl/perplexity"] == pytest.approx(
+        harness_in_a_plain_process(whole / "model"), rel=1e-5)
     assert results["loss_impl"] == "chunked"  # the frozen lm_head gathered for the lean loss
     history = json.loads((whole / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
     # synced generation on both ranks, at the first evaluation and the last step's

@@ -70,7 +70,10 @@ def check_tool_calling(proc, out):
     assert '⟦<tool_call>\n{"name": "get_weather", "arguments": {"city":' in shown or \
            '⟦<tool_call>\n{"name": "add"' in shown, shown[:2000]
     assert "<tool_response>" in shown and "⟦<tool_response>" not in shown
-    assert results(out)["status"] == "ok"
+    r = results(out)
+    assert r["status"] == "ok" and r["eval_gen/tool_calls_malformed"] >= 0
+    # every prompt of calls_eval.jsonl expects one call: a turn is right exactly when its call is
+    assert 0 <= r["eval_gen/tool_turn_accuracy"] <= r["eval_gen/tool_call_accuracy"] <= 1
 
 
 def check_own_loss(proc, out):

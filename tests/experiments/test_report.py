@@ -124,3 +124,26 @@ def test_eval_rows_give_each_metric_as_the_trainer_computes_it():
     assert ev.metric("eval_loss_bucket_0")[0] == pytest.approx(2 / 4)  # score < 1
     assert ev.metric("eval_loss_bucket_2")[0] == pytest.approx(10 / 5)  # 2 <= score < 3: both of line 2
     assert ev.metric("exact_match_hardest") is None  # not a ratio of row sums: no bootstrap
+
+
+def test_benchmark_and_tool_call_scores_get_intervals_and_differences_like_every_metric(tmp_path):
+    # eval_harness/... and eval_gen/... of results.json (issue 31) are report columns with t intervals over seeds.
+    scores = {("0", "1"): 0.50, ("0", "2"): 0.55, ("0", "3"): 0.45, ("1", "1"): 0.70, ("1", "2"): 0.75,
+              ("1", "3"): 0.60}
+    for n, ((alpha, seed), score) in enumerate(scores.items()):
+        d = tmp_path / str(n)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"loss.alpha={alpha}", f"trainer.seed={seed}"]))
+        RunResults(eval_ce=1.0, eval_extra={"eval_harness/gsm8k/exact_match": score,
+                                            "eval_gen/tool_call_accuracy": score / 2}).write(d)
+        assert RunResults.read(d).eval_extra == {"eval_harness/gsm8k/exact_match": score,
+                                                 "eval_gen/tool_call_accuracy": score / 2}
+    write_report(tmp_path, baseline="loss.alpha=0")
+    base, other = settings(tmp_path)
+    values = [scores["1", s] for s in "123"]
+    low, high = stats.t.interval(0.95, 2, loc=np.mean(values), scale=stats.sem(values))
+    assert float(other["eval_harness/gsm8k/exact_match"]) == pytest.approx(np.mean(values))
+    assert float(other["eval_harness/gsm8k/exact_match_low"]) == pytest.approx(low)
+    assert float(other["diff_eval_gen/tool_call_accuracy"]) == pytest.approx(np.mean(values) / 2 - 0.25)
+    markdown = (tmp_path / "sweep_summary.md").read_text()
+    assert "eval_harness/gsm8k/exact_match" in markdown and "eval_gen/tool_call_accuracy" in markdown

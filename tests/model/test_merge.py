@@ -66,6 +66,30 @@ def test_a_lora_run_saves_an_adapter_that_merges_to_the_logits_of_base_plus_adap
     with torch.no_grad():
         base = load_model("tiny").eval()(ids).logits
     assert (a - base).abs().max() > 1e-3, "the adapter changed nothing: the test would not see a failed merge"
+    assert_server_layouts(run / "model", tmp_path / "merged", tok)
+
+
+def assert_server_layouts(adapter, merged, tok):
+    """The adapter and the merged model as vLLM, SGLang and TGI read them (issue 31): the adapter's config names the
+    decoder's linear layers and carries no modules_to_save; both stop where answers were trained to end; the merged
+    model's safetensors hold the dtype its config states, PyTorch format metadata, and its tokenizer the template."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, GenerationConfig
+
+    from sft.model.serving import eos_ids
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["modules_to_save"] is None and config["peft_type"] == "LORA"
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"}  # all-linear, as PEFT names them in the file
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    for folder in (adapter, merged):
+        assert stop in eos_ids(GenerationConfig.from_pretrained(folder)), folder
+    with safe_open(merged / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes == {"F32"} and AutoConfig.from_pretrained(merged).dtype == torch.float32
+    assert "<|im_start|>" in tok.chat_template and tok.eos_token == "<|im_end|>"
 
 
 @pytest.mark.parametrize("args, message", [
