@@ -32,6 +32,9 @@ def refused_value(overrides: list[str]) -> ConfigError | None:
     is Hydra's to report as it runs."""
     if {"-m", "--multirun"} & set(overrides):
         return None  # a sweep's values are expanded per job: each job reports its own
+    if any(o.split("=", 1)[0] in ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+           for o in overrides):
+        return None  # another config dir or primary config: Hydra reads them, and reports what does not compose
     plain = [o for o in overrides if "=" in o and not o.startswith(("-", "hydra/")) and
              (not o.startswith("hydra.") or o.startswith("hydra.searchpath="))]
     try:

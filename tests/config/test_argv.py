@@ -115,3 +115,12 @@ def test_bad_overrides_on_the_command_line_exit_2_with_one_line(tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and message in errors[0] and errors[0].startswith("error: config: "), proc.stderr
+
+
+def test_an_option_of_a_config_dir_given_to_hydra_is_not_refused_before_hydra_reads_it(tmp_path):
+    from sft.config.argv import refused_override
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.yaml").write_text("defaults: [data_schema, _self_]\nmax_length: 64\n")
+    assert refused_override(["--config-dir", str(tmp_path), "data=mine"]) is None
+    assert refused_override([f"--config-dir={tmp_path}", "data=mine"]) is None
