@@ -144,11 +144,19 @@ def free_port() -> int:
 
 
 def launch(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`./launch.sh args...` (accelerate launch) in a subprocess, on a free port."""
-    return subprocess.run(
-        [str(REPO / "launch.sh"), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "MASTER_PORT": str(free_port()), **(env or {})},
-    )
+    """`./launch.sh args...` (accelerate launch) in a subprocess, on a free port. A run past `timeout` fails the
+    test with the ends of its output (where it hung), not pytest's clipped repr of them."""
+    try:
+        return subprocess.run(
+            [str(REPO / "launch.sh"), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "MASTER_PORT": str(free_port()), **(env or {})},
+        )
+    except subprocess.TimeoutExpired as e:
+        def tail(out) -> str:
+            return (out.decode(errors="replace") if isinstance(out, bytes) else out or "")[-4000:]
+
+        pytest.fail(f"launch.sh {' '.join(args)}: still running after {timeout} s\n--- stdout ---\n{tail(e.stdout)}"
+                    f"\n--- stderr ---\n{tail(e.stderr)}", pytrace=False)
 
 
 def step_losses(run_dir: Path, step: int) -> list[float]:

@@ -422,7 +422,11 @@ def child(case: str, config_file: str) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     bench_config.register()
-    cfg = OmegaConf.load(config_file)
+    print(RESULT + json.dumps(run_case(case, OmegaConf.load(config_file))), flush=True)
+
+
+def run_case(case: str, cfg) -> dict:
+    """Run one case in this process (the same torch threads for every case on a CPU); its result."""
     if not _on_gpu():  # every case the same threads (launch.sh's runs: one per core)
         import torch
 
@@ -441,6 +445,6 @@ def child(case: str, config_file: str) -> None:
         result = run_checksums_case(case, cfg)
     else:
         result = run_preprocess_case(case, cfg)
-    print(RESULT + json.dumps(result), flush=True)
+    return result
 
 

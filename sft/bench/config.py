@@ -45,6 +45,8 @@ class BenchConfig(Schema):
                               "weights: 15 GB)")
     checksum_dir: Optional[str] = knob(None, "where it writes it (null: the system's temporary dir)")
     case_timeout_s: int = knob(1800, "a case running longer is stopped and reported")
+    isolate: bool = knob(True, "each training and eval case in a fresh process, so that its peak memory is its own; "
+                         "false: all in this one (faster, for a quick check of the cases; memory not per case)")
 
     def check(self, cfg=None):
         unknown = [case for case in self.cases if case not in CASES + ON_REQUEST]

@@ -99,8 +99,10 @@ TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_nai
 
 def spawn(case: str, cfg, env: dict | None = None) -> dict:
     """Run one case in a fresh process (the same threads for every case); its result, or why it failed."""
-    from sft.bench.cases import threads
+    from sft.bench.cases import run_case, threads
 
+    if not cfg.bench.isolate and case in (*TRAINING_CASES, *EVAL_CASES):  # the loss cases' memory is their point
+        return json.loads(json.dumps(run_case(case, cfg)))  # in this process (as JSON, like a child's result)
     env = {"OMP_NUM_THREADS": str(threads(cfg)), **(env or {})}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(OmegaConf.to_yaml(cfg))
@@ -211,7 +213,7 @@ def run_all(overrides: list[str]) -> dict:
     check(base)  # the bench's node and the training config it runs, as python -m sft.train checks them
     b = base.bench
     report: dict = {"overrides": overrides, "raw": {}, "cases": {}, "ratios": {}, "spread": {}, "rounds": [],
-                    "skipped": {}}
+                    "skipped": {}, "isolated": bool(base.bench.isolate)}
     wanted = list(b.cases)
     if any(case in TRL_CASES for case in wanted) and (reason := trl_missing()):
         print(f"skipping {', '.join(c for c in wanted if c in TRL_CASES)}: {reason}", file=sys.stderr)
@@ -322,7 +324,9 @@ def print_report(report: dict) -> None:
               f"{c['peak_memory_gb'] / hf['peak_memory_gb'] if hf else float('nan'):>8.2f}"
               f"{c.get('cpu_seconds', float('nan')):>8.1f}{c['mfu'] if 'mfu' in c else float('nan'):>8.3f}")
     if not gpu and any("tokens_per_second" in c for c in cases.values()):
-        print("(memory on a CPU: each case's whole-process peak resident memory, imports and data included)")
+        print("(memory on a CPU: each case's whole-process peak resident memory, imports and data included)"
+              if report.get("isolated", True) else "(bench.isolate=false: the cases shared one process, so memory "
+              "figures are that process's peak so far, not each case's own)")
     for case in EVAL_CASES:
         if case in cases:
             c = cases[case]

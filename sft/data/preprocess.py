@@ -3,6 +3,7 @@ result cached under the sft cache by what decides it (`_tokenized_split`), in bo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -219,17 +220,18 @@ def tokenized_split(source: Source, spec: DataSpec, tokenizer, key: str, row_for
                             header=None if on_error == "raise" else f"no row of {path} has a difficulty_score")
         if num_proc is None:  # one process per core where there is enough work to pay for starting them
             num_proc = min(os.cpu_count() or 1, 8) if n_rows >= PARALLEL_ROWS else None
-        ds = concatenate_datasets([Dataset.from_file(str(f)) for f in files]).map(
-            tokenize_batch,
-            batched=True,
-            batch_size=256,
-            num_proc=num_proc if num_proc and num_proc > 1 else None,
-            remove_columns=["messages", "tools"],
-            fn_kwargs={"tokenizer": tokenizer, "labelling": labelling, "token_weights": token_weights,
-                       "turn_weighted": turn_weighted},
-            cache_file_name=str(work / "tokenised.arrow"),
-            desc=f"tokenising {Path(path).name}",
-        )
+        with _environ_kept():
+            ds = concatenate_datasets([Dataset.from_file(str(f)) for f in files]).map(
+                tokenize_batch,
+                batched=True,
+                batch_size=256,
+                num_proc=num_proc if num_proc and num_proc > 1 else None,
+                remove_columns=["messages", "tools"],
+                fn_kwargs={"tokenizer": tokenizer, "labelling": labelling, "token_weights": token_weights,
+                           "turn_weighted": turn_weighted},
+                cache_file_name=str(work / "tokenised.arrow"),
+                desc=f"tokenising {Path(path).name}",
+            )
         keep, summary = _checked(ds, source, n_rows, rejected, on_error, labelling, token_weights)
         _store_rows(ds, keep, tmp)
         (tmp / "rejected.json").write_text(json.dumps([vars(r) for r in rejected]))
@@ -313,6 +315,22 @@ def write_rows_in_parallel(source: Source, rejected: list[Rejected], folder: Pat
         logged.chosen = first[1]
         _log_format(str(source), logged)
     return [job[2] for job in jobs], count, any(weighted for _, weighted, _, _ in done)
+
+
+@contextlib.contextmanager
+def _environ_kept():
+    """`Dataset.map(num_proc=...)` ends by rebinding `os.environ` to a copy it took before (datasets 5.2), which cuts
+    off whoever holds the original (pytest's monkeypatch restores that one, so a test's variable leaked into every
+    later one): the original object is put back, holding the copy's contents."""
+    environ = os.environ
+    try:
+        yield
+    finally:
+        if os.environ is not environ:
+            replaced, os.environ = os.environ, environ
+            for key in set(environ) - set(replaced):
+                del environ[key]
+            environ.update(replaced)
 
 
 _STRETCHES: list = []  # write_rows_in_parallel's jobs, for its forked processes

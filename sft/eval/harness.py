@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
+from unittest import mock
 
 from sft.config.schema import ConfigError, Schema, config_schema, knob, missing
 
@@ -106,12 +107,15 @@ class EvalHarness(Schema):
         manager = TaskManager(include_path=sorted({str(f.parent.resolve()) for f in files}) or None)
         tasks = [sample_task(t) if t in SAMPLE_TASKS else _task_name(Path(t)) if t.endswith((".yaml", ".yml"))
                  else t for t in self.tasks]
+        # lm-eval records the machine through torch's collect_env, subprocesses (`pip list`, which asks PyPI for a
+        # newer pip, ...) run with no timeout: minutes, or for ever, on a node with no route out. Only metrics are kept.
         try:
-            out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=self.num_fewshot, limit=self.limit,
-                                          task_manager=manager, apply_chat_template=self.apply_chat_template,
-                                          system_instruction=self.system_instruction, log_samples=False,
-                                          random_seed=self.seed, numpy_random_seed=self.seed,
-                                          torch_random_seed=self.seed, fewshot_random_seed=self.seed)
+            with mock.patch("lm_eval.evaluator.add_env_info", lambda results: None):
+                out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=self.num_fewshot, limit=self.limit,
+                                              task_manager=manager, apply_chat_template=self.apply_chat_template,
+                                              system_instruction=self.system_instruction, log_samples=False,
+                                              random_seed=self.seed, numpy_random_seed=self.seed,
+                                              torch_random_seed=self.seed, fewshot_random_seed=self.seed)
         finally:
             base.train(was_training)
         metrics = harness_metrics(out["results"])

@@ -1,5 +1,7 @@
 """Preprocessing (`sft.data.preprocess`): a large file tokenised on several processes trains the same rows as on one."""
 
+import os
+
 from conftest import chat, write_jsonl
 
 from sft.data import preprocess
@@ -13,8 +15,11 @@ def test_a_large_jsonl_file_preprocessed_on_several_processes_trains_the_same_ro
     monkeypatch.setattr(preprocess, "PARALLEL_BYTES", 1)
     monkeypatch.setattr(preprocess, "PARALLEL_ROWS", 1)
     monkeypatch.setenv("SFT_CACHE", str(tmp_path / "other-cache"))
+    environ = os.environ
     several = load_sft_datasets(DataSpec(train_file=str(f), max_length=64, num_proc=2), tokenizer)
     assert several.train.to_dict() == one.train.to_dict() and several.data_hash == one.data_hash
+    # datasets' parallel map rebinds os.environ to a copy; kept, so that this test's variable does not leak
+    assert os.environ is environ and os.environ["SFT_CACHE"] == str(tmp_path / "other-cache")
 
 
 def test_a_template_that_jinjas_sandbox_stops_is_one_config_error_not_a_refusal_of_every_row(tokenizer):

@@ -53,3 +53,25 @@ def test_bad_harness_settings_are_one_config_error(overrides, key):
     with pytest.raises(ConfigError) as e:
         check(composed(*overrides))
     assert e.value.key == key
+
+
+def test_the_harness_starts_no_subprocess(monkeypatch):
+    # lm-eval records the machine by running `pip list` and others with no timeout (pip asks PyPI for a newer pip):
+    # on a node with no route out that hung a run after training. sft keeps only the metrics, so nothing is run.
+    import subprocess
+
+    from sft.eval.harness import EvalHarness
+    from sft.model.loading import load_model, load_tokenizer
+
+    started = []
+    real_popen_init = subprocess.Popen.__init__
+
+    def record(self, args, *a, **kw):
+        started.append(args)
+        return real_popen_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", record)
+    metrics = EvalHarness(tasks=["sft_sample_addition_ppl"], limit=2).run(load_model("tiny").eval(),
+                                                                          load_tokenizer("tiny"))
+    assert metrics["eval_harness/sft_sample_addition_ppl/perplexity"] > 1
+    assert not [args for args in started if "pip" in str(args)], started
