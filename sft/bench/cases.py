@@ -85,6 +85,7 @@ def case_trainer(case: str, cfg, run_dir: str):
     from sft.train import build_model
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
+    fields.pop("activation_offloading")  # sft's, not TrainingArguments' (the bench's runs do not offload)
     fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 0.0))
     fields["dataloader_pin_memory"] &= _on_gpu()
     if case.startswith("trl"):
@@ -150,6 +151,42 @@ def run_training_case(case: str, cfg) -> dict:
         flops = flops_per_token(trainer.model, mean_length) * tokens_per_second
         result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
     return result
+
+
+# The long_rows case's variants: what each adds to a packed run of one row per step (offloading on a GPU only).
+LONG_ROW_VARIANTS = {"plain": [], "checkpointed": ["trainer.activation_checkpointing=true"],
+                     "tiled": ["trainer.activation_checkpointing=true", "model.tiled_mlp_tokens={tile}"],
+                     "offloaded": ["trainer.activation_checkpointing=true", "model.tiled_mlp_tokens={tile}",
+                                   "trainer.activation_offloading=true"]}
+
+
+def run_long_rows_case(case: str, cfg) -> dict:
+    """One packed row of `data.max_length` tokens per step: tokens per second, and the memory the timed steps took
+    beyond what the trainer held after its first step (weights, optimizer state: on a CPU, the resident set's
+    growth), per token of the row."""
+    from transformers import TrainerCallback
+
+    from sft.train import build
+
+    device = "cuda" if _on_gpu() else "cpu"
+
+    class AfterTheFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                self.baseline = _memory_reset(device)
+
+    trainer = build(cfg, tempfile.mkdtemp(prefix="sft-bench-long-rows-")).trainer
+    collator = trainer.data_collator = CountingCollator(trainer.data_collator)
+    clock, first = step_clock(), AfterTheFirstStep()
+    trainer.add_callback(first)
+    trainer.add_callback(clock)
+    trainer.train()
+    grown = _memory_peak(device) - first.baseline
+    row = max(collator.tokens)
+    seconds = clock.times[-1] - clock.times[0]
+    return {"tokens_per_second": sum(collator.tokens[1:len(clock.times)]) / seconds, "row_tokens": row,
+            "memory_gb": grown, "bytes_per_token": grown * 2**30 / row, "on_gpu": device == "cuda",
+            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
 
 
 def raw_loop(trainer, clock) -> list[float]:
@@ -443,6 +480,8 @@ def run_case(case: str, cfg) -> dict:
         result = run_scale_case(case, cfg)
     elif case == "checksums":
         result = run_checksums_case(case, cfg)
+    elif case == "long_rows":
+        result = run_long_rows_case(case, cfg)
     else:
         result = run_preprocess_case(case, cfg)
     return result

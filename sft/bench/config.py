@@ -11,7 +11,7 @@ from sft.config.schema import Schema, knob
 
 CASES = ["raw", "hf", "ce_naive", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "trl_padding_free_mask",
          "eval_hf", "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
-ON_REQUEST = ["checksums"]  # writes a 15 GB checkpoint: only when named in bench.cases
+ON_REQUEST = ["checksums", "long_rows"]  # a 15 GB checkpoint; rows of up to 16k tokens: only when named in bench.cases
 
 
 @dataclass
@@ -44,12 +44,18 @@ class BenchConfig(Schema):
     checksum_gb: float = knob(15.0, "the checkpoint the checksums case writes and checksums (a 7B model's bf16 "
                               "weights: 15 GB)")
     checksum_dir: Optional[str] = knob(None, "where it writes it (null: the system's temporary dir)")
+    long_row_lengths: List[int] = knob(help="long_rows: the packed row lengths trained, in tokens",
+                                       factory=lambda: [1024, 4096, 16384])
+    long_row_steps: int = knob(3, "long_rows: timed optimizer steps per length and variant (after one untimed)")
+    long_row_tile_tokens: int = knob(512, "long_rows: model.tiled_mlp_tokens of its tiled variant")
     case_timeout_s: int = knob(1800, "a case running longer is stopped and reported")
-    isolate: bool = knob(True, "each training and eval case in a fresh process, so that its peak memory is its own; "
-                         "false: all in this one (faster, for a quick check of the cases; memory not per case)")
+    isolate: bool = knob(True, "each training, eval and long_rows case in a fresh process, so that its peak memory is "
+                         "its own; false: all in this one (faster, a quick check of the cases; memory not per case)")
 
     def check(self, cfg=None):
         unknown = [case for case in self.cases if case not in CASES + ON_REQUEST]
+        self.require("long_row_lengths", all(n >= 16 for n in self.long_row_lengths), "each must be >= 16 tokens")
+        self.require("long_row_steps", self.long_row_steps >= 1, "must be >= 1")
         self.require("cases", not unknown, f"no such case: {', '.join(unknown)} (cases: "
                      f"{', '.join(CASES + ON_REQUEST)})")
 

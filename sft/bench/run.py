@@ -38,7 +38,9 @@ each, beside the tokenizer alone on the same texts (what no labelling can go bel
 process and of its largest worker), then loading them from the cache; `startup`, the median wall time of
 `python -m sft.train --cfg job`, `--help` and `--help loss loss=focal`, and of the default run from the command to
 its first optimizer step (`startup_first_step_s`, warm caches); `checksums` (only when named), a 15 GB
-checkpoint's CRC-32s from the page cache and from the disk.
+checkpoint's CRC-32s from the page cache and from the disk; `long_rows` (only when named), one row a step of
+each of `bench.long_row_lengths` tokens, plain, checkpointed, with tiled MLPs and (GPU) offloaded checkpoints:
+tokens/s and memory per token (docs/long_context.md).
 
 `preset=gpu_7b` is the GPU check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16,
 packed rows of about 4k tokens, the lean loss, 20 steps (see conf/preset/gpu_7b.yaml).
@@ -61,8 +63,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LOSS_CASES, RESULT, TRAINING_CASES, TRL_CASES, child,
-                             timed_training_overrides)
+from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_VARIANTS, LOSS_CASES, RESULT, TRAINING_CASES,
+                             TRL_CASES, child, timed_training_overrides)
 from sft.bench.rows import multi_turn_rows, synthetic_rows
 from sft.bench.config import compose
 from sft.config.schema import ConfigError
@@ -101,7 +103,7 @@ def spawn(case: str, cfg, env: dict | None = None) -> dict:
     """Run one case in a fresh process (the same threads for every case); its result, or why it failed."""
     from sft.bench.cases import run_case, threads
 
-    if not cfg.bench.isolate and case in (*TRAINING_CASES, *EVAL_CASES):  # the loss cases' memory is their point
+    if not cfg.bench.isolate and case in (*TRAINING_CASES, *EVAL_CASES, "long_rows"):  # the loss cases': memory
         return json.loads(json.dumps(run_case(case, cfg)))  # in this process (as JSON, like a child's result)
     env = {"OMP_NUM_THREADS": str(threads(cfg)), **(env or {})}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
@@ -230,7 +232,7 @@ def run_all(overrides: list[str]) -> dict:
     evaluation = compose(overrides + ["loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"])
     jobs.update({case: (case, evaluation) for case in wanted if case in EVAL_CASES})
     jobs.update({case: (case, base) for case in wanted if case in LOSS_CASES})
-    rounds = run_rounds(jobs, b, report)
+    rounds = run_rounds(jobs, b, report) if jobs else []
     for name in jobs:
         runs = [r[name] for r in rounds]
         report["raw"][name] = runs
@@ -294,6 +296,8 @@ def run_all(overrides: list[str]) -> dict:
         ratios["checksum_cached_gb_per_s"] = c["gb"] / c["cached_s"]
         if c["disk_s"] is not None:
             ratios["checksum_disk_gb_per_s"] = c["gb"] / c["disk_s"]
+    if "long_rows" in b.cases:
+        cases["long_rows"] = long_rows(overrides, base)
     if "startup" in b.cases:
         n = b.startup_repeats
         ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job", repeats=n)
@@ -306,6 +310,33 @@ def run_all(overrides: list[str]) -> dict:
             t, kind = target
             report["targets"][key] = {"target": t, "kind": kind, "met": value >= t if kind == "min" else value <= t}
     return report
+
+
+def long_rows(overrides: list[str], base) -> dict:
+    """Each length of `b.long_row_lengths` in one packed row per step, plain, with activation checkpointing, with
+    tiled MLPs too and (on a GPU) offloaded checkpoints too, each in a process of its own:
+    {variant: {length: result}}."""
+    import torch
+
+    b = base.bench
+    timed = [o for o in timed_training_overrides(base) if not o.startswith(("trainer.max_steps=",
+                                                                             "trainer.logging_steps="))]
+    variants = [v for v in LONG_ROW_VARIANTS if v != "offloaded" or torch.cuda.is_available()]
+    results: dict = {variant: {} for variant in variants}
+    with tempfile.TemporaryDirectory(prefix="sft-bench-long-rows-") as tmp:
+        for length in b.long_row_lengths:
+            rows = Path(tmp, f"rows-{length}.jsonl")  # chats of about 150 tokens a turn, cut to the length
+            multi_turn_rows(rows, b.long_row_steps + 1, turns=length // 100 + 1)
+            for variant in variants:
+                print(f"[long_rows] {variant} {length} tokens ...", file=sys.stderr, flush=True)
+                extra = [o.format(tile=b.long_row_tile_tokens) for o in LONG_ROW_VARIANTS[variant]]
+                cfg = compose(overrides + [f"data.train_file={rows}", "data.eval_file=null", f"data.max_length={length}",
+                                           "data.packing=true", "loss=ce", "trainer.per_device_train_batch_size=1",
+                                           "trainer.gradient_accumulation_steps=1", *timed,
+                                           f"trainer.max_steps={b.long_row_steps + 1}", "trainer.logging_steps=1",
+                                           "trainer.train_sampling_strategy=sequential", *extra])
+                results[variant][str(length)] = spawn("long_rows", cfg)
+    return results
 
 
 def print_report(report: dict) -> None:
@@ -357,6 +388,14 @@ def print_report(report: dict) -> None:
         disk = "not measured (cannot drop the page cache here)" if c["disk_s"] is None else f"{c['disk_s']:.1f} s"
         print(f"checksums     a {c['gb']:.0f} GB checkpoint: {c['cached_s']:.1f} s from the page cache (a save), "
               f"{disk} from the disk (a resume)")
+    if "long_rows" in cases:
+        print("long rows     one packed row a step: tokens/s, and memory per token of the row (the step's peak over "
+              "the built trainer's" + ("" if any(r["on_gpu"] for v in cases["long_rows"].values() for r in v.values())
+                                       else ", the resident set's on a CPU") + ")")
+        for variant, by_length in cases["long_rows"].items():
+            print(f"  {variant:<14}" + "  ".join(f"{n:>6}: {r['tokens_per_second']:>8.0f} tok/s "
+                                                 f"{r['bytes_per_token'] / 1024:>7.1f} KiB/token"
+                                                 for n, r in by_length.items()))
     for case, reason in report.get("skipped", {}).items():
         print(f"{case:<22}skipped: {reason}")
     for info in report.get("rounds", []):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,9 @@ class ModelConfig(Schema):
                                        "load name_or_path's weights", factory=dict)
     config_overrides: Dict[str, Any] = knob(help="fields of the checkpoint's config to change, e.g. "
                                             "+model.config_overrides.output_router_logits=true", factory=dict)
+    tiled_mlp_tokens: Optional[int] = knob(None, "compute each MLP in tiles of this many tokens, again in the backward "
+                                           "(DeepSpeed ALST's TiledMLP): long rows' largest activation a tile at a "
+                                           "time; null: untiled")
 
     def check(self, cfg=None):
         if self.quantization is not None and cfg is not None:
@@ -162,6 +166,16 @@ class ModelConfig(Schema):
             self.require("quantization", cuda_available(),
                          "4-bit QLoRA needs a CUDA GPU (bitsandbytes); this machine has none: use lora=default")
             self.require("quantization", installed("bitsandbytes"), "needs bitsandbytes: pip install bitsandbytes")
+        self.require("tiled_mlp_tokens", self.tiled_mlp_tokens is None or self.tiled_mlp_tokens >= 1,
+                     "must be >= 1 (or null: untiled)")
+        if self.tiled_mlp_tokens is not None and cfg is not None:
+            # TiledMLP runs a backward per tile: each trainable weight's gradient arrives once per tile, which
+            # DeepSpeed is told to wait for; DDP and FSDP2 would reduce it at the first tile
+            self.require("tiled_mlp_tokens", cfg.fsdp is None, "is not supported under FSDP2 (which reduces a "
+                         "weight's gradient at its first tile): use deepspeed=zero2 or zero3")
+            self.require("tiled_mlp_tokens", bool(cfg.deepspeed) or int(os.environ.get("WORLD_SIZE", "1")) == 1,
+                         "with several processes needs DeepSpeed (DDP would reduce a weight's gradient at its first "
+                         "tile): add deepspeed=zero2 or zero3")
 
 
 @dataclass
@@ -230,6 +244,7 @@ def load_model(
     quantization: str | None = None,
     random_init: dict | None = None,
     config_overrides: dict | None = None,
+    tiled_mlp_tokens: int | None = None,
 ):
     """Load a causal LM with the Auto classes (the tiny preset included); `quantization=nf4` for QLoRA.
 
@@ -239,9 +254,10 @@ def load_model(
     loading `name_or_path`'s, on the GPU when there is one: benchmarks at full size with no download.
     `config_overrides` changes fields of the model's config (e.g. a mixture of experts' router aux loss:
     `output_router_logits`, `router_aux_loss_coef`); a name the config does not have is refused.
+    `tiled_mlp_tokens` computes the MLPs in tiles of that many tokens (`sft.model.tiling`).
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if attn_implementation == "sdpa_varlen":
         from sft.model import attention
@@ -261,6 +277,23 @@ def load_model(
     else:
         config = AutoConfig.from_pretrained(resolve(name_or_path), trust_remote_code=trust_remote_code)
     _override_config(config, config_overrides or {})
+    model = _load(name_or_path, config, dtype, attn_implementation, trust_remote_code, random_init, config_overrides,
+                  extra)
+    if tiled_mlp_tokens:
+        from sft.model.tiling import tile_mlps
+
+        if not tile_mlps(model, tiled_mlp_tokens):
+            from sft.config.schema import ConfigError
+
+            raise ConfigError("model.tiled_mlp_tokens", tiled_mlp_tokens, f"{type(model).__name__} has no dense MLP "
+                              "to tile (a decoder layer's `mlp` of a class named *MLP): set it to null")
+    return model
+
+
+def _load(name_or_path, config, dtype, attn_implementation, trust_remote_code, random_init, config_overrides, extra):
+    import torch
+    from transformers import AutoModelForCausalLM
+
     try:
         if random_init:
             with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

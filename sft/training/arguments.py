@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional
 
-from sft.config.schema import ConfigError, Schema, config_schema, knob, missing
+from sft.config.schema import ConfigError, Schema, config_schema, cuda_available, knob, missing
 from sft.training.trainer_fields import GENERATED_FROM, TrainingArgumentsFields
 
 # report_to entries and the module each needs ("module pip-name" where they differ)
@@ -39,7 +39,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         "deepspeed": "the deepspeed group: deepspeed=zero2, zero3, zero3_offload, or file deepspeed.path=ds.json "
                      "(and deepspeed.<key>=...)",
         "gradient_checkpointing": "use trainer.activation_checkpointing=true (its kwargs set by the recipe)",
-        "activation_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",
+        "activation_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing, "
+                                           "and offload=true for trainer.activation_offloading",
         "gradient_checkpointing_kwargs": "set by the recipe (use_reentrant=false) for trainer.activation_checkpointing",
         "resume_from_checkpoint": "use resume=auto (the newest complete checkpoint) or resume=<checkpoint dir>",
         "fsdp": "the fsdp group: fsdp=full_shard or full_shard_offload (and fsdp.<key>=...)",
@@ -91,6 +92,10 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     ddp_timeout: int = knob(1800, "seconds a collective may wait")
     ddp_backend: Optional[str] = knob(None, "null: nccl on GPU, gloo on CPU")
     use_cpu: bool = knob(False, "train on the CPU even where there is a GPU")
+    # sft's own (not a TrainingArguments field): becomes activation_checkpointing_kwargs' offload
+    activation_offloading: bool = knob(False, "hold the activation checkpoints in pinned host memory from the forward "
+                                       "to the backward (transformers' offload): frees layers x tokens x hidden of "
+                                       "GPU memory, a slower step; with activation_checkpointing")
 
     def check(self, cfg=None):
         import math
@@ -109,6 +114,15 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         self.require("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1,
                      "must be >= 1 (or null to keep every checkpoint)")
         self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
+        if self.activation_offloading:
+            self.require("activation_offloading", self.activation_checkpointing,
+                         "offloads the activation checkpoints: set trainer.activation_checkpointing=true too")
+            self.require("activation_offloading", cfg is None or cfg.fsdp is None,
+                         "FSDP2 checkpoints activations its own way, which transformers' offload does not reach: "
+                         "use deepspeed=zero3 (or fsdp=full_shard without it)")
+            self.require("activation_offloading", cuda_available() and not self.use_cpu,
+                         "moves activations from the GPU to host memory (pinned, which needs a GPU); on a CPU they "
+                         "are in host memory already: set it to false")
         for tracker in [self.report_to] if isinstance(self.report_to, str) else (self.report_to or []):
             self.require("report_to", tracker in TRACKER_PACKAGES or tracker in REPORT_TO_WORDS,
                          f"{tracker!r} is not a tracker transformers knows (one of "
@@ -171,6 +185,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     from sft.training.engines import fsdp_fields
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
+    offload = fields.pop("activation_offloading")
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()
@@ -193,7 +208,8 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
             label_names=["labels"],
             include_num_input_tokens_seen="non_padding",
             eval_on_start=has_eval and not resuming,
-            activation_checkpointing_kwargs={"use_reentrant": False} if fields["activation_checkpointing"] else None,
+            activation_checkpointing_kwargs=({"use_reentrant": False, **({"offload": True} if offload else {})}
+                                             if fields["activation_checkpointing"] else None),
             deepspeed=OmegaConf.to_container(cfg.deepspeed, resolve=True) if cfg.deepspeed else None,
         )
     except ValueError as e:

@@ -91,3 +91,23 @@ def test_trl_cases_are_skipped_with_one_line_when_trl_is_missing(monkeypatch, ca
     assert report["raw"] == {} and report["ratios"] == {}
     assert set(report["skipped"]) == {"trl", "trl_padding_free", "trl_padding_free_mask"}
     assert "skipping trl, trl_padding_free, trl_padding_free_mask: trl is not installed" in capsys.readouterr().err
+
+
+def test_long_rows_train_one_row_of_each_length_with_the_same_losses_in_every_variant(tmp_path):
+    # Checkpointing and tiling change where the activations live, never the losses; each length is one row a step.
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sft.bench", "--out", str(out), "bench.cases=[long_rows]", "bench.long_row_lengths=[96,400]",
+         "bench.long_row_steps=1", "bench.long_row_tile_tokens=64", "bench.isolate=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    long_rows = json.loads(out.read_text())["cases"]["long_rows"]
+    assert list(long_rows) == ["plain", "checkpointed", "tiled"]  # offloaded: on a GPU only
+    for length in ("96", "400"):
+        runs = [long_rows[variant][length] for variant in long_rows]
+        assert all(run["row_tokens"] == int(length) and run["bytes_per_token"] >= 0 for run in runs)
+        assert len(runs[0]["losses"]) == 2
+        for run in runs[1:]:
+            assert run["losses"] == pytest.approx(runs[0]["losses"], abs=1e-5)
+    assert long_rows["plain"]["96"]["losses"] != long_rows["plain"]["400"]["losses"]
+    assert "KiB/token" in proc.stdout

@@ -6,7 +6,8 @@ figures (README: "The GPU pack").
   values and gradients, on weighted tokens;
 - flash attention's varlen kernel on a packed row equals each sample's logits alone (padded);
 - QLoRA (4-bit NF4 base) trains, and its adapter merges into the base;
-- bf16 training of the tiny model follows fp32's step losses."""
+- bf16 training of the tiny model follows fp32's step losses;
+- a long row trains the same losses offloaded and with tiled MLPs, in less GPU memory."""
 
 from __future__ import annotations
 
@@ -216,3 +217,19 @@ def test_bf16_training_follows_fp32_step_losses(tmp_path):
     assert len(losses["bf16"]) == 8
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=3e-2)
     assert losses["fp32"][-1] < losses["fp32"][0]  # it trained: the comparison is of a moving curve
+
+
+def test_long_rows_offloaded_and_tiled_train_the_same_losses_in_less_gpu_memory(tmp_path):
+    # One 8k-token row a step (the bench's long_rows case, lengths 8192, with the bf16 autocast replayed in the
+    # tiles' backward): each variant the plain checkpointed run's losses, in less GPU memory than the one before it.
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "sft.bench", "--out", str(out), "bench.cases=[long_rows]",
+                           "bench.long_row_lengths=[8192]", "bench.long_row_steps=2", "bench.long_row_tile_tokens=1024",
+                           "trainer.bf16=true"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {variant: r["8192"] for variant, r in json.loads(out.read_text())["cases"]["long_rows"].items()}
+    assert list(runs) == ["plain", "checkpointed", "tiled", "offloaded"]
+    for variant in ("tiled", "offloaded"):
+        assert runs[variant]["losses"] == pytest.approx(runs["checkpointed"]["losses"], rel=1e-2), variant
+    memory = [runs[v]["memory_gb"] for v in ("plain", "checkpointed", "tiled", "offloaded")]
+    assert memory == sorted(memory, reverse=True), memory
