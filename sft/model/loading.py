@@ -172,10 +172,15 @@ class ModelConfig(Schema):
             # TiledMLP runs a backward per tile: each trainable weight's gradient arrives once per tile, which
             # DeepSpeed is told to wait for; DDP and FSDP2 would reduce it at the first tile
             self.require("tiled_mlp_tokens", cfg.fsdp is None, "is not supported under FSDP2 (which reduces a "
-                         "weight's gradient at its first tile): use deepspeed=zero2 or zero3")
+                         "weight's gradient at its first tile): use deepspeed=zero2")
             self.require("tiled_mlp_tokens", bool(cfg.deepspeed) or int(os.environ.get("WORLD_SIZE", "1")) == 1,
                          "with several processes needs DeepSpeed (DDP would reduce a weight's gradient at its first "
-                         "tile): add deepspeed=zero2 or zero3")
+                         "tile): add deepspeed=zero2")
+            # ZeRO-3 gathers the MLP's weights over the ranks at every tile: ranks with rows of other lengths
+            # would make other numbers of gathers and wait on each other for ever
+            self.require("tiled_mlp_tokens", (cfg.deepspeed or {}).get("zero_optimization", {}).get("stage") != 3,
+                         "is not supported under ZeRO-3, which gathers the MLP's weights at every tile (ranks with "
+                         "rows of other lengths would make other numbers of gathers, and hang): use deepspeed=zero2")
 
 
 @dataclass

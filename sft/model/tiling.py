@@ -43,10 +43,10 @@ def _tiled_forward(module: torch.nn.Module, forward, tokens: int):
         # one row of tokens: TiledMLP tiles the forward along the sequence but the backward along the flattened
         # batch, which for several rows are other tiles (their dropout masks drawn in another order)
         flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-        tiles = _agreed(math.ceil(flat.shape[0] / tokens), hidden_states.device)
+        tiles = math.ceil(flat.shape[0] / tokens)
         if tiles <= 1:
             return forward(hidden_states)
-        # ZeRO needs the trainable weights, to count each one's gradient once, after the last tile
+        # DeepSpeed needs the trainable weights, to reduce each one's gradient once, after the last tile
         params = [p for p in module.parameters() if p.requires_grad]
         replay = _Replay(forward, len(torch.chunk(flat, tiles, dim=0)), hidden_states.device)
         return TiledMLP.apply(replay, module, flat, tiles, params).view_as(hidden_states)
@@ -85,15 +85,3 @@ class _Replay:
         if self.calls == 2 * self.tiles:
             self._set_rng(self.outside)
         return out
-
-
-def _agreed(tiles: int, device: torch.device) -> int:
-    """The most tiles any rank needs: under ZeRO-3 every MLP call gathers the weights over the ranks, so each rank
-    makes the same number of calls."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return tiles
-    count = torch.tensor(tiles, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count.item())

@@ -118,6 +118,18 @@ def test_zero3_preempted_by_sigterm_then_resumed_equals_one_process(tmp_path, on
     assert_same_run(one_process, two)
 
 
+@pytest.mark.slow
+def test_zero2_with_tiled_mlps_equals_one_process_without(tmp_path, one_process):
+    """Two processes under ZeRO-2 with every MLP in tiles (`model.tiled_mlp_tokens`): each weight's gradient reduced
+    once, after its last tile, over the ranks: the untiled single process's losses, eval loss and weights."""
+    two = tmp_path / "two"
+    tiled = launch("--nproc", "2", *EXACT, *WEIGHTED, "deepspeed=zero2", "model.tiled_mlp_tokens=24",
+                   "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}")
+    assert tiled.returncode == 0, tiled.stderr[-3000:]
+    assert "4 MLPs tiled" in (two / "train.log").read_text()
+    assert_same_run(one_process, two)
+
+
 def eval_loss_in_a_plain_process(adapter_dir):
     """Eval loss of base + saved adapter in a fresh process, with plain PEFT and no DeepSpeed or FSDP."""
     script = f"""

@@ -93,6 +93,7 @@ def test_a_model_with_no_dense_mlp_is_refused_by_name():
 @pytest.mark.parametrize("overrides, key, words", [
     (["model.tiled_mlp_tokens=0"], "model.tiled_mlp_tokens", "must be >= 1"),
     (["model.tiled_mlp_tokens=64", "fsdp=full_shard"], "model.tiled_mlp_tokens", "not supported under FSDP2"),
+    (["model.tiled_mlp_tokens=64", "deepspeed=zero3"], "model.tiled_mlp_tokens", "not supported under ZeRO-3"),
     (["trainer.activation_offloading=true"], "trainer.activation_offloading", "activation_checkpointing=true too"),
     (["trainer.activation_offloading=true", "trainer.activation_checkpointing=true"], "trainer.activation_offloading",
      "on a CPU they are in host memory already"),
