@@ -2,4 +2,4 @@
 
 from sft.bench.run import main
 
-main()
+raise SystemExit(main())

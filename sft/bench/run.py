@@ -422,10 +422,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         child(args.case, args.config)
         return 0
+    from hydra.errors import HydraException
+
+    from sft.config.argv import composition_error
+
     try:
         report = run_all(overrides)
     except ConfigError as e:
         print(f"error: config: {e}", file=sys.stderr)
+        return 2
+    except HydraException as e:  # an override that does not compose: one line, as python -m sft.train says it
+        print(f"error: config: {composition_error(e, overrides, compose) or str(e).splitlines()[0]}",
+              file=sys.stderr)
         return 2
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print_report(report)

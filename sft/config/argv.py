@@ -44,9 +44,10 @@ def refused_value(overrides: list[str]) -> ConfigError | None:
     return None
 
 
-def composition_error(error: Exception, overrides: list[str]) -> ConfigError | None:
+def composition_error(error: Exception, overrides: list[str], composer=None) -> ConfigError | None:
     """The one-line error for a composition failure that Hydra would report in several lines (or as a traceback),
-    or None where it is not one of those read here."""
+    or None where it is not one of those read here. `composer(overrides)` composes the config the overrides are
+    of (default: the training config)."""
     from hydra.errors import MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
@@ -57,7 +58,7 @@ def composition_error(error: Exception, overrides: list[str]) -> ConfigError | N
             return ConfigError(cause.full_key, choice.group(1), f"must be one of {choice.group(2)}")
         return ConfigError(cause.full_key, None, message)
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and getattr(cause, "full_key", None):
-        return unknown_key(str(cause.full_key), overrides)
+        return unknown_key(str(cause.full_key), overrides, composer)
     if isinstance(error, MissingConfigException):
         missing = re.search(r"Could not find '(.+)/([^/']+)'", str(error))
         if missing:
@@ -74,13 +75,17 @@ def composition_error(error: Exception, overrides: list[str]) -> ConfigError | N
     return None
 
 
-def unknown_key(key: str, overrides: list[str]) -> ConfigError:
+def unknown_key(key: str, overrides: list[str], composer=None) -> ConfigError:
     """A key that is not in the config: of a group left off (`exact_match.max_rows` while `exact_match: null`), new
     in a free-form dict (needs `+`), or misspelt (the nearest knob named)."""
     parent_key, _, name = key.rpartition(".")
-    others = [o for o in overrides if not o.lstrip("+~").startswith(key)]
+    def about(override: str) -> bool:  # sets this key, or a node above it (model.random_init={model_type: ...})
+        name = override.lstrip("+~").split("=", 1)[0]
+        return name.startswith(key) or key.startswith(name + ".")
+
+    others = [o for o in overrides if not about(o)]
     try:
-        cfg = compose("train", others)
+        cfg = composer(others) if composer is not None else compose("train", others)
     except Exception:  # noqa: BLE001 - the other overrides fail too: say what is known of this one
         return ConfigError(key, None, "not a knob of this config")
     parent = OmegaConf.select(cfg, parent_key, default="absent") if parent_key else cfg

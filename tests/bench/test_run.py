@@ -93,6 +93,7 @@ def test_trl_cases_are_skipped_with_one_line_when_trl_is_missing(monkeypatch, ca
     assert "skipping trl, trl_padding_free, trl_padding_free_mask: trl is not installed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_long_rows_train_one_row_of_each_length_with_the_same_losses_in_every_variant(tmp_path):
     # Checkpointing and tiling change where the activations live, never the losses; each length is one row a step.
     out = tmp_path / "bench.json"
@@ -111,3 +112,14 @@ def test_long_rows_train_one_row_of_each_length_with_the_same_losses_in_every_va
             assert run["losses"] == pytest.approx(runs[0]["losses"], abs=1e-5)
     assert long_rows["plain"]["96"]["losses"] != long_rows["plain"]["400"]["losses"]
     assert "KiB/token" in proc.stdout
+
+
+@pytest.mark.parametrize("override, message", [
+    ("bench.stepz=3", "error: config: bench.stepz: not a knob of bench (did you mean bench.steps?)"),
+    ("model.random_init={model_type:qwen2}", "error: config: model.random_init.model_type: a new key of "
+                                             "model.random_init (a free-form dict): add it with +"),
+])
+def test_a_bad_override_is_one_line_and_exit_code_2(override, message):
+    proc = subprocess.run([sys.executable, "-m", "sft.bench", override], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.splitlines()) == 1, proc.stderr

@@ -55,6 +55,7 @@ def test_bad_harness_settings_are_one_config_error(overrides, key):
     assert e.value.key == key
 
 
+@pytest.mark.slow
 def test_the_harness_starts_no_subprocess(monkeypatch):
     # lm-eval records the machine by running `pip list` and others with no timeout (pip asks PyPI for a newer pip):
     # on a node with no route out that hung a run after training. sft keeps only the metrics, so nothing is run.

@@ -127,6 +127,7 @@ modeling.save_on_cpu = on_host
 """
 
 
+@pytest.mark.slow
 def test_offloaded_checkpoints_and_tiled_mlps_train_the_plain_runs_losses(tmp_path, monkeypatch):
     plain, offloaded, tiled = tmp_path / "plain", tmp_path / "offloaded", tmp_path / "tiled"
     # SGD: the tiles sum a gradient in another order (1e-7 apart), which Adam's first steps would magnify; no dropout:
