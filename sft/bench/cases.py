@@ -83,9 +83,11 @@ def case_trainer(case: str, cfg, run_dir: str):
     from sft.data.load import load_sft_datasets
     from sft.loss.base import build_loss
     from sft.train import build_model
+    from sft.training.arguments import TrainerConfig
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
-    fields.pop("activation_offloading")  # sft's, not TrainingArguments' (the bench's runs do not offload)
+    for name in TrainerConfig.sft_fields:  # sft's own knobs, not TrainingArguments fields
+        fields.pop(name)
     fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 0.0))
     fields["dataloader_pin_memory"] &= _on_gpu()
     if case.startswith("trl"):

@@ -25,7 +25,7 @@ REPORT_TO_WORDS = ("all", "none")  # transformers' own: every installed tracker,
 class TrainerConfig(TrainingArgumentsFields, Schema):
     """Every field of `transformers.TrainingArguments`, passed to it as they are; below, those whose default is this
     project's, with their checks. The fields the recipe sets itself are refused (`owned_fields`), naming the knob
-    that replaces each."""
+    that replaces each; the recipe's own knobs here (`sft_fields`) become TrainingArguments through it."""
 
     # TrainingArguments fields that the recipe sets itself, and the sft knob for each
     owned_fields: ClassVar[Dict[str, str]] = {
@@ -92,7 +92,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     ddp_timeout: int = knob(1800, "seconds a collective may wait")
     ddp_backend: Optional[str] = knob(None, "null: nccl on GPU, gloo on CPU")
     use_cpu: bool = knob(False, "train on the CPU even where there is a GPU")
-    # sft's own (not a TrainingArguments field): becomes activation_checkpointing_kwargs' offload
+    # sft's own knobs, not TrainingArguments fields: each becomes TrainingArguments through the recipe
+    sft_fields: ClassVar[Dict[str, str]] = {"activation_offloading": "activation_checkpointing_kwargs' offload"}
     activation_offloading: bool = knob(False, "hold the activation checkpoints in pinned host memory from the forward "
                                        "to the backward (transformers' offload): frees layers x tokens x hidden of "
                                        "GPU memory, a slower step; with activation_checkpointing")
@@ -185,7 +186,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     from sft.training.engines import fsdp_fields
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
-    offload = fields.pop("activation_offloading")
+    offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()

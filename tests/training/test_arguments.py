@@ -21,7 +21,7 @@ def test_the_trainer_schema_is_every_training_arguments_field_of_the_installed_t
     committed = Path(sft.training.__file__).with_name("trainer_fields.py").read_text()
     assert committed == trainer_fields_source(), "sft/training/trainer_fields.py is stale: run python -m sft.config"
     theirs = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
-    ours = {f.name for f in dataclasses.fields(TrainerConfig)}
+    ours = {f.name for f in dataclasses.fields(TrainerConfig)} - set(TrainerConfig.sft_fields)
     assert ours | set(TrainerConfig.owned_fields) == theirs and not ours & set(TrainerConfig.owned_fields)
 
 
@@ -78,3 +78,24 @@ def test_pyproject_pins_the_transformers_the_trainer_fields_were_generated_from(
     installed = tuple(int(p) for p in transformers.__version__.split(".")[:3])
     assert low <= installed < high
     assert f"(transformers {transformers.__version__})" in (REPO / "sft/training/trainer_fields.py").read_text()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["trainer.activation_offloading=true"], "activation_checkpointing=true too"),
+    (["trainer.activation_offloading=true", "trainer.activation_checkpointing=true"],
+     "on a CPU they are in host memory already"),
+    (["trainer.activation_offloading=true", "trainer.activation_checkpointing=true", "fsdp=full_shard"],
+     "FSDP2 checkpoints activations its own way"),
+])
+def test_activation_offloading_where_it_cannot_work_is_one_config_error(overrides, words, monkeypatch):
+    from conftest import composed
+
+    from sft.config import ConfigError, check
+
+    if "fsdp=full_shard" in overrides:  # as on a GPU, where the FSDP2 refusal is the one left
+        import sft.training.arguments
+
+        monkeypatch.setattr(sft.training.arguments, "cuda_available", lambda: True)
+    with pytest.raises(ConfigError) as e:
+        check(composed(*overrides))
+    assert e.value.key == "trainer.activation_offloading" and words in str(e.value)

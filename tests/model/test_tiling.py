@@ -1,16 +1,13 @@
-"""Memory for long rows (issue 30): tiled MLPs (`model.tiled_mlp_tokens`, DeepSpeed ALST's TiledMLP) and offloaded
-activation checkpoints (`trainer.activation_offloading`, transformers' offload) train exactly as the plain path."""
+"""Tiled MLPs for long rows (`model.tiled_mlp_tokens`, `sft.model.tiling`): the untiled model's losses and
+gradients, the forward's dropout masks in the backward; refused where they cannot work. A run with them, and with
+offloaded checkpoints: tests/e2e/test_long_rows.py."""
 
 import pytest
 import torch
-from conftest import composed, run_patched, run_train, step_losses
+from conftest import composed
 
 from sft.config import ConfigError, check
 from sft.model.loading import load_model
-
-QUICK = ["trainer.max_steps=3", "trainer.logging_steps=1", "trainer.save_steps=3", "trainer.eval_strategy=no",
-         "trainer.train_sampling_strategy=sequential", "trainer.report_to=[]", "data.max_length=96"]
-
 
 def loss_and_grads(model, ids: torch.Tensor) -> tuple[float, dict]:
     model.zero_grad()
@@ -94,11 +91,8 @@ def test_a_model_with_no_dense_mlp_is_refused_by_name():
     (["model.tiled_mlp_tokens=0"], "model.tiled_mlp_tokens", "must be >= 1"),
     (["model.tiled_mlp_tokens=64", "fsdp=full_shard"], "model.tiled_mlp_tokens", "not supported under FSDP2"),
     (["model.tiled_mlp_tokens=64", "deepspeed=zero3"], "model.tiled_mlp_tokens", "not supported under ZeRO-3"),
-    (["trainer.activation_offloading=true"], "trainer.activation_offloading", "activation_checkpointing=true too"),
-    (["trainer.activation_offloading=true", "trainer.activation_checkpointing=true"], "trainer.activation_offloading",
-     "on a CPU they are in host memory already"),
 ])
-def test_settings_that_cannot_work_are_one_config_error(overrides, key, words):
+def test_tiling_where_it_cannot_work_is_one_config_error(overrides, key, words):
     with pytest.raises(ConfigError) as e:
         check(composed(*overrides))
     assert e.value.key == key and words in str(e.value)
@@ -110,40 +104,3 @@ def test_tiled_mlp_with_several_processes_needs_deepspeed(monkeypatch):
         check(composed("model.tiled_mlp_tokens=64"))
     assert "needs DeepSpeed" in str(e.value)
     check(composed("model.tiled_mlp_tokens=64", "deepspeed=zero2"))
-
-
-# On a GPU transformers pins the offloaded activations; this machine has nothing to pin with, so the run's copy to
-# host memory is made unpinned, and the GPU check is passed as on a GPU. Each offloaded checkpoint is counted.
-OFFLOAD_ON_A_CPU = """
-import os, torch, transformers.modeling_utils as modeling, sft.training.arguments as arguments
-arguments.cuda_available = lambda: True
-real = torch.autograd.graph.save_on_cpu
-def on_host(pin_memory, device_type):
-    assert pin_memory
-    with open(os.environ["OFFLOADS"], "a") as f:
-        f.write("x")
-    return real(pin_memory=False, device_type=device_type)
-modeling.save_on_cpu = on_host
-"""
-
-
-@pytest.mark.slow
-def test_offloaded_checkpoints_and_tiled_mlps_train_the_plain_runs_losses(tmp_path, monkeypatch):
-    plain, offloaded, tiled = tmp_path / "plain", tmp_path / "offloaded", tmp_path / "tiled"
-    # SGD: the tiles sum a gradient in another order (1e-7 apart), which Adam's first steps would magnify; no dropout:
-    # tiles draw their masks tile by tile (test_dropout_in_a_tiled_mlp_...)
-    checkpointing = [*QUICK, "lora=default", "lora.lora_dropout=0", "trainer.activation_checkpointing=true",
-                     "trainer.optim=sgd",
-                     "trainer.learning_rate=0.5", "trainer.lr_scheduler_type=constant", "trainer.warmup_steps=0"]
-    assert run_train(*checkpointing, f"hydra.run.dir={plain}").returncode == 0
-    monkeypatch.setenv("OFFLOADS", str(tmp_path / "offloads"))
-    proc = run_patched(OFFLOAD_ON_A_CPU, *checkpointing, "trainer.activation_offloading=true",
-                       f"hydra.run.dir={offloaded}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_train(*checkpointing, "model.tiled_mlp_tokens=32", f"hydra.run.dir={tiled}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "4 MLPs tiled" in (tiled / "train.log").read_text()
-    # every decoder layer's checkpoint, in each of the 3 steps (and no evaluation: under no_grad none is saved)
-    assert len((tmp_path / "offloads").read_text()) == 4 * 3
-    assert step_losses(offloaded, 3) == pytest.approx(step_losses(plain, 3), abs=1e-6)
-    assert step_losses(tiled, 3) == pytest.approx(step_losses(plain, 3), abs=1e-5)
