@@ -273,7 +273,7 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     saved into `<run dir>/model`."""
     from sft.eval.generation import hardest_bucket_exact_match
     from sft.experiments.results import write_eval_rows
-    from sft.model.serving import set_generation_stops
+    from sft.model.serving import save_chat_defaults, set_generation_stops
 
     trainer = recipe.trainer
     final_eval = final_evaluation(trainer) if evaluates(cfg) else {}
@@ -286,6 +286,8 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
         trainer.save_model(model_dir)
         if hasattr(model, "get_base_model") and trainer.is_world_process_zero():  # an adapter: its stops beside it
             model.get_base_model().generation_config.save_pretrained(model_dir)
+        if trainer.is_world_process_zero():  # a server renders prompts as training did
+            save_chat_defaults(recipe.tokenizer, model_dir)
     if cfg.exact_match is not None and recipe.data.eval is not None:
         final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
             trainer, recipe.tokenizer, recipe.data.eval_rows(), list(cfg.eval_buckets),

@@ -1,4 +1,5 @@
-"""What a server reads of a fine-tuned model besides its weights: the tokens generation stops at.
+"""What a server reads of a fine-tuned model besides its weights: the tokens generation stops at, and the chat
+template's arguments the model was trained with.
 
 A model that is trained to end its answers with a token its server does not stop at rambles on (a base model's
 `<|endoftext|>` eos under a ChatML template whose turns end `<|im_end|>`). `set_generation_stops` makes the model's
@@ -7,6 +8,13 @@ model's stop tokens and the template's own end of turn), so that `generation_con
 beside a LoRA adapter and into a merged model (`sft.model.merge`), says so to vLLM, SGLang, TGI and `generate`.
 
     set_generation_stops(model, tokenizer)  # eos_token_id 151643 -> [151643, 151645] (<|endoftext|>, <|im_end|>)
+
+A run's `tokenizer.chat_template_kwargs` (Qwen3's `enable_thinking=false`) are not part of a saved tokenizer: a server
+would render prompts without them, unlike every prompt the model was trained on. `template_with_defaults` makes them
+the saved template's defaults, which a caller's own arguments still override:
+
+    template_with_defaults(template, {"enable_thinking": False})
+        -> "{%- if enable_thinking is not defined %}{%- set enable_thinking = false %}{%- endif %}" + template
 """
 
 from __future__ import annotations
@@ -36,3 +44,38 @@ def set_generation_stops(model, tokenizer) -> list[int]:
         log.info("generation_config.json: eos_token_id %s (added %s: answers are trained to end with %s)",
                  ids, added, ", ".join(tokenizer.convert_ids_to_tokens(added)))
     return ids
+
+
+def template_with_defaults(template: str, kwargs: dict) -> str:
+    """`template` with `kwargs` as the values of its variables where the caller gives none."""
+    return "".join(f"{{%- if {name} is not defined %}}{{%- set {name} = {_jinja_literal(value)} %}}{{%- endif %}}"
+                   for name, value in sorted(kwargs.items())) + template
+
+
+def _jinja_literal(value) -> str:
+    """A Python value as a Jinja literal: true/false/none, quoted strings, numbers, lists and dicts of them."""
+    import json
+
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "none"}[value]
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_jinja_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja_literal(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)  # a string (quoted, escaped) or a number
+
+
+def save_chat_defaults(tokenizer, model_dir: str) -> None:
+    """Rewrite the tokenizer saved in `model_dir` so that its chat template defaults to the run's
+    `chat_template_kwargs` (nothing to do where there are none)."""
+    from transformers import AutoTokenizer
+
+    from sft.data.templates import chat_settings
+
+    kwargs = chat_settings(tokenizer).kwargs
+    if not kwargs or not tokenizer.chat_template:
+        return
+    saved = AutoTokenizer.from_pretrained(model_dir)
+    saved.chat_template = template_with_defaults(tokenizer.chat_template, dict(kwargs))
+    saved.save_pretrained(model_dir)
+    log.info("model/: the chat template defaults to the run's chat_template_kwargs %s", dict(kwargs))
