@@ -273,7 +273,7 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     saved into `<run dir>/model`."""
     from sft.eval.generation import hardest_bucket_exact_match
     from sft.experiments.results import write_eval_rows
-    from sft.model.serving import save_chat_defaults, set_generation_stops
+    from sft.model.serving import chat_defaults_saved, set_generation_stops
 
     trainer = recipe.trainer
     final_eval = final_evaluation(trainer) if evaluates(cfg) else {}
@@ -282,12 +282,11 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     model_dir = str(own_path(os.path.join(run_dir, "model")))
     model = trainer.accelerator.unwrap_model(trainer.model)
     set_generation_stops(model, recipe.tokenizer)  # a server stops where answers were trained to end
-    with stop_on_full_disk(run_dir, "the final model (model/)"):
+    # a server renders prompts as training did: the run's template kwargs become the saved template's defaults
+    with stop_on_full_disk(run_dir, "the final model (model/)"), chat_defaults_saved(recipe.tokenizer):
         trainer.save_model(model_dir)
         if hasattr(model, "get_base_model") and trainer.is_world_process_zero():  # an adapter: its stops beside it
             model.get_base_model().generation_config.save_pretrained(model_dir)
-        if trainer.is_world_process_zero():  # a server renders prompts as training did
-            save_chat_defaults(recipe.tokenizer, model_dir)
     if cfg.exact_match is not None and recipe.data.eval is not None:
         final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
             trainer, recipe.tokenizer, recipe.data.eval_rows(), list(cfg.eval_buckets),

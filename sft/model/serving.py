@@ -19,6 +19,7 @@ the saved template's defaults, which a caller's own arguments still override:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 log = logging.getLogger("sft")
@@ -65,17 +66,18 @@ def _jinja_literal(value) -> str:
     return json.dumps(value)  # a string (quoted, escaped) or a number
 
 
-def save_chat_defaults(tokenizer, model_dir: str) -> None:
-    """Rewrite the tokenizer saved in `model_dir` so that its chat template defaults to the run's
-    `chat_template_kwargs` (nothing to do where there are none)."""
-    from transformers import AutoTokenizer
-
+@contextlib.contextmanager
+def chat_defaults_saved(tokenizer):
+    """While a model is saved: the tokenizer's chat template with the run's `chat_template_kwargs` as its defaults
+    (`template_with_defaults`), so that the saved tokenizer renders prompts as training did; the template in memory
+    is put back after. Nothing changes where there are no kwargs."""
     from sft.data.templates import chat_settings
 
-    kwargs = chat_settings(tokenizer).kwargs
-    if not kwargs or not tokenizer.chat_template:
-        return
-    saved = AutoTokenizer.from_pretrained(model_dir)
-    saved.chat_template = template_with_defaults(tokenizer.chat_template, dict(kwargs))
-    saved.save_pretrained(model_dir)
-    log.info("model/: the chat template defaults to the run's chat_template_kwargs %s", dict(kwargs))
+    kwargs, template = chat_settings(tokenizer).kwargs, tokenizer.chat_template
+    if kwargs and template:
+        tokenizer.chat_template = template_with_defaults(template, dict(kwargs))
+        log.info("model/: the chat template defaults to the run's chat_template_kwargs %s", dict(kwargs))
+    try:
+        yield
+    finally:
+        tokenizer.chat_template = template
