@@ -4,6 +4,7 @@ offloaded checkpoints: tests/e2e/test_long_rows.py."""
 
 import pytest
 import torch
+from architectures import ARCHITECTURES
 from conftest import composed
 
 from sft.config import ConfigError, check
@@ -104,3 +105,27 @@ def test_tiled_mlp_with_several_processes_needs_deepspeed(monkeypatch):
         check(composed("model.tiled_mlp_tokens=64"))
     assert "needs DeepSpeed" in str(e.value)
     check(composed("model.tiled_mlp_tokens=64", "deepspeed=zero2"))
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_each_architectures_dense_mlps_are_tiled_with_the_models_own_loss_and_gradients(arch):
+    # The rule is by name (a layer's `mlp` of a class named *MLP): every dense family's MLPs (Phi-3's fused
+    # gate_up_proj, Gemma's GELU ones) tiled, no mixture of experts' block; the model's own loss, unchanged.
+    from architectures import MOE, SHAPE, batch, tiny
+
+    from sft.model.tiling import tile_mlps
+
+    ids, mask, labels = batch()  # 2 rows of 14 tokens: 4 tiles of at most 8
+    results = []
+    for tokens in (None, 8):
+        model = tiny(arch, tie=False).train()
+        tiled = tile_mlps(model, tokens) if tokens else None
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert tiled == (0 if arch in MOE else SHAPE["num_hidden_layers"])
+    (loss, grads), (tiled_loss, tiled_grads) = results
+    assert tiled_loss == pytest.approx(loss, abs=1e-6) and grads.keys() == tiled_grads.keys()
+    for name in grads:  # gradients of up to ~6 here (the scaled output layer): float32's summation order, 1e-6
+        torch.testing.assert_close(tiled_grads[name], grads[name], atol=1e-5, rtol=1e-5, msg=name)
