@@ -76,9 +76,7 @@ class EvalHarness(Schema):
         self.require("batch_size", self.batch_size >= 1, "must be >= 1")
         self.require("every", self.every >= 0, "must be >= 0")
         if cfg is not None and self.every:
-            from sft.training.engines import zero_stage
-
-            sharded = cfg.fsdp is not None or zero_stage(cfg) == 3
+            sharded = cfg.fsdp is not None or (cfg.deepspeed or {}).get("zero_optimization", {}).get("stage") == 3
             self.require("every", not sharded, "evaluating during training needs the whole model on rank 0, which "
                          "ZeRO-3 and FSDP shard: 0 (after training, on the saved model)")
 

@@ -169,8 +169,6 @@ class ModelConfig(Schema):
         self.require("tiled_mlp_tokens", self.tiled_mlp_tokens is None or self.tiled_mlp_tokens >= 1,
                      "must be >= 1 (or null: untiled)")
         if self.tiled_mlp_tokens is not None and cfg is not None:
-            from sft.training.engines import zero_stage
-
             # TiledMLP runs a backward per tile: each trainable weight's gradient arrives once per tile, which
             # DeepSpeed is told to wait for; DDP and FSDP2 would reduce it at the first tile
             self.require("tiled_mlp_tokens", cfg.fsdp is None, "is not supported under FSDP2 (which reduces a "
@@ -180,7 +178,7 @@ class ModelConfig(Schema):
                          "tile): add deepspeed=zero2")
             # ZeRO-3 gathers the MLP's weights over the ranks at every tile: ranks with rows of other lengths
             # would make other numbers of gathers and wait on each other for ever
-            self.require("tiled_mlp_tokens", zero_stage(cfg) != 3,
+            self.require("tiled_mlp_tokens", (cfg.deepspeed or {}).get("zero_optimization", {}).get("stage") != 3,
                          "is not supported under ZeRO-3, which gathers the MLP's weights at every tile (ranks with "
                          "rows of other lengths would make other numbers of gathers, and hang): use deepspeed=zero2")
 

@@ -96,18 +96,13 @@ def load_deepspeed_file(cfg) -> None:
         cfg.deepspeed = OmegaConf.merge(OmegaConf.create(loaded), OmegaConf.create(beside))
 
 
-def zero_stage(cfg) -> int:
-    """The DeepSpeed ZeRO stage a config trains with (0 without DeepSpeed)."""
-    return ((cfg.deepspeed or {}).get("zero_optimization") or {}).get("stage", 0)
-
-
 def check_deepspeed(cfg) -> None:
     """The DeepSpeed dict mirrors DeepSpeed's own JSON: no schema, so its rules are checked here (after
     `load_deepspeed_file`)."""
     from omegaconf import OmegaConf
 
     zero = cfg.deepspeed.get("zero_optimization") or {}
-    stage = zero_stage(cfg)
+    stage = zero.get("stage", 0)
 
     def require(key: str, ok: bool, reason: str) -> None:
         if not ok:
