@@ -14,6 +14,9 @@ A second signal exits at once, except within `DUPLICATE_S` of the first: launche
 SLURM's job step) deliver the same signal to a worker that the process group already got.
 `signal_grace_s` bounds the wait for the step and the checkpoint: past it the process exits without one.
 
+A process forked from the run (a `multiprocessing` pool, a DataLoader worker) inherits the handler; there the
+signal takes its default action, since its parent stops it with SIGTERM (`Pool.__exit__` does) and waits for it.
+
 A signal after training (the final evaluation, the model's save, exact match) lets the run finish, within
 `signal_grace_s`: its `results.json` is then the finished run's. Where it cannot finish (the grace runs out, or
 a second signal), `on_exit` runs before the process exits: the recipe records `status: "preempted"` there,
@@ -66,6 +69,7 @@ class Preemption(Controller):
         self.stopped_at: int | None = None
         self.training_done = False  # set by the recipe once trainer.train returns
         self.on_exit = None  # called (no arguments) right before an exit without a finished run
+        self._pid = os.getpid()  # the process whose signals this is about (`install` sets it again)
 
     def state_dict(self) -> dict:
         return {}  # a resumed run waits for signals of its own
@@ -79,6 +83,7 @@ class Preemption(Controller):
     def install(self) -> None:
         """Take over SIGTERM and SIGINT (from the main thread, where Python runs signal handlers)."""
         if threading.current_thread() is threading.main_thread():
+            self._pid = os.getpid()
             for sig in SIGNALS:
                 signal.signal(sig, self._on_signal)
 
@@ -88,6 +93,12 @@ class Preemption(Controller):
                 signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
 
     def _on_signal(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a forked child (lm-eval's bootstrap pool): act as if never installed
+            self.uninstall()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+            return
         now = time.monotonic()
         if self.signal is None:
             self.signal, self._received_at = signal.Signals(signum).name, now
