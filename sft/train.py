@@ -197,12 +197,13 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     # give the LoRA adapters (or a random-init model) other initial weights on the second run of a config.
     set_seed(args.seed)
     model = build_model(cfg, args.activation_checkpointing)
+    sequence_parallel = cfg.sp.size if cfg.sp is not None else 1
     trainer = WeightedLossTrainer(
         model=model,
         args=args,
         train_dataset=data.train,
         eval_dataset=data.eval,
-        data_collator=instantiate(cfg.collator, tokenizer=tokenizer),
+        data_collator=instantiate(cfg.collator, tokenizer=tokenizer, sequence_parallel=sequence_parallel),
         processing_class=tokenizer,
         loss=loss,
         clip_policy=clip_policy,
@@ -213,6 +214,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
         throughput=instantiate(cfg.throughput),
         eval_generation=eval_generation(cfg, data),
         eval_harness=instantiate(cfg.eval_harness, _convert_="all") if cfg.eval_harness is not None else None,
+        sequence_parallel=sequence_parallel,
     )
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
 
@@ -230,7 +232,7 @@ def build_model(cfg: DictConfig, activation_checkpointing: bool):
     if cfg.data.packing and attn == "sdpa":  # sdpa would attend across the whole packed row, under a mask
         attn = "sdpa_varlen"
         log.info("data.packing: attention sdpa_varlen (sdpa per sample of the packed row)")
-    model = instantiate(cfg.model, attn_implementation=attn)
+    model = instantiate(cfg.model, attn_implementation=attn, sequence_parallel=cfg.sp.size if cfg.sp else 1)
     if cfg.lora is not None:
         from peft import prepare_model_for_kbit_training
 

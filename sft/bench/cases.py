@@ -6,6 +6,7 @@ JSON line (`RESULT`)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -155,17 +156,21 @@ def run_training_case(case: str, cfg) -> dict:
     return result
 
 
-# The long_rows case's variants: what each adds to a packed run of one row per step (offloading on a GPU only).
+# The long_rows case's variants: what each adds to a packed run of one row per step (offloading on a GPU only;
+# sequence parallelism in 2 processes, each holding half of the row: `LONG_ROW_PROCESSES`).
 LONG_ROW_VARIANTS = {"plain": [], "checkpointed": ["trainer.activation_checkpointing=true"],
                      "tiled": ["trainer.activation_checkpointing=true", "model.tiled_mlp_tokens={tile}"],
                      "offloaded": ["trainer.activation_checkpointing=true", "model.tiled_mlp_tokens={tile}",
-                                   "trainer.activation_offloading=true"]}
+                                   "trainer.activation_offloading=true"],
+                     "sequence_parallel": ["trainer.activation_checkpointing=true", "sp=ulysses", "sp.size=2"]}
+LONG_ROW_PROCESSES = {"sequence_parallel": 2}
 
 
 def run_long_rows_case(case: str, cfg) -> dict:
     """One packed row of `data.max_length` tokens per step: tokens per second, and the memory the timed steps took
     beyond what the trainer held after its first step (weights, optimizer state: on a CPU, the resident set's
-    growth), per token of the row."""
+    growth), per token of the row. Under sequence parallelism (several processes, each a slice of the row): the
+    row's tokens per second, and the memory of rank 0, the one that reports."""
     from transformers import TrainerCallback
 
     from sft.train import build
@@ -461,7 +466,9 @@ def child(case: str, config_file: str) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     bench_config.register()
-    print(RESULT + json.dumps(run_case(case, OmegaConf.load(config_file))), flush=True)
+    result = run_case(case, OmegaConf.load(config_file))
+    if int(os.environ.get("RANK", "0")) == 0:  # several processes (long_rows' sequence parallelism): rank 0 reports
+        print(RESULT + json.dumps(result), flush=True)
 
 
 def run_case(case: str, cfg) -> dict:

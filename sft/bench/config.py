@@ -11,6 +11,7 @@ from sft.config.schema import Schema, knob
 
 CASES = ["raw", "hf", "ce_naive", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "trl_padding_free_mask",
          "eval_hf", "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
+LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequence_parallel")  # cases.LONG_ROW_VARIANTS
 ON_REQUEST = ["checksums", "long_rows"]  # a 15 GB checkpoint; rows of up to 16k tokens: only when named in bench.cases
 
 
@@ -48,6 +49,9 @@ class BenchConfig(Schema):
                                        factory=lambda: [1024, 4096, 16384])
     long_row_steps: int = knob(3, "long_rows: timed optimizer steps per length and variant (after one untimed)")
     long_row_tile_tokens: int = knob(512, "long_rows: model.tiled_mlp_tokens of its tiled variant")
+    long_row_variants: List[str] = knob(help="long_rows: the variants run (offloaded: with a GPU; sequence_parallel: "
+                                        "2 processes, on a CPU or 2 GPUs)",
+                                        factory=lambda: list(LONG_ROW_VARIANT_NAMES))
     case_timeout_s: int = knob(1800, "a case running longer is stopped and reported")
     isolate: bool = knob(True, "each training, eval and long_rows case in a fresh process, so that its peak memory is "
                          "its own; false: all in this one (faster, a quick check of the cases; memory not per case)")
@@ -56,6 +60,8 @@ class BenchConfig(Schema):
         unknown = [case for case in self.cases if case not in CASES + ON_REQUEST]
         self.require("long_row_lengths", all(n >= 16 for n in self.long_row_lengths), "each must be >= 16 tokens")
         self.require("long_row_steps", self.long_row_steps >= 1, "must be >= 1")
+        self.require("long_row_variants", set(self.long_row_variants) <= set(LONG_ROW_VARIANT_NAMES),
+                     f"each must be one of {', '.join(LONG_ROW_VARIANT_NAMES)}")
         self.require("cases", not unknown, f"no such case: {', '.join(unknown)} (cases: "
                      f"{', '.join(CASES + ON_REQUEST)})")
 

@@ -39,8 +39,8 @@ process and of its largest worker), then loading them from the cache; `startup`,
 `python -m sft.train --cfg job`, `--help` and `--help loss loss=focal`, and of the default run from the command to
 its first optimizer step (`startup_first_step_s`, warm caches); `checksums` (only when named), a 15 GB
 checkpoint's CRC-32s from the page cache and from the disk; `long_rows` (only when named), one row a step of
-each of `bench.long_row_lengths` tokens, plain, checkpointed, with tiled MLPs and (GPU) offloaded checkpoints:
-tokens/s and memory per token (docs/long_context.md).
+each of `bench.long_row_lengths` tokens, plain, checkpointed, with tiled MLPs, (GPU) offloaded checkpoints and
+each row split over 2 processes (`sp=ulysses`): tokens/s and memory per token (docs/long_context.md).
 
 `preset=gpu_7b` is the GPU check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16,
 packed rows of about 4k tokens, the lean loss, 20 steps (see conf/preset/gpu_7b.yaml).
@@ -63,8 +63,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_VARIANTS, LOSS_CASES, RESULT, TRAINING_CASES,
-                             TRL_CASES, child, timed_training_overrides)
+from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, LOSS_CASES, RESULT,
+                             TRAINING_CASES, TRL_CASES, child, timed_training_overrides)
 from sft.bench.rows import multi_turn_rows, synthetic_rows
 from sft.bench.config import compose
 from sft.config.schema import ConfigError
@@ -99,17 +99,20 @@ TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_nai
 # --- the driver --------------------------------------------------------------------------------------
 
 
-def spawn(case: str, cfg, env: dict | None = None) -> dict:
-    """Run one case in a fresh process (the same threads for every case); its result, or why it failed."""
+def spawn(case: str, cfg, env: dict | None = None, processes: int = 1) -> dict:
+    """Run one case in a fresh process (the same threads for every case), or in `processes` of them under torchrun
+    (the cores shared out); its result, or why it failed."""
     from sft.bench.cases import run_case, threads
 
-    if not cfg.bench.isolate and case in (*TRAINING_CASES, *EVAL_CASES, "long_rows"):  # the loss cases': memory
+    if not cfg.bench.isolate and processes == 1 and case in (*TRAINING_CASES, *EVAL_CASES, "long_rows"):
         return json.loads(json.dumps(run_case(case, cfg)))  # in this process (as JSON, like a child's result)
-    env = {"OMP_NUM_THREADS": str(threads(cfg)), **(env or {})}
+    env = {"OMP_NUM_THREADS": str(max(1, threads(cfg) // processes)), **(env or {})}
+    launcher = [] if processes == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+                                          f"--master_port={free_port()}"]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(OmegaConf.to_yaml(cfg))
     try:
-        proc = subprocess.run([sys.executable, "-m", "sft.bench", "--case", case, "--config", f.name],
+        proc = subprocess.run([sys.executable, *launcher, "-m", "sft.bench", "--case", case, "--config", f.name],
                               capture_output=True, text=True, timeout=cfg.bench.case_timeout_s,
                               env={**os.environ, **(env or {})})
     finally:
@@ -119,6 +122,15 @@ def spawn(case: str, cfg, env: dict | None = None) -> dict:
             return json.loads(line[len(RESULT):])
     tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
     raise RuntimeError(f"bench case {case} failed (exit {proc.returncode}):\n{tail}")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (torchrun's rendezvous for a case in several processes)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def startup_seconds(*args: str, repeats: int = 5) -> float:
@@ -321,7 +333,9 @@ def long_rows(overrides: list[str], base) -> dict:
     b = base.bench
     timed = [o for o in timed_training_overrides(base) if not o.startswith(("trainer.max_steps=",
                                                                              "trainer.logging_steps="))]
-    variants = [v for v in LONG_ROW_VARIANTS if v != "offloaded" or torch.cuda.is_available()]
+    gpus = torch.cuda.device_count()
+    variants = [v for v in LONG_ROW_VARIANTS if v in b.long_row_variants
+                and (v != "offloaded" or gpus) and (not gpus or gpus >= LONG_ROW_PROCESSES.get(v, 1))]
     results: dict = {variant: {} for variant in variants}
     with tempfile.TemporaryDirectory(prefix="sft-bench-long-rows-") as tmp:
         for length in b.long_row_lengths:
@@ -335,7 +349,7 @@ def long_rows(overrides: list[str], base) -> dict:
                                            "trainer.gradient_accumulation_steps=1", *timed,
                                            f"trainer.max_steps={b.long_row_steps + 1}", "trainer.logging_steps=1",
                                            "trainer.train_sampling_strategy=sequential", *extra])
-                results[variant][str(length)] = spawn("long_rows", cfg)
+                results[variant][str(length)] = spawn("long_rows", cfg, processes=LONG_ROW_PROCESSES.get(variant, 1))
     return results
 
 

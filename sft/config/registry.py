@@ -31,6 +31,7 @@ from sft.model.lora import LoraConfig  # noqa: F401 - registers lora_schema
 from sft.training import clipping  # noqa: F401 - registers the clip policies' schemas
 from sft.training.arguments import TrainerConfig  # noqa: F401 - registers trainer_schema
 from sft.training.engines import FsdpConfig, check_deepspeed, load_deepspeed_file  # noqa: F401 - fsdp_schema
+from sft.training.sequence_parallel import SequenceParallelConfig  # noqa: F401 - registers sp_schema
 from sft.training.throughput import ThroughputMeter
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
@@ -51,6 +52,7 @@ class TrainConfig(Schema):
     lora: Any = knob(None, "the lora group (null: full fine-tuning)")
     deepspeed: Any = knob(None, "the deepspeed group: DeepSpeed's JSON as a dict (null: off)")
     fsdp: Any = knob(None, "the fsdp group (null: off)")
+    sp: Any = knob(None, "the sp group: sequence parallelism (null: off)")
     trainer: Any = knob(MISSING, "the trainer group: TrainingArguments' fields")  # typed by trainer_schema
     clip: Any = knob(MISSING, "the clip group: the gradient clipping policy")
     controllers: Dict[str, Any] = knob(help="name -> a controller node (`_target_` + its knobs): conf/controllers/, "

@@ -3,6 +3,8 @@ tokens."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
@@ -27,12 +29,21 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
     `source_views` (which text of its row a sequence is, see `chat_views`), a mixture's `source_ids` (the
     rows' `source`, `sft.data.mixture`) and each auxiliary term's row values `aux_<name>` ([rows]), which the
     trainer pops before the forward.
+
+    `sequence_parallel` > 1 (`sft.training.sequence_parallel`: that many ranks split each sequence): every batch's
+    length is a multiple of it (a packed row padded at its end, its last sample's positions going on), and every
+    batch has `position_ids` (a padded batch's 0, 1, ... per row), which tell the split attention the sequence;
+    no `cu_seq_lens`/`max_length` (they would describe the whole row to each slice).
     """
 
-    def __init__(self, tokenizer, pad_to_multiple_of: int | None = None, packing: bool = False):
+    def __init__(self, tokenizer, pad_to_multiple_of: int | None = None, packing: bool = False,
+                 sequence_parallel: int = 1):
+        if sequence_parallel > 1:
+            pad_to_multiple_of = math.lcm(pad_to_multiple_of or 1, sequence_parallel)
         super().__init__(tokenizer=tokenizer, padding=True, pad_to_multiple_of=pad_to_multiple_of,
                          label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
         self.packing = packing
+        self.sequence_parallel = sequence_parallel
         self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=True) if packing else None
 
     def __call__(self, features, return_tensors=None):
@@ -69,4 +80,24 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
         if sources is not None:  # a mixture's: which source each row is of
             batch["source_ids"] = sources
         batch.update(aux)
+        if self.sequence_parallel > 1:
+            self._whole_positions(batch)
         return batch
+
+    def _whole_positions(self, batch: dict) -> None:
+        """`position_ids` everywhere and a length that divides by `sequence_parallel` (see the class docstring)."""
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            batch.pop(key, None)
+        if not self.packing:
+            rows, length = batch["input_ids"].shape
+            batch["position_ids"] = torch.arange(length).expand(rows, length).clone()
+            return
+        extra = -batch["input_ids"].shape[1] % self.pad_to_multiple_of
+        if extra:
+            last = batch["position_ids"][:, -1:]
+            pads = {"input_ids": torch.full((1, extra), self.tokenizer.pad_token_id),
+                    "labels": torch.full((1, extra), IGNORE_INDEX),
+                    "position_ids": last + torch.arange(1, extra + 1)[None],
+                    "weights": torch.zeros(1, extra)}
+            for key, pad in pads.items():
+                batch[key] = torch.cat([batch[key], pad.to(batch[key].dtype)], dim=1)

@@ -181,16 +181,17 @@ class WeightedTokenLoss(Schema):
         return coefficients(self.normalize, select_targets(labels, weights, position_ids))[1].sum()
 
     def terms(self, labels, weights, *, logits=None, hidden=None, lm_head=None, position_ids=None,
-              impl: str = "naive", accuracy: bool = False, transform=None):
+              impl: str = "naive", accuracy: bool = False, transform=None, columns=None):
         """Numerator and statistics of a micro-batch (`sft.loss.terms.LossTerms`), from the logits (`naive`) or from
         the final hidden states and the output projection's weight (`chunked`, `cce`), whose logits get `transform`
-        (the model's own post-projection step, `LogitTransform.of(model.config)`)."""
+        (the model's own post-projection step, `LogitTransform.of(model.config)`); `columns`: the logits or hidden
+        states are those of these positions only (`sft.loss.terms.compute_terms`)."""
         from sft.loss.terms import compute_terms, select_targets
 
         factor = None if type(self).token_factor is WeightedTokenLoss.token_factor else self.token_factor
         return compute_terms(select_targets(labels, weights, position_ids), self.normalize, factor, logits=logits,
                              hidden=hidden, lm_head=lm_head, impl=impl, accuracy=accuracy, transform=transform,
-                             chunk_tokens=self.chunk_tokens)
+                             chunk_tokens=self.chunk_tokens, columns=columns)
 
     def __call__(self, logits, labels, weights, position_ids=None):
         """The loss of one self-contained batch (its own normaliser), e.g. for evaluation or tests."""

@@ -25,6 +25,11 @@ class Targets:
     sample: torch.Tensor  # [N] index of the token's sample: its row, or its sequence in a packed row
     num_samples: int
 
+    def within(self, keep: torch.Tensor, start: int) -> "Targets":
+        """The targets where `keep`, their positions counted from column `start` (a slice of the batch's positions)."""
+        return Targets(self.rows[keep], self.cols[keep] - start, self.labels[keep], self.weights[keep],
+                       self.sample[keep], self.num_samples)
+
 
 def select_targets(labels: torch.Tensor, weights: torch.Tensor, position_ids: torch.Tensor | None = None) -> Targets:
     """The assistant tokens and the positions that predict them (position t predicts label t+1).
@@ -68,11 +73,18 @@ def coefficients(normalize: str, t: Targets) -> tuple[torch.Tensor, torch.Tensor
 
 def compute_terms(t: Targets, normalize: str, factor: Callable | None, *, logits=None, hidden=None, lm_head=None,
                   impl: str = "naive", accuracy: bool = False, transform: LogitTransform | None = None,
-                  chunk_tokens: int = 1024) -> LossTerms:
+                  chunk_tokens: int = 1024, columns: tuple[int, int] | None = None) -> LossTerms:
     """`LossTerms` of a micro-batch's targets: each token's cross entropy from the logits (`naive`) or from the
     final hidden states and the output projection's weight (`chunked`, `cce`, `liger`; the logits get `transform`),
-    times its coefficient and the loss's forward-dependent `factor(ce)` where it has one."""
+    times its coefficient and the loss's forward-dependent `factor(ce)` where it has one.
+
+    `columns` `(start, end)`: the logits or hidden states are those of these positions only (a rank's slice under
+    sequence parallelism); the terms are then those of the targets predicted there, with the coefficients of the
+    whole batch (a sample's token count under `normalize=sample`), so the slices' terms sum to the batch's."""
     coef, den = coefficients(normalize, t)
+    if columns is not None:
+        keep = (t.cols >= columns[0]) & (t.cols < columns[1])
+        t, coef, den = t.within(keep, columns[0]), coef[keep], den[keep]
     correct = None
     if impl == "cce":
         from sft.loss.kernels import cce_dtype_problem

@@ -250,6 +250,7 @@ def load_model(
     random_init: dict | None = None,
     config_overrides: dict | None = None,
     tiled_mlp_tokens: int | None = None,
+    sequence_parallel: int = 1,
 ):
     """Load a causal LM with the Auto classes (the tiny preset included); `quantization=nf4` for QLoRA.
 
@@ -259,7 +260,9 @@ def load_model(
     loading `name_or_path`'s, on the GPU when there is one: benchmarks at full size with no download.
     `config_overrides` changes fields of the model's config (e.g. a mixture of experts' router aux loss:
     `output_router_logits`, `router_aux_loss_coef`); a name the config does not have is refused.
-    `tiled_mlp_tokens` computes the MLPs in tiles of that many tokens (`sft.model.tiling`).
+    `tiled_mlp_tokens` computes the MLPs in tiles of that many tokens (`sft.model.tiling`). `sequence_parallel`: the
+    ranks that will split each sequence (`sp.size`), whose Ulysses attention splits the heads: checked on the config,
+    before any weight is built.
     """
     import torch
     from transformers import AutoConfig
@@ -282,6 +285,8 @@ def load_model(
     else:
         config = AutoConfig.from_pretrained(resolve(name_or_path), trust_remote_code=trust_remote_code)
     _override_config(config, config_overrides or {})
+    if sequence_parallel > 1:
+        check_heads_split(config, sequence_parallel)
     model = _load(name_or_path, config, dtype, attn_implementation, trust_remote_code, random_init, config_overrides,
                   extra)
     if tiled_mlp_tokens:
@@ -293,6 +298,19 @@ def load_model(
             raise ConfigError("model.tiled_mlp_tokens", tiled_mlp_tokens, f"{type(model).__name__} has no dense MLP "
                               "to tile (a decoder layer's `mlp` of a class named *MLP): set it to null")
     return model
+
+
+def check_heads_split(config, size: int) -> None:
+    """Ulysses gives each of `size` ranks 1/size of the attention heads: the heads must divide by it, and the key/value
+    heads too (or `size` by them: each is then repeated)."""
+    from sft.config.schema import ConfigError
+
+    text = config.get_text_config()
+    heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if heads % size or (kv % size and size % kv):
+        raise ConfigError("sp.size", size, f"splits the attention heads over {size} ranks: this model has {heads} "
+                          f"heads and {kv} key/value heads (each must divide by sp.size, or sp.size by the "
+                          "key/value heads)")
 
 
 def _load(name_or_path, config, dtype, attn_implementation, trust_remote_code, random_init, config_overrides, extra):

@@ -45,8 +45,9 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         "resume_from_checkpoint": "use resume=auto (the newest complete checkpoint) or resume=<checkpoint dir>",
         "fsdp": "the fsdp group: fsdp=full_shard or full_shard_offload (and fsdp.<key>=...)",
         "fsdp_config": "the fsdp group: fsdp=full_shard or full_shard_offload (and fsdp.<key>=...)",
-        "parallelism_config": "an accelerate ParallelismConfig object, which a config cannot hold: fsdp=full_shard "
-                              "(or deepspeed=zero3) shards over all processes",
+        "parallelism_config": "an accelerate ParallelismConfig object, which a config cannot hold: sp=ulysses "
+                              "sp.size=2 splits sequences over ranks; fsdp=full_shard (or deepspeed=zero3) shards "
+                              "the weights over all processes",
     }
 
     output_dir: Optional[str] = knob(None, "where checkpoints go; null: the Hydra run dir")

@@ -12,9 +12,10 @@ from typing import List, Optional
 
 from sft.config.schema import ConfigError, Schema, config_schema, cuda_available, knob
 
-# The engine groups, which are off (null) by default, and the options that turn each on
+# The engine groups (and sequence parallelism), which are off (null) by default, and the options that turn each on
 ENGINE_OPTIONS = {"fsdp": "fsdp=full_shard or fsdp=full_shard_offload",
-                  "deepspeed": "deepspeed=zero2, zero3, zero3_offload or file"}
+                  "deepspeed": "deepspeed=zero2, zero3, zero3_offload or file",
+                  "sp": "sp=ulysses"}
 
 
 @config_schema("fsdp", "fsdp")

@@ -20,7 +20,11 @@ still has each one, with the same parameters):
   hand the step to `sft.training.step_control.StepControl.finish` (controllers' verdicts, skip, clip policy) with a
   `StepContext`, the step's number and the objects it acts on;
 - `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
-  curriculum's) when one provides it (`Controller.train_sampler`);
+  curriculum's) when one provides it (`Controller.train_sampler`), under sequence parallelism given to the ranks of
+  a group alike (`sft.training.sequence_parallel`);
+- `training_step` (public) runs under sequence parallelism with DeepSpeed's Ulysses attention installed (forward and
+  backward), where `compute_loss` gives the model this rank's slice of the positions and takes the numerator of
+  the targets predicted there, the denominator and per-sample sums being the whole micro-batch's;
 - `evaluation_loop` (public) replaces the mean of per-batch losses by the exact ratio over the eval set
   (each row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
   `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
@@ -48,7 +52,6 @@ difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`,
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import os
@@ -60,6 +63,7 @@ from typing_extensions import override
 
 from sft.config.schema import ConfigError
 from sft.data.split import row_scores
+from sft.eval.metrics import eval_metrics
 from sft.loss.auxiliary import AuxBatch
 from sft.loss.base import WeightedTokenLoss
 from sft.loss.kernels import choose_impl
@@ -68,6 +72,7 @@ from sft.training.clipping import GradClipPolicy
 from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.controllers.base import Controller
 from sft.training.distributed import fsdp_without_gpus
+from sft.training.sequence_parallel import SequenceParallel
 from sft.training.step_control import StepContext, StepControl, StepReport
 from sft.training.throughput import ThroughputMeter
 
@@ -81,7 +86,8 @@ class WeightedLossTrainer(Trainer):
     def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
                  controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
                  sources: list[str] | None = None, tasks: dict[int, str] | None = None,
-                 throughput: ThroughputMeter | None = None, eval_generation=None, eval_harness=None, **kwargs):
+                 throughput: ThroughputMeter | None = None, eval_generation=None, eval_harness=None,
+                 sequence_parallel: int = 1, **kwargs):
         self.controllers = dict(controllers or {})
         self.throughput = throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
@@ -113,6 +119,11 @@ class WeightedLossTrainer(Trainer):
         self.router_aux_coef = router_aux_loss_coef(self.model.config)
         self._step_tokens = None  # input tokens of the optimizer step over all ranks (weights the aux loss)
         self.aux_terms = dict(getattr(loss, "aux", None) or {})  # the loss's auxiliary terms, by name
+        self.sp = SequenceParallel.start(sequence_parallel) if sequence_parallel > 1 else None
+        if self.sp is not None and self.router_aux_coef:
+            raise ConfigError("sp.size", sequence_parallel, f"{type(self.model).__name__}'s router aux loss is "
+                              "computed per forward from its tokens' router logits, which sequence parallelism "
+                              "splits: not exact with sp (or set model.config_overrides.output_router_logits=false)")
         self._aux_denominators = None  # each term's denominator summed over the step and all ranks
         self._aux_stats = torch.zeros(2 * len(self.aux_terms), dtype=torch.float64, device=self.args.device)
         if self.loss_impl != "naive":
@@ -195,6 +206,12 @@ class WeightedLossTrainer(Trainer):
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(t, reduction="sum") if self.accelerator.num_processes > 1 else t
 
+    def _sum_over_batches(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, a sum over this rank's micro-batches, summed over every micro-batch of the step: over the ranks,
+        where the ranks of a sequence-parallel group hold the same micro-batches."""
+        total = self._sum_over_ranks(t)
+        return total / self.sp.size if self.sp is not None else total
+
     @override
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Fetch the step's micro-batches and the loss denominator summed over them and all ranks."""
@@ -213,7 +230,7 @@ class WeightedLossTrainer(Trainer):
             for i, (name, term) in enumerate(self.aux_terms.items()):
                 sums[2 + i] += term.denominator(aux_batch(batch, name)).to(device)
         self.step_control.begin(device, self.model_wrapped if self.is_deepspeed_enabled else None)
-        sums = self._sum_over_ranks(sums)
+        sums = self._sum_over_batches(sums)
         self._step_tokens, self._aux_denominators = sums[1], sums[2:]
         return batches, sums[0]
 
@@ -256,8 +273,20 @@ class WeightedLossTrainer(Trainer):
         for controller in self.controllers.values():
             sampler = controller.train_sampler(dataset, seed)
             if sampler is not None:
-                return sampler
-        return super()._get_train_sampler(train_dataset)
+                break
+        else:
+            sampler = super()._get_train_sampler(train_dataset)
+        if self.sp is not None and sampler is not None:
+            sampler = self.sp.sampler(sampler, self.args.per_device_train_batch_size, seed)
+        return sampler
+
+    @override
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's, under sequence parallelism with the Ulysses attention installed for its forward and backward."""
+        if self.sp is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with self.sp.attention(self.model):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     @override
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -269,8 +298,12 @@ class WeightedLossTrainer(Trainer):
         aux_values = {k: inputs.pop(k) for k in [k for k in inputs if k.startswith("aux_")]}
         evaluating = not model.training and self._eval_rows is not None and source_lines is not None
         training = model.training and num_items_in_batch is not None
-        outputs, terms, hidden = self._forward_terms(model, inputs, labels, weights, accuracy=evaluating,
-                                                     keep_hidden=training and bool(self.aux_terms))
+        model_inputs, columns = self.sp.shard(inputs) if self.sp is not None and model.training else (inputs, None)
+        outputs, terms, hidden = self._forward_terms(model, model_inputs, labels, weights, accuracy=evaluating,
+                                                     keep_hidden=training and bool(self.aux_terms),
+                                                     position_ids=inputs.get("position_ids"), columns=columns)
+        if columns is not None:  # this rank's slice: the per-sample sums of the whole micro-batch, for the logs
+            terms = self.sp.whole_terms(terms)
         if training:
             denominator = num_items_in_batch.clamp_min(1e-12).to(terms.loss_sum.dtype)
             loss = terms.loss_sum / denominator
@@ -283,13 +316,16 @@ class WeightedLossTrainer(Trainer):
                 step_tokens = self._step_tokens if self._step_tokens is not None else tokens
                 loss = loss + self.router_aux_coef * aux * (tokens / step_tokens.clamp_min(1)).to(loss.dtype)
             loss = loss * self.accelerator.num_processes
+            judged = loss  # the micro-batch's share of the step loss, as summed over the ranks
+            if columns is not None:  # the whole micro-batch's, once per group
+                judged = terms.numerator.sum() / denominator * self.accelerator.num_processes / self.sp.size
             stats = (terms.ce_sum.sum(), terms.weight_sum.sum(), terms.tokens.sum(), len(terms.tokens), tokens,
                      labels.numel(), aux.detach() * tokens)
             self._train_stats += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self._train_stats.device)
                                               for v in stats])
             batch = [inputs.get(k) for k in ("input_ids", "attention_mask", "position_ids")]
-            self.step_control.add_micro_batch(loss, source_lines, source_ids, terms.ce_sum / terms.tokens.clamp_min(1),
-                                              batch)
+            self.step_control.add_micro_batch(judged, source_lines, source_ids,
+                                              terms.ce_sum / terms.tokens.clamp_min(1), batch)
         else:
             loss = terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
             if evaluating:
@@ -311,17 +347,18 @@ class WeightedLossTrainer(Trainer):
             self._aux_stats[2 * i + 1] += term.denominator(part).double().to(self._aux_stats.device)
         return total
 
-    def _forward_terms(self, model, inputs, labels, weights, accuracy: bool, keep_hidden: bool = False):
+    def _forward_terms(self, model, inputs, labels, weights, accuracy: bool, keep_hidden: bool = False,
+                       position_ids=None, columns=None):
         """The model's forward, the loss terms, and the final hidden states (None unless a lean loss or
-        `keep_hidden` needs them); the logits either materialised (`naive`) or not."""
-        position_ids = inputs.get("position_ids")
+        `keep_hidden` needs them); the logits either materialised (`naive`) or not. `position_ids` are the batch's
+        (`inputs` may be a sequence-parallel slice of it, of the positions `columns`)."""
         if self.loss_impl == "naive":
             if keep_hidden:
                 outputs, hidden = self._forward_keeping_hidden(model, **inputs)
             else:
                 outputs, hidden = model(**inputs, use_cache=False), None
             return outputs, self.loss.terms(labels, weights, logits=outputs.logits, position_ids=position_ids,
-                                            accuracy=accuracy), hidden
+                                            accuracy=accuracy, columns=columns), hidden
         no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
         outputs, hidden = self._forward_keeping_hidden(model, **inputs, logits_to_keep=no_logits)
         # cce computes no argmax: evaluation (no gradient) takes the chunked path, which gives the accuracy.
@@ -329,7 +366,7 @@ class WeightedLossTrainer(Trainer):
         with self._gathered_lm_head():
             terms = self.loss.terms(labels, weights, hidden=hidden, lm_head=self._lm_head.weight,
                                     position_ids=position_ids, impl=impl, accuracy=accuracy,
-                                    transform=self.logit_transform)
+                                    transform=self.logit_transform, columns=columns)
         return outputs, terms, hidden
 
     def _forward_keeping_hidden(self, model, **inputs):
@@ -367,7 +404,7 @@ class WeightedLossTrainer(Trainer):
         finally:
             self._eval_rows = None
         self.last_eval_rows = rows  # the latest evaluation row by row (sft.experiments.results.write_eval_rows)
-        output.metrics.update(self._eval_metrics(rows, metric_key_prefix))
+        output.metrics.update(eval_metrics(rows, metric_key_prefix, self.tasks, self.eval_scores, self.eval_buckets))
         if self.eval_generation is not None and metric_key_prefix == "eval" and self.eval_generation.due():
             output.metrics.update(self._generation_samples())
         if self.eval_harness is not None and metric_key_prefix == "eval" and self.eval_harness.due():
@@ -408,43 +445,11 @@ class WeightedLossTrainer(Trainer):
             self.compute_loss(model, inputs)
         return None, None, None
 
-    def _eval_metrics(self, rows: dict, prefix: str) -> dict:
-        """Exact ratios over the eval rows (each counted once): loss, ce, token accuracy, buckets."""
-        numerator, denominator, ce_sum, tokens, correct = (sum(col) for col in zip(*rows.values()))
-        metrics = {
-            f"{prefix}_loss": numerator / max(denominator, 1e-12),
-            f"{prefix}_ce": ce_sum / max(tokens, 1),
-            f"{prefix}_token_accuracy": correct / max(tokens, 1),
-        }
-        if self.tasks:
-            by_task: dict[str, list[float]] = {}
-            for (source, _, _), (num, den, ce, n, _) in rows.items():
-                if source in self.tasks:
-                    acc = by_task.setdefault(self.tasks[source], [0.0] * 4)
-                    for i, v in enumerate((num, den, ce, n)):
-                        acc[i] += v
-            for task, (num, den, ce, n) in sorted(by_task.items()):
-                metrics[f"{prefix}_loss_task_{task}"] = num / max(den, 1e-12)
-                metrics[f"{prefix}_ce_task_{task}"] = ce / max(n, 1)
-        if self.eval_scores:
-            buckets: dict[int, list[float]] = {}
-            for (source, line, _), (_, _, ce, n, _) in rows.items():
-                if (source, line) not in self.eval_scores:  # a row without a score is in no bucket
-                    continue
-                k = bisect.bisect_right(self.eval_buckets, self.eval_scores[(source, line)])
-                acc = buckets.setdefault(k, [0.0, 0.0])
-                acc[0], acc[1] = acc[0] + ce, acc[1] + n
-            for k, (ce, n) in sorted(buckets.items()):
-                metrics[f"{prefix}_loss_bucket_{k}"] = ce / max(n, 1)
-            if buckets:
-                metrics[f"{prefix}_loss_hardest_bucket"] = metrics[f"{prefix}_loss_bucket_{max(buckets)}"]
-        return metrics
-
     @override
     def log(self, logs, start_time=None):
         if "loss" in logs:  # a training log: every rank gets here together
             ce_sum, weight_sum, tokens, samples, inputs, positions, aux = (
-                self._sum_over_ranks(self._train_stats).tolist())
+                self._sum_over_batches(self._train_stats).tolist())
             self._train_stats.zero_()
             if tokens:
                 logs["ce"] = ce_sum / tokens

@@ -99,7 +99,8 @@ def test_long_rows_train_one_row_of_each_length_with_the_same_losses_in_every_va
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "sft.bench", "--out", str(out), "bench.cases=[long_rows]", "bench.long_row_lengths=[96,400]",
-         "bench.long_row_steps=1", "bench.long_row_tile_tokens=64", "bench.isolate=false"],
+         "bench.long_row_steps=1", "bench.long_row_tile_tokens=64", "bench.isolate=false",
+         "bench.long_row_variants=[plain,checkpointed,tiled,offloaded]"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     long_rows = json.loads(out.read_text())["cases"]["long_rows"]
@@ -112,6 +113,20 @@ def test_long_rows_train_one_row_of_each_length_with_the_same_losses_in_every_va
             assert run["losses"] == pytest.approx(runs[0]["losses"], abs=1e-5)
     assert long_rows["plain"]["96"]["losses"] != long_rows["plain"]["400"]["losses"]
     assert "KiB/token" in proc.stdout
+
+
+@pytest.mark.slow
+def test_long_rows_split_over_two_processes_train_the_losses_of_one(tmp_path):
+    # The sequence_parallel variant: each 400-token row split over 2 processes (torchrun, sp=ulysses), rank 0 reporting.
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sft.bench", "--out", str(out), "bench.cases=[long_rows]", "bench.long_row_lengths=[400]",
+         "bench.long_row_steps=1", "bench.isolate=false", "bench.long_row_variants=[checkpointed,sequence_parallel]"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, split = (json.loads(out.read_text())["cases"]["long_rows"][v]["400"] for v in ("checkpointed",
+                                                                                      "sequence_parallel"))
+    assert split["row_tokens"] == 400 and split["losses"] == pytest.approx(one["losses"], abs=1e-5)
 
 
 @pytest.mark.parametrize("override, message", [

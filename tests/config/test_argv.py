@@ -21,6 +21,8 @@ def test_cli_a_field_the_recipe_owns_names_the_knob_that_replaces_it(override):
                                 "on with fsdp=full_shard or fsdp=full_shard_offload, then set its keys"),
     (["deepspeed.zero_optimization.offload_param.device=cpu"], "error: config: deepspeed.zero_optimization."
                                                               "offload_param.device: deepspeed is off"),
+    (["sp.size=4"], "error: config: sp.size: sp is off (sp=none in this config): turn it on with sp=ulysses, then "
+                    "set its keys"),
     (["fsdp=full_shard", "deepspeed=zero3"], "error: config: fsdp: FSDP and DeepSpeed are two engines for the "
                                              "same job: choose one (fsdp=none, or deepspeed=none)"),
 ])

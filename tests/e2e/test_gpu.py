@@ -7,7 +7,8 @@ figures (README: "The GPU pack").
 - flash attention's varlen kernel on a packed row equals each sample's logits alone (padded);
 - QLoRA (4-bit NF4 base) trains, and its adapter merges into the base;
 - bf16 training of the tiny model follows fp32's step losses;
-- a long row trains the same losses offloaded and with tiled MLPs, in less GPU memory."""
+- a long row trains the same losses offloaded and with tiled MLPs, in less GPU memory;
+- sequence parallelism over 2 GPUs with flash attention trains one GPU's losses (skipped with fewer GPUs)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, run_train
+from conftest import REPO, launch, run_train
 
 CUDA = torch.cuda.is_available()
 
@@ -233,3 +234,23 @@ def test_long_rows_offloaded_and_tiled_train_the_same_losses_in_less_gpu_memory(
         assert runs[variant]["losses"] == pytest.approx(runs["checkpointed"]["losses"], rel=1e-2), variant
     memory = [runs[v]["memory_gb"] for v in ("plain", "checkpointed", "tiled", "offloaded")]
     assert memory == sorted(memory, reverse=True), memory
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("flash_attn") is None,
+                    reason="needs 2 CUDA GPUs and flash-attn")
+def test_sequence_parallel_over_two_gpus_with_flash_attention_trains_one_gpus_losses(tmp_path):
+    """Packed rows split over 2 GPUs (`sp=ulysses`, NCCL), flash attention's varlen kernel on the gathered sequence:
+    the step losses of the same micro-batches on one GPU (bf16: within 1%)."""
+    common = ["data.packing=true", "model.attn_implementation=flash_attention_2", "trainer.bf16=true",
+              "trainer.max_steps=4", "trainer.logging_steps=1", "trainer.eval_steps=100", "trainer.save_steps=4",
+              "trainer.report_to=[]", "trainer.train_sampling_strategy=sequential",
+              "trainer.per_device_train_batch_size=8"]
+    losses = {}
+    for name, proc in (("one", lambda run: run_train(*common, f"hydra.run.dir={run}")),
+                       ("two", lambda run: launch("--nproc", "2", "sp=ulysses", *common, f"hydra.run.dir={run}"))):
+        run = tmp_path / name
+        done = proc(run)
+        assert done.returncode == 0, done.stderr[-3000:]
+        state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())
+        losses[name] = [e["loss"] for e in state["log_history"] if "loss" in e]
+    assert len(losses["two"]) == 4 and losses["two"] == pytest.approx(losses["one"], rel=1e-2)
