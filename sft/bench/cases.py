@@ -414,11 +414,10 @@ def run_checksums_case(case: str, cfg) -> dict:
 
 
 def threads(cfg) -> int:
-    """The torch threads of every case on a CPU: `bench.threads`, else one per core this process may use."""
-    import os
-
+    """The torch threads of every case on a CPU: `bench.threads`, else one per core this process may use; shared out
+    where a case runs in several processes (torchrun's `LOCAL_WORLD_SIZE`: oversubscribed cores slow every one)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cfg.bench.threads or cores
+    return max(1, (cfg.bench.threads or cores) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _on_gpu() -> bool:

@@ -106,7 +106,7 @@ def spawn(case: str, cfg, env: dict | None = None, processes: int = 1) -> dict:
 
     if not cfg.bench.isolate and processes == 1 and case in (*TRAINING_CASES, *EVAL_CASES, "long_rows"):
         return json.loads(json.dumps(run_case(case, cfg)))  # in this process (as JSON, like a child's result)
-    env = {"OMP_NUM_THREADS": str(max(1, threads(cfg) // processes)), **(env or {})}
+    env = {"OMP_NUM_THREADS": str(max(1, threads(cfg) // processes)), **(env or {})}  # (the children share them too)
     launcher = [] if processes == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={processes}",
                                           f"--master_port={free_port()}"]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
@@ -407,7 +407,7 @@ def print_report(report: dict) -> None:
               "the built trainer's" + ("" if any(r["on_gpu"] for v in cases["long_rows"].values() for r in v.values())
                                        else ", the resident set's on a CPU") + ")")
         for variant, by_length in cases["long_rows"].items():
-            print(f"  {variant:<14}" + "  ".join(f"{n:>6}: {r['tokens_per_second']:>8.0f} tok/s "
+            print(f"  {variant:<18}" + "  ".join(f"{n:>6}: {r['tokens_per_second']:>8.0f} tok/s "
                                                  f"{r['bytes_per_token'] / 1024:>7.1f} KiB/token"
                                                  for n, r in by_length.items()))
     for case, reason in report.get("skipped", {}).items():
