@@ -98,23 +98,12 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, on
 
 
 @pytest.mark.slow
-def test_zero3_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, one_process):
-    """Two processes under DeepSpeed ZeRO-3 (weights, gradients and optimizer state sharded), batch 2 each: the
-    single process's batch-4 run. (ZeRO-3 stopped by SIGTERM and resumed: the sequence-parallel test below.)"""
-    two = tmp_path / "two"
-    double = launch("--nproc", "2", *EXACT, *WEIGHTED, "deepspeed=zero3", "trainer.per_device_train_batch_size=2",
-                    f"hydra.run.dir={two}")
-    assert double.returncode == 0, double.stderr[-3000:]
-    assert_same_run(one_process, two)
-
-
-@pytest.mark.slow
 def test_sequence_parallel_under_zero3_preempted_then_resumed_equals_one_process(tmp_path, one_process):
     """Each sequence split over 2 ranks (`sp=ulysses`: DeepSpeed's Ulysses attention) under ZeRO-3, the group training
     the single process's 4-row micro-batches. SIGTERM on both ranks in step 1: each finishes the step, they save a
     complete checkpoint together and exit 75; `resume=auto` finishes the run: the losses, eval loss and weights are
     the single process's (padded rows, difficulty, keyword and per-turn weights), and generation samples run at
-    evaluation, unsplit. (Packed rows split over 2 processes: tests/bench/test_run.py.)"""
+    evaluation, unsplit."""
     (tmp_path / "my_plugins.py").write_text(SIGTERM_AT)
     two = tmp_path / "two"
     args = ["--nproc", "2", "sp=ulysses", *EXACT, *WEIGHTED, "deepspeed=zero3", "trainer.per_device_train_batch_size=4",
@@ -133,6 +122,21 @@ def test_sequence_parallel_under_zero3_preempted_then_resumed_equals_one_process
         (two / "train.log").read_text()
     assert "eval_gen/exact_match" in json.loads((two / "results.json").read_text())
     assert_same_run(one_process, two)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_packed_equals_one_packed_process(tmp_path):
+    """Packed rows split over 2 ranks under DDP (each packed row padded to an even length; the samples told apart by
+    the gathered positions): the single packed process's step losses, eval loss and weights."""
+    packed = [*EXACT, *WEIGHTED, "data.packing=true", "trainer.per_device_train_batch_size=4"]
+    one = tmp_path / "one"
+    single = run_train(*packed, f"hydra.run.dir={one}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    two = tmp_path / "two"
+    split = launch("--nproc", "2", "sp=ulysses", *packed, f"hydra.run.dir={two}")
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "micro-batches of 1 row(s)" in (two / "train.log").read_text()
+    assert_same_run(one, two)
 
 
 @pytest.mark.slow
