@@ -46,3 +46,17 @@ def test_the_raw_loop_trains_sfts_batches_to_the_same_step_losses_as_sft_with_th
     losses = raw_loop(raw, clock)
     assert len(losses) == len(clock.times) == 4 and len(expected) == 4
     assert losses == pytest.approx(expected, rel=1e-5)  # steps 2-4 follow clipping, AdamW and the schedule too
+
+
+def test_a_case_in_several_processes_shares_the_cores_out(monkeypatch):
+    """torchrun's processes of one case (long_rows' split rows) take the cores between them: two processes with a
+    thread per core each ran 8x slower on 2 cores."""
+    from sft.bench.cases import threads
+    from sft.bench.config import compose
+
+    cfg = compose(["bench.threads=4"])
+    assert threads(cfg) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert threads(cfg) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert threads(cfg) == 1

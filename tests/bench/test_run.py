@@ -115,20 +115,6 @@ def test_long_rows_train_one_row_of_each_length_with_the_same_losses_in_every_va
     assert "KiB/token" in proc.stdout
 
 
-@pytest.mark.slow
-def test_long_rows_split_over_two_processes_train_the_losses_of_one(tmp_path):
-    # The sequence_parallel variant: each 400-token row split over 2 processes (torchrun, sp=ulysses), rank 0 reporting.
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "sft.bench", "--out", str(out), "bench.cases=[long_rows]", "bench.long_row_lengths=[400]",
-         "bench.long_row_steps=1", "bench.isolate=false", "bench.long_row_variants=[checkpointed,sequence_parallel]"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one, split = (json.loads(out.read_text())["cases"]["long_rows"][v]["400"] for v in ("checkpointed",
-                                                                                      "sequence_parallel"))
-    assert split["row_tokens"] == 400 and split["losses"] == pytest.approx(one["losses"], abs=1e-5)
-
-
 @pytest.mark.parametrize("override, message", [
     ("bench.stepz=3", "error: config: bench.stepz: not a knob of bench (did you mean bench.steps?)"),
     ("model.random_init={model_type:qwen2}", "error: config: model.random_init.model_type: a new key of "
