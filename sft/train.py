@@ -31,6 +31,7 @@ from sft.experiments.tracking import (finish_mlflow, finish_trackers, in_sweep, 
 from sft.files import own_path, write_text
 from sft.training.advice import TrainingStopped, raise_if_failed, stop_on_full_disk, train_with_advice
 from sft.training.arguments import evaluates, training_arguments
+from sft.training.sequence_parallel import sequence_parallel_size
 from sft.training.distributed import (end_process_group, rank_overrides, refuse_multirun_in_launch, set_cpu_threads,
                                       share_run_dir, slurm_distributed_env)
 from sft.training.engines import check_fsdp_resume
@@ -197,7 +198,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     # give the LoRA adapters (or a random-init model) other initial weights on the second run of a config.
     set_seed(args.seed)
     model = build_model(cfg, args.activation_checkpointing)
-    sequence_parallel = cfg.sp.size if cfg.sp is not None else 1
+    sequence_parallel = sequence_parallel_size(cfg)
     trainer = WeightedLossTrainer(
         model=model,
         args=args,
@@ -232,7 +233,7 @@ def build_model(cfg: DictConfig, activation_checkpointing: bool):
     if cfg.data.packing and attn == "sdpa":  # sdpa would attend across the whole packed row, under a mask
         attn = "sdpa_varlen"
         log.info("data.packing: attention sdpa_varlen (sdpa per sample of the packed row)")
-    model = instantiate(cfg.model, attn_implementation=attn, sequence_parallel=cfg.sp.size if cfg.sp else 1)
+    model = instantiate(cfg.model, attn_implementation=attn, sequence_parallel=sequence_parallel_size(cfg))
     if cfg.lora is not None:
         from peft import prepare_model_for_kbit_training
 

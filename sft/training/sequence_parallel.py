@@ -71,6 +71,11 @@ class SequenceParallelConfig(Schema):
                      "sequence parallelism here: each rank's MLPs already see 1/size of the tokens")
 
 
+def sequence_parallel_size(cfg) -> int:
+    """The ranks that split each sequence in a config's run: `sp.size`, or 1 where the `sp` group is off."""
+    return cfg.sp.size if cfg.sp is not None else 1
+
+
 @dataclass
 class SequenceParallel:
     """A run's sequence parallelism at run time: its group of ranks, and this rank's place in it."""
