@@ -32,8 +32,8 @@ from sft.files import own_path, write_text
 from sft.training.advice import TrainingStopped, raise_if_failed, stop_on_full_disk, train_with_advice
 from sft.training.arguments import evaluates, training_arguments
 from sft.training.sequence_parallel import sequence_parallel_size
-from sft.training.distributed import (end_process_group, rank_overrides, refuse_multirun_in_launch, set_cpu_threads,
-                                      share_run_dir, slurm_distributed_env)
+from sft.training.distributed import (end_process_group, exit_without_teardown, rank_overrides,
+                                      refuse_multirun_in_launch, set_cpu_threads, share_run_dir, slurm_distributed_env)
 from sft.training.engines import check_fsdp_resume
 from sft.training.run_dir import lock_run_dirs
 
@@ -486,3 +486,4 @@ def cli() -> None:
 
 if __name__ == "__main__":
     cli()
+    exit_without_teardown()  # not in `cli`: tests call that in their own process

@@ -472,10 +472,13 @@ def child(case: str, config_file: str) -> None:
 
 def run_case(case: str, cfg) -> dict:
     """Run one case in this process (the same torch threads for every case on a CPU); its result."""
-    if not _on_gpu():  # every case the same threads (launch.sh's runs: one per core)
+    if not _on_gpu():  # every case the same threads (launch.sh's runs: one per core) and allocator (as sft's runs)
         import torch
 
+        from sft.training.distributed import reuse_freed_memory
+
         torch.set_num_threads(threads(cfg))
+        reuse_freed_memory()
     if case in TRAINING_CASES:
         result = run_training_case(case, cfg)
     elif case in EVAL_CASES:

@@ -23,10 +23,11 @@ chunked on a CPU).
 The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same loss computation on both sides),
 `lean_loss_gain` (`ce` over `ce_naive`), `hard_sample_vs_ce`, `packing_gain` (`packing` over `ce`), `ce_vs_trl`,
 `packing_vs_trl_padding_free` (the same kernel) and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two
-kernels). Each case runs in a fresh process with the same torch threads (`bench.threads`), so peak memory is its
-own (on a CPU: the whole process's peak resident memory, imports and data included). The rounds interleave the
-cases and repeat `bench.repeats` times; a ratio is the median of its per-round ratios, with their spread. Each
-round records the load average, wall and CPU time; a round in which a training case got less than
+kernels). Each case runs in a fresh process with the same torch threads (`bench.threads`) and, on a CPU, the same
+allocator settings (`sft.training.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the whole
+process's peak resident memory, imports and data included). The rounds interleave the cases, every other round
+in reverse order, and repeat `bench.repeats` times; a ratio is the median of its per-round ratios, with their
+spread. Each round records the load average, wall and CPU time; a round in which a training case got less than
 `bench.min_cpu_share` of its threads' time is loaded: flagged and run again (`bench.reruns`). Training cases are
 timed from the end of step `bench.warmup_steps` to the last step: input tokens (padding excluded) per second.
 
@@ -42,8 +43,10 @@ checkpoint's CRC-32s from the page cache and from the disk; `long_rows` (only wh
 each of `bench.long_row_lengths` tokens, plain, checkpointed, with tiled MLPs, (GPU) offloaded checkpoints and
 each row split over 2 processes (`sp=ulysses`): tokens/s and memory per token (docs/long_context.md).
 
-`preset=gpu_7b` is the GPU check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16,
-packed rows of about 4k tokens, the lean loss, 20 steps (see conf/preset/gpu_7b.yaml).
+`preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token vocabulary on the tiny
+model's body, where the output layer weighs as in real fine-tuning. `preset=gpu_7b` is the GPU check: LoRA on a
+randomly initialised model of Qwen2.5-7B's shape, bf16, packed rows of about 4k tokens, the lean loss, 20 steps
+(see conf/preset/gpu_7b.yaml).
 
 The overrides are the training config's (`loss.impl=naive`, `trainer.per_device_train_batch_size=8`,
 `model=...`), plus `bench.*`. Prints a table and writes the raw numbers and ratios to `--out`.
@@ -197,15 +200,18 @@ def target_of(key: str):
 
 
 def run_rounds(jobs: dict, b, report: dict) -> list[dict]:
-    """`b.repeats` rounds over every job, in turn; each round's load average and, on a CPU, the least CPU share a
-    training case got (`report["rounds"]`). A loaded round (a share below `b.min_cpu_share`) is run again, at most
-    `b.reruns` times, and kept flagged if it stays loaded."""
+    """`b.repeats` rounds over every job, in turn (every other round in reverse order); each round's load average
+    and, on a CPU, the least CPU share a training case got (`report["rounds"]`). A loaded round (a share below
+    `b.min_cpu_share`) is run again, at most `b.reruns` times, and kept flagged if it stays loaded."""
     rounds = []
     for number in range(1, b.repeats + 1):
         for attempt in range(b.reruns + 1):
             load = os.getloadavg()[0]
             results = {}
-            for name, (case, cfg) in jobs.items():
+            # every other round in reverse order: a machine that speeds up or slows down over a round (it does,
+            # here) then favours no case; a ratio's paired rounds see each of its cases first as often
+            order = list(jobs.items()) if number % 2 else list(jobs.items())[::-1]
+            for name, (case, cfg) in order:
                 print(f"[round {number}/{b.repeats}] {name} ...", file=sys.stderr, flush=True)
                 results[name] = spawn(case, cfg)
             shares = [r["cpu_share"] for r in results.values() if "cpu_share" in r]

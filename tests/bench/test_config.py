@@ -12,3 +12,14 @@ def test_gpu_7b_bench_preset_is_lora_on_qwen2_5_7b_shape_packed_bf16():
     assert (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size) == (3584, 28, 152064)
     assert cfg.lora is not None and cfg.data.packing and cfg.trainer.bf16 and cfg.model.dtype == "bfloat16"
     assert cfg.loss.impl == "auto" and cfg.bench.steps == 20 and cfg.trainer.per_device_train_batch_size == 80
+
+
+def test_qwen_vocab_preset_is_the_tiny_body_with_qwen2_5s_vocabulary_on_the_same_kernel_as_trl():
+    from sft.bench.config import compose as bench_compose
+    from sft.model.loading import TINY_ARCH
+
+    cfg = bench_compose(["preset=qwen_vocab"])
+    check(cfg)
+    shape = cfg.model.random_init
+    assert shape.vocab_size == 151936 and {k: shape[k] for k in TINY_ARCH} == TINY_ARCH
+    assert list(cfg.bench.cases) == ["packing", "trl_padding_free"] and cfg.loss.impl == "auto"

@@ -68,6 +68,19 @@ def test_a_loaded_round_is_run_again_and_flagged_if_it_stays_loaded(monkeypatch)
     assert [(r["round"], r["attempt"], r["loaded"]) for r in report["rounds"]] == [(1, 2, False), (2, 2, True)]
 
 
+def test_every_other_round_runs_the_cases_in_reverse_order(monkeypatch):
+    """A machine that slows down over a round must not favour the case that runs first."""
+    from omegaconf import OmegaConf
+
+    import sft.bench.run
+
+    order = []
+    monkeypatch.setattr(sft.bench.run, "spawn", lambda case, cfg: order.append(case) or {"tokens_per_second": 1.0})
+    b = OmegaConf.create({"repeats": 3, "reruns": 0, "min_cpu_share": 0.8})
+    sft.bench.run.run_rounds({"raw": ("raw", None), "ce": ("ce", None)}, b, {"rounds": []})
+    assert order == ["raw", "ce", "ce", "raw", "raw", "ce"]
+
+
 def test_ratios_at_each_batch_size_are_named_by_it_and_keep_their_targets():
     from sft.bench.run import case_id, target_of, training_ratios
 
