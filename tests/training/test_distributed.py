@@ -49,6 +49,14 @@ from sft.training.distributed import exit_without_teardown
 
 out = Path(sys.argv[1])
 atexit.register(lambda: (out / "atexit").write_text("ran"))
+
+
+class TornDown:  # a module global: the interpreter's teardown finalises it, the fast exit does not
+    def __del__(self):
+        (out / "teardown").write_text("ran")
+
+
+held = TornDown()
 if sys.argv[2] == "thread":  # a non-daemon thread still at work: the interpreter's own exit must wait for it
     threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("done"))).start()
 print("buffered, not yet flushed", end="")
@@ -57,8 +65,9 @@ exit_without_teardown()
 
 
 def test_a_finished_run_exits_without_teardown_yet_loses_nothing(tmp_path):
-    """The fast exit still runs the atexit handlers (logging's close among them) and flushes the streams; with a
-    non-daemon thread alive it leaves the exit to the interpreter, which waits for the thread."""
+    """The fast exit skips the interpreter's teardown yet still runs the atexit handlers (logging's close among them)
+    and flushes the streams; with a non-daemon thread alive it leaves the exit to the interpreter, which waits for
+    the thread (and tears down)."""
     import subprocess
 
     for mode in ("plain", "thread"):
@@ -70,6 +79,7 @@ def test_a_finished_run_exits_without_teardown_yet_loses_nothing(tmp_path):
         assert done.stdout == "buffered, not yet flushed"
         assert (out / "atexit").read_text() == "ran"
         assert (out / "thread").exists() == (mode == "thread")
+        assert (out / "teardown").exists() == (mode == "thread")
 
 
 ALLOC_SCRIPT = """
