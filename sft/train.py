@@ -310,7 +310,7 @@ def benchmark_after_training(recipe: Recipe, cfg: DictConfig, run_dir: str, fina
         from peft import PeftModel
 
         model = (PeftModel.from_pretrained(instantiate(cfg.model), saved) if cfg.lora is not None
-                 else instantiate(cfg.model, name_or_path=saved))
+                 else instantiate(cfg.model, name_or_path=saved, gguf_file=None))
     metrics = trainer.benchmark(model)
     trainer.log(dict(metrics))
     return metrics

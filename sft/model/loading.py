@@ -146,6 +146,9 @@ class ModelConfig(Schema):
 
     _target_: str = "sft.model.loading.load_model"
     name_or_path: str = knob("tiny", "a hub id or a local checkpoint; tiny: the embedded ~0.8M-parameter model")
+    gguf_file: Optional[str] = knob(None, "a GGUF file (llama.cpp, Ollama, LM Studio) to train instead of name_or_path: "
+                                    "its path, or <package>/<file> inside an installed Python package; converted once "
+                                    "into a plain model dir in the sft cache (sft.model.gguf)")
     dtype: Dtype = knob(Dtype.float32, "the weights' dtype")
     attn_implementation: Optional[str] = knob("sdpa", "transformers' (sdpa, eager, flash_attention_2 ...) or "
                                               "sdpa_varlen (sdpa per sample of a packed row)")
@@ -161,6 +164,12 @@ class ModelConfig(Schema):
                                            "time; null: untiled")
 
     def check(self, cfg=None):
+        if self.gguf_file:
+            from sft.model.gguf import find_gguf
+
+            self.require("gguf_file", not self.random_init, "and random_init exclude each other: random_init builds "
+                         "random weights, gguf_file reads a model's")
+            find_gguf(self.gguf_file, self.name_or_path, key="gguf_file")  # the file is there (converting it waits for the model)
         if self.quantization is not None and cfg is not None:
             self.require("quantization", cfg.lora is not None, "a quantized base trains only with LoRA (lora=qlora)")
             self.require("quantization", cuda_available(),
@@ -189,6 +198,8 @@ class TokenizerConfig(Schema):
 
     _target_: str = "sft.model.loading.load_tokenizer"
     name_or_path: str = knob("${model.name_or_path}", "the model's, by default")
+    gguf_file: Optional[str] = knob("${model.gguf_file}", "the model's, by default: the tokenizer and chat template "
+                                    "of that GGUF file")
     chat_template: Optional[str] = knob(None, "a chat template to use instead of the tokenizer's: its text, or a "
                                         ".jinja file")
     trust_remote_code: bool = knob("${model.trust_remote_code}",  # type: ignore[arg-type]
@@ -201,23 +212,30 @@ class TokenizerConfig(Schema):
                                   "ids of its generation_config.json and the tokenizer's eos_token)", factory=list)
 
 
-def resolve(name_or_path: str) -> str:
-    """A hub id or local directory as given; `tiny` as the embedded model's directory."""
+def resolve(name_or_path: str, gguf_file: str | None = None) -> str:
+    """A hub id or local directory as given; `tiny` as the embedded model's directory; with `gguf_file`, the model dir
+    converted from that GGUF file (`sft.model.gguf`)."""
+    if gguf_file:
+        from sft.model.gguf import find_gguf, gguf_model_dir
+
+        return str(gguf_model_dir(find_gguf(gguf_file, name_or_path)))
     return str(tiny_model_dir()) if name_or_path == TINY else name_or_path
 
 
 def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False,
-                   chat_template_kwargs: dict | None = None, stop_tokens: list[str] | None = None):
+                   chat_template_kwargs: dict | None = None, stop_tokens: list[str] | None = None,
+                   gguf_file: str | None = None):
     """Load a tokenizer for training: right padding, a pad token, a chat template (`chat_template`: its Jinja text,
     or the path of a `.jinja` file holding it, as llama.cpp keeps them), and the settings the labelling reads
     (`sft.data.templates.configure_chat`): the template's kwargs and the model's stop tokens (those of its
-    `generation_config.json` and the tokenizer's eos; `stop_tokens` replaces them)."""
+    `generation_config.json` and the tokenizer's eos; `stop_tokens` replaces them). `gguf_file`: the tokenizer of
+    that GGUF file (`resolve`)."""
     from transformers import AutoTokenizer
 
     from sft.config.schema import ConfigError
     from sft.data.templates import configure_chat
 
-    path = resolve(name_or_path)
+    path = resolve(name_or_path, gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "right"
     name = f"{name_or_path}'s chat template"
@@ -251,6 +269,7 @@ def load_model(
     config_overrides: dict | None = None,
     tiled_mlp_tokens: int | None = None,
     sequence_parallel: int = 1,
+    gguf_file: str | None = None,
 ):
     """Load a causal LM with the Auto classes (the tiny preset included); `quantization=nf4` for QLoRA.
 
@@ -262,7 +281,7 @@ def load_model(
     `output_router_logits`, `router_aux_loss_coef`); a name the config does not have is refused.
     `tiled_mlp_tokens` computes the MLPs in tiles of that many tokens (`sft.model.tiling`). `sequence_parallel`: the
     ranks that will split each sequence (`sp.size`), whose Ulysses attention splits the heads: checked on the config,
-    before any weight is built.
+    before any weight is built. `gguf_file`: the weights of that GGUF file, de-quantized (`resolve`).
     """
     import torch
     from transformers import AutoConfig
@@ -283,7 +302,8 @@ def load_model(
     if random_init:
         config = AutoConfig.for_model(**random_init)
     else:
-        config = AutoConfig.from_pretrained(resolve(name_or_path), trust_remote_code=trust_remote_code)
+        name_or_path = resolve(name_or_path, gguf_file)
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     _override_config(config, config_overrides or {})
     if sequence_parallel > 1:
         check_heads_split(config, sequence_parallel)

@@ -3,7 +3,7 @@
     python -m sft.merge checkpoint=<run dir or checkpoint dir> output=<dir> [dtype=bfloat16]
 
 The base model is the one named in the run's saved config (`.hydra/config.yaml`: `model.name_or_path`,
-`tiny` included), or `base=<hub id or dir>` to override. The output holds safetensors weights, the
+`tiny` included, or `model.gguf_file`), or `base=<hub id or dir>` (or `gguf_file=<file>`) to override. The output holds safetensors weights, the
 tokenizer and its chat template, ready for `AutoModelForCausalLM.from_pretrained`.
 """
 
@@ -21,6 +21,7 @@ class MergeConfig:
     checkpoint: str = "???"
     output: str = "???"
     base: Optional[str] = None  # default: model.name_or_path from the run's saved config
+    gguf_file: Optional[str] = None  # default: model.gguf_file from the run's saved config (where base is not given)
     dtype: Optional[str] = None  # default: the run's model.dtype
 
 
@@ -47,7 +48,8 @@ def run_config(adapter: Path):
     return None
 
 
-def merge(checkpoint: str, output: str, base: str | None = None, dtype: str | None = None) -> Path:
+def merge(checkpoint: str, output: str, base: str | None = None, dtype: str | None = None,
+          gguf_file: str | None = None) -> Path:
     """Load base + adapter, merge, and save a plain model with tokenizer and chat template."""
     import torch
     from peft import PeftModel
@@ -57,17 +59,17 @@ def merge(checkpoint: str, output: str, base: str | None = None, dtype: str | No
 
     adapter = adapter_dir(Path(checkpoint))
     saved = run_config(adapter)
-    if base is None:
+    if base is None and gguf_file is None:
         if saved is None:
             raise MergeError(f"no .hydra/config.yaml above {adapter} to name the base model: pass base=<model>")
-        base = saved.model.name_or_path
+        base, gguf_file = saved.model.name_or_path, saved.model.get("gguf_file")
     dtype = dtype or (saved.model.dtype if saved is not None else "float32")
-    if base.startswith(("/", ".")) and not Path(base).is_dir():
+    if base is not None and gguf_file is None and base.startswith(("/", ".")) and not Path(base).is_dir():
         raise MergeError(f"the base model {base!r} does not exist (pass base=<hub id or dir>)")
-    try:
-        model = load_model(base, dtype=dtype, attn_implementation=None)  # merging runs no attention
+    try:  # merging runs no attention
+        model = load_model(base or "", dtype=dtype, attn_implementation=None, gguf_file=gguf_file)
     except (OSError, ValueError) as e:
-        raise MergeError(f"cannot load the base model {base!r}: {str(e).splitlines()[0]}") from e
+        raise MergeError(f"cannot load the base model {gguf_file or base!r}: {str(e).splitlines()[0]}") from e
     merged = PeftModel.from_pretrained(model, str(adapter), torch_dtype=getattr(torch, dtype)).merge_and_unload()
     if (adapter / "generation_config.json").is_file():  # the stops training set (sft.model.serving)
         from transformers import GenerationConfig

@@ -1,0 +1,184 @@
+"""The real pretrained model (`model=smollm2_135m`: SmolLM2-135M-Instruct from its GGUF file), where the tiny model can
+only suggest: the conversion against the GGUF's own de-quantized tensors, sft's loss against the model's own on the
+real weights and template (padded and packed, each kernel), the labels against the template's own rendering, a LoRA
+run's adapter merged against PEFT's base + adapter, and the stop token a server reads. A few steps each: CI time."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMOLLM2, labelled_runs, run_train, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sample_rows(n: int) -> list[dict]:
+    """The first `n` rows of the bundled addition data that have a system turn or a follow-up, and plain ones."""
+    lines = (REPO / "sft" / "sample_data" / "train.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines[:200]]
+    special = [r for r in rows if r["messages"][0]["role"] == "system" or len(r["messages"]) > 3][: n // 2]
+    return special + [r for r in rows if r not in special][: n - len(special)]
+
+
+@pytest.fixture(scope="module")
+def real(smollm2_dir):
+    from sft.model.loading import load_tokenizer
+
+    return smollm2_dir, load_tokenizer(*SMOLLM2[:1], gguf_file=SMOLLM2[1])
+
+
+def test_the_converted_weights_are_the_gguf_files_own_tensors_dequantized_with_no_quantization_left(real):
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import load_file
+
+    model_dir, _ = real
+    config = json.loads((model_dir / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
+    weights = load_file(model_dir / "model.safetensors")
+    from sft.model.gguf import find_gguf
+
+    tensors = {t.name: t for t in GGUFReader(str(find_gguf(SMOLLM2[1]))).tensors}
+    # gguf's own de-quantization of tensors transformers copies unpermuted (q/k projections are permuted for rope)
+    for ours, theirs in (("model.embed_tokens.weight", "token_embd.weight"),
+                         ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
+                         ("model.layers.29.self_attn.v_proj.weight", "blk.29.attn_v.weight")):
+        t = tensors[theirs]
+        expected = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(weights[ours].shape)
+        torch.testing.assert_close(weights[ours], expected.float(), atol=0, rtol=0, msg=ours)
+
+
+def test_the_labels_are_each_answer_and_its_stop_as_the_real_template_renders_the_chat(real, tmp_path):
+    """SmolLM2's template adds a default system prompt where a chat has none: the model trains on exactly the
+    template's rendering, every answer and its `<|im_end|>` trained, nothing else."""
+    from sft.data.load import load_sft_datasets
+    from sft.data.spec import DataSpec
+
+    _, tokenizer = real
+    rows = sample_rows(12)
+    data = load_sft_datasets(DataSpec(train_file=str(write_jsonl(tmp_path / "rows.jsonl", rows)), max_length=512),
+                             tokenizer)
+    assert len(data.train) == len(rows)
+    for row, sequence in zip(rows, data.train):
+        rendered = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+        expected_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        assert sequence["input_ids"] == expected_ids
+        if row["messages"][0]["role"] != "system":
+            assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+        answers = [m["content"] + "<|im_end|>" for m in row["messages"] if m["role"] == "assistant"]
+        assert [tokenizer.decode(run) for run in labelled_runs(sequence["input_ids"], sequence["labels"])] == answers
+
+
+@pytest.fixture(scope="module")
+def real_batch(real, tmp_path_factory):
+    """Six real rows tokenised, the real model, and its own loss and gradients on them padded (plus the cross entropy
+    of its hidden states in float64, what the fp32 arithmetic of the loss approximates)."""
+    from sft.data.collator import WeightedDataCollator
+    from sft.data.load import load_sft_datasets
+    from sft.data.spec import DataSpec
+    from sft.model.loading import load_model
+
+    _, tokenizer = real
+    rows = write_jsonl(tmp_path_factory.mktemp("real-rows") / "rows.jsonl", sample_rows(6))
+    features = list(load_sft_datasets(DataSpec(train_file=str(rows)), tokenizer).train)
+    model = load_model(SMOLLM2[0], gguf_file=SMOLLM2[1], attn_implementation="sdpa_varlen")
+    model.train()
+    padded = WeightedDataCollator(tokenizer)(features)
+    inputs = {k: padded[k] for k in ("input_ids", "attention_mask", "labels")}
+    own = model(**inputs).loss
+    params = [model.model.embed_tokens.weight, model.model.layers[0].self_attn.q_proj.weight,
+              model.model.layers[29].mlp.down_proj.weight]
+    own_grads = torch.autograd.grad(own, params)
+    with torch.no_grad():  # the same hidden states, projected and their cross entropy taken in float64
+        hidden = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                       output_hidden_states=True).hidden_states[-1][:, :-1]
+        targets = inputs["labels"][:, 1:]
+        logits = hidden[targets != -100].double() @ model.lm_head.weight.double().T
+        exact = torch.nn.functional.cross_entropy(logits, targets[targets != -100]).item()
+    return features, model, params, own.item(), own_grads, exact, padded["labels"]
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("impl", ["naive", "chunked"])
+def test_the_training_loss_on_the_real_weights_is_the_models_own_loss(real, real_batch, tmp_path, packing, impl):
+    """sft's loss and gradients on a batch of real rows, padded or packed into one row, equal the model's own
+    (transformers' mean over the labelled tokens, of the padded batch).
+
+    The tolerances are fp32's on this arithmetic: the model's own cross entropy over 49,152 logits of up to ~43 in
+    fp32 is itself ~1e-5 (relative) off the same cross entropy in float64 (measured: 9e-6), so sft's loss is held to
+    1e-5 of it, and the chunked kernel, which sums each token's exponentials in its own pass, to 2e-6 of float64
+    (measured: 1e-6); gradients, sums over ~300 tokens and the vocabulary in
+    another order, to 1e-4 of their norm (measured: 3e-5 for the chunked kernel, 1e-6 for the naive one)."""
+    from transformers import TrainingArguments
+
+    from sft.data.collator import WeightedDataCollator
+    from sft.loss.builtin import CrossEntropyLoss
+    from sft.training.trainer import WeightedLossTrainer
+
+    _, tokenizer = real
+    features, model, params, own, own_grads, exact, labels = real_batch
+    batch = WeightedDataCollator(tokenizer, packing=packing)(features)
+    assert batch["input_ids"].shape[0] == (1 if packing else len(features))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = WeightedLossTrainer(model=model, args=args, loss=CrossEntropyLoss(impl=impl, chunk_tokens=64))
+    assert trainer.loss_impl == impl
+    ours = trainer.compute_loss(model, dict(batch), num_items_in_batch=(labels[:, 1:] != -100).sum().double())
+    assert ours.item() == pytest.approx(own, rel=1e-5)
+    assert ours.item() == pytest.approx(exact, rel=2e-6 if impl == "chunked" else 1e-5)
+    for p, a, b in zip(params, own_grads, torch.autograd.grad(ours, params)):
+        assert (b - a).norm() <= 1e-4 * a.norm()
+
+
+@pytest.fixture(scope="module")
+def lora_run(real, tmp_path_factory):
+    """Three LoRA steps on the real model, its adapter merged by `python -m sft.merge`."""
+    from sft.merge import main as merge_main
+
+    tmp = tmp_path_factory.mktemp("real-lora")
+    rows = write_jsonl(tmp / "rows.jsonl", sample_rows(12))
+    proc = run_train("model=smollm2_135m", "lora=default", "loss=ce", "data=jsonl", f"data.train_file={rows}",
+                     "data.eval_file=null", "trainer.max_steps=3", "trainer.per_device_train_batch_size=4",
+                     "trainer.learning_rate=5e-3", "trainer.save_strategy=no", f"hydra.run.dir={tmp / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merge_main([f"checkpoint={tmp / 'run'}", f"output={tmp / 'merged'}"])
+    return tmp / "run", tmp / "merged"
+
+
+def test_the_merged_real_model_equals_peft_base_plus_adapter_and_carries_no_quantization(real, lora_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir, tokenizer = real
+    run, merged_dir = lora_run
+    assert json.loads((run / "model" / "adapter_config.json").read_text())["r"] == 16
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert getattr(merged.config, "quantization_config", None) is None
+    assert "quantization_config" not in (merged_dir / "config.json").read_text()
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    reference = PeftModel.from_pretrained(base, run / "model").eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        ours, theirs = merged(ids).logits, reference(ids).logits
+        untrained = AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-5)
+    assert (ours - untrained).abs().max() > 1e-2  # the adapter changed the model: the comparison can fail
+
+
+def test_the_trained_real_model_stops_at_im_end_under_plain_generate(real, lora_run):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    _, tokenizer = real
+    run, merged_dir = lora_run
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for saved in (run / "model", merged_dir):  # beside the adapter, and in the merged model
+        eos = GenerationConfig.from_pretrained(saved).eos_token_id
+        assert im_end in ([eos] if isinstance(eos, int) else eos), saved
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    out = merged.generate(**prompt, max_new_tokens=40, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert out[-1] == im_end and len(out) < 40, tokenizer.decode(out)  # it ended, at its stop, not at the limit
