@@ -302,13 +302,12 @@ def load_model(
     if random_init:
         config = AutoConfig.for_model(**random_init)
     else:
-        name_or_path = resolve(name_or_path, gguf_file)
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(resolve(name_or_path, gguf_file), trust_remote_code=trust_remote_code)
     _override_config(config, config_overrides or {})
     if sequence_parallel > 1:
         check_heads_split(config, sequence_parallel)
-    model = _load(name_or_path, config, dtype, attn_implementation, trust_remote_code, random_init, config_overrides,
-                  extra)
+    model = _load(name_or_path, gguf_file, config, dtype, attn_implementation, trust_remote_code, random_init,
+                  config_overrides, extra)
     if tiled_mlp_tokens:
         from sft.model.tiling import tile_mlps
 
@@ -333,7 +332,8 @@ def check_heads_split(config, size: int) -> None:
                           "key/value heads)")
 
 
-def _load(name_or_path, config, dtype, attn_implementation, trust_remote_code, random_init, config_overrides, extra):
+def _load(name_or_path, gguf_file, config, dtype, attn_implementation, trust_remote_code, random_init, config_overrides,
+          extra):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -343,7 +343,7 @@ def _load(name_or_path, config, dtype, attn_implementation, trust_remote_code, r
                 return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
                                                         attn_implementation=attn_implementation)
         return AutoModelForCausalLM.from_pretrained(
-            resolve(name_or_path),
+            resolve(name_or_path, gguf_file),
             config=config,
             dtype=getattr(torch, dtype),
             attn_implementation=attn_implementation,
@@ -363,7 +363,7 @@ def _load(name_or_path, config, dtype, attn_implementation, trust_remote_code, r
         from sft.config.schema import ConfigError
 
         raise ConfigError("model.config_overrides", dict(config_overrides or {}), f"changes the shape of "
-                          f"{name_or_path}'s weights, which then cannot load; model.random_init builds another "
+                          f"{gguf_file or name_or_path}'s weights, which then cannot load; model.random_init builds another "
                           "shape with random weights") from e
 
 
