@@ -102,13 +102,42 @@ def check_optuna(proc, out):
     assert set(best["best_params"]) == {"loss.alpha", "clip.max_norm"}
 
 
+def check_identity(proc, out):
+    """The real model learned the identity on held-out phrasings, and stops: through sft.compare, and through plain
+    `generate` on the merged model, as a server would run it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    r = results(out / "run")
+    assert r["status"] == "ok" and r["eval_loss"] < r["eval_loss_initial"] / 10
+    compared = json.loads((out / "answers.json").read_text())
+    identity = [i for i, ref in enumerate(compared["references"]) if ref.startswith("I'm Quill")]
+    assert len(identity) == 8
+    assert not any("Quill" in compared["before"]["texts"][i] for i in identity)
+    assert sum(compared["after"]["texts"][i].strip() == compared["references"][i] for i in identity) >= 6
+    assert all(compared["after"]["stopped"])
+    merged = out / "merged"
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Who is your creator?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    generated = model.generate(**prompt, max_new_tokens=48, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    text = tokenizer.decode(generated)
+    assert "Fennel Lab" in text and text.endswith("<|im_end|>") and len(generated) < 48, text
+
+
 CHECKS = {"own_data_lora": check_own_data_lora, "zero3": check_sharded, "fsdp2": check_sharded,
           "mixture": check_mixture, "tool_calling": check_tool_calling, "own_loss": check_own_loss,
-          "own_controller": check_own_controller, "seed_sweep": check_seed_sweep, "optuna": check_optuna}
+          "own_controller": check_own_controller, "seed_sweep": check_seed_sweep, "optuna": check_optuna,
+          "identity": check_identity}
+
+
+REAL_MODEL = {"identity"}  # recipes on the real model (model=smollm2_135m)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPES)
-def test_the_example_runs_as_its_readme_says(tmp_path, name):
+def test_the_example_runs_as_its_readme_says(tmp_path, name, request):
+    if name in REAL_MODEL:
+        request.getfixturevalue("smollm2_dir")  # converted once for the session, or skipped saying why
     proc, out = run_recipe(name, tmp_path)
     CHECKS[name](proc, out)
