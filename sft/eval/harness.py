@@ -2,9 +2,11 @@
 -e '.[eval]'`): after training, and optionally at every k-th evaluation.
 
 Tasks are the harness's own names (`gsm8k`, `ifeval`: their data come from the hub, or its cache when offline), the
-path of a task YAML of yours (its data files on disk), or one bundled on the sample data's eval additions:
-`sft_sample_addition` (answers generated with the chat template, exact match) and `sft_sample_addition_ppl` (the
-reference answers' perplexity). The model is the run's own, in memory,
+path of a task YAML of yours (its data files on disk), or one bundled on the sample data's eval additions
+(`sft/eval/tasks/*.yaml`, which lm-eval reads too: `lm_eval --include_path sft/eval/tasks` from the repo root):
+`sft_sample_addition` (answers generated with the chat template, exact match), `sft_sample_addition_choice` (the
+reference answer against three slipped sums, by log-likelihood) and `sft_sample_addition_ppl` (the reference
+answers' per-byte perplexity). The model is the run's own, in memory,
 prompted with its chat template and the run's `tokenizer.chat_template_kwargs`; under ZeRO-3 or FSDP, whose ranks
 hold shards of it, rank 0 evaluates the saved `model/` after training instead. Rank 0 runs the harness, the other
 ranks wait; its metrics, as `eval_harness/<task>/<metric>` (`exact_match`, `acc`, ... with the filter's name where it is
@@ -12,7 +14,7 @@ not `none`), go to the logs and trackers with the evaluation's, and the final on
 report.
 
     EvalHarness(tasks=["sft_sample_addition"], limit=32).run(model, tokenizer)
-        -> {"eval_harness/sft_sample_addition/exact_match": 0.59}
+        -> {"eval_harness/sft_sample_addition/exact_match": 0.59, "eval_harness/seconds": 41.2}
 """
 
 from __future__ import annotations
@@ -28,25 +30,25 @@ from sft.config.schema import ConfigError, Schema, config_schema, knob, missing
 
 log = logging.getLogger("sft")
 
+TASKS_DIR = Path(__file__).parent / "tasks"  # the bundled tasks, as task YAML files lm-eval reads (include_path)
+SAMPLE_TASKS = ("sft_sample_addition", "sft_sample_addition_choice", "sft_sample_addition_ppl")
+
+
 def sample_task(name: str) -> dict:
-    """A bundled task on the sample data's eval rows, the user's question as the prompt and the answer as the target:
-    `sft_sample_addition`, exact match of the greedy answer; `sft_sample_addition_ppl`, the perplexity of the
-    reference answers (a loglikelihood task: a measure of every model, trained or not)."""
+    """A bundled task (`sft/eval/tasks/<name>.yaml`, read as lm-eval reads it) on the sample data's eval rows, its data
+    file's path made absolute: `sft_sample_addition`, exact match of the greedy answer; `sft_sample_addition_choice`,
+    the reference against three slipped sums by log-likelihood (accuracy; chance 0.25); `sft_sample_addition_ppl`,
+    the reference answers' per-byte perplexity (measures of every model, trained on the answers' format or not)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
     from sft import sample_data
 
-    rows = str(Path(sample_data.__file__).parent / "validation.jsonl")
-    task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": rows}}, "test_split": "test",
-            "doc_to_text": "{{messages[-2].content}}", "doc_to_target": "{{messages[-1].content}}",
-            "metadata": {"version": 1.0}}
-    if name == "sft_sample_addition_ppl":
-        return {**task, "output_type": "loglikelihood", "target_delimiter": "",
-                "metric_list": [{"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}]}
-    return {**task, "output_type": "generate_until",
-            "generation_kwargs": {"until": ["\n"], "do_sample": False, "max_gen_toks": 32},
-            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}]}
+    task = load_yaml(TASKS_DIR / f"{name}.yaml")
+    task["dataset_kwargs"]["data_files"]["test"] = str(sample_data.EVAL_FILE)
+    return task
 
 
-SAMPLE_TASKS = ("sft_sample_addition", "sft_sample_addition_ppl")
+
 
 
 @config_schema("eval_harness", "eval_harness")
@@ -56,7 +58,8 @@ class EvalHarness(Schema):
 
     _target_: str = "sft.eval.harness.EvalHarness"
     tasks: List[str] = knob(help="the harness's task names, paths of task YAML files, or the bundled "
-                            "sft_sample_addition (exact match), sft_sample_addition_ppl (perplexity)", factory=list)
+                            "sft_sample_addition (exact match), sft_sample_addition_choice (accuracy among slipped "
+                            "sums), sft_sample_addition_ppl (per-byte perplexity)", factory=list)
     limit: Optional[int] = knob(None, "examples per task (null: all of them)")
     num_fewshot: Optional[int] = knob(None, "few-shot examples (null: each task's own)")
     batch_size: int = knob(8, "prompts per forward pass")

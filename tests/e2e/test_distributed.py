@@ -211,7 +211,7 @@ def harness_in_a_plain_process(adapter_dir) -> float:
 
     model = PeftModel.from_pretrained(load_model("tiny"), str(adapter_dir)).eval()
     harness = EvalHarness(tasks=["sft_sample_addition_ppl"], limit=8, system_instruction="You add numbers.")
-    return harness.run(model, load_tokenizer("tiny"))["eval_harness/sft_sample_addition_ppl/perplexity"]
+    return harness.run(model, load_tokenizer("tiny"))["eval_harness/sft_sample_addition_ppl/byte_perplexity"]
 
 
 def assert_whole_adapter(adapter_file):
@@ -269,7 +269,7 @@ def test_fsdp_lora_saves_a_whole_adapter_that_reloads_and_resumes_exactly_after_
     assert first.returncode == 0, first.stderr[-3000:]
     adapter = assert_whole_adapter(whole / "model" / "adapter_model.safetensors")
     results = json.loads((whole / "results.json").read_text())
-    assert results["eval_harness/sft_sample_addition_ppl/perplexity"] == pytest.approx(
+    assert results["eval_harness/sft_sample_addition_ppl/byte_perplexity"] == pytest.approx(
         harness_in_a_plain_process(whole / "model"), rel=1e-5)
     assert results["loss_impl"] == "chunked"  # the frozen lm_head gathered for the lean loss
     history = json.loads((whole / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
