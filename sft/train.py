@@ -274,7 +274,7 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
 def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
     """The final evaluation (and exact match, if configured), row by row in `eval_rows.jsonl`; the model
     saved into `<run dir>/model`."""
-    from sft.eval.generation import hardest_bucket_exact_match
+    from sft.eval.generation import bucket_exact_match
     from sft.experiments.results import write_eval_rows
     from sft.model.serving import chat_defaults_saved, set_generation_stops
 
@@ -291,9 +291,9 @@ def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:
         if hasattr(model, "get_base_model") and trainer.is_world_process_zero():  # an adapter: its stops beside it
             model.get_base_model().generation_config.save_pretrained(model_dir)
     if cfg.exact_match is not None and recipe.data.eval is not None:
-        final_eval["eval_exact_match_hardest"] = hardest_bucket_exact_match(
-            trainer, recipe.tokenizer, recipe.data.eval_rows(), list(cfg.eval_buckets),
-            cfg.exact_match.max_rows, cfg.exact_match.max_new_tokens)
+        final_eval.update(bucket_exact_match(trainer, recipe.tokenizer, recipe.data.eval_rows(), list(cfg.eval_buckets),
+                                             cfg.exact_match.max_rows, cfg.exact_match.max_new_tokens,
+                                             each=cfg.exact_match.buckets == "each"))
     return final_eval
 
 

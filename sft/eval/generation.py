@@ -1,7 +1,8 @@
 """Exact-match accuracy of generated answers: does greedy decoding reproduce the reference answer?
 
-Used for the hardest difficulty bucket of the eval set (`exact_match` config node): the prompt is the
-chat up to its last assistant turn, the answer is compared to that turn's content after stripping.
+Used after training on the eval set's difficulty buckets (`exact_match` config node): the hardest one
+(`eval_exact_match_hardest`) or each of them (`exact_match.buckets=each`: `eval_exact/bucket_<k>` and `eval_exact/all`).
+The prompt is the chat up to its last assistant turn, the answer is compared to that turn's content after stripping.
 """
 
 from __future__ import annotations
@@ -11,27 +12,39 @@ import json
 import logging
 from dataclasses import dataclass
 
-from sft.config.schema import Schema, config_schema, knob
+from sft.config.schema import Choice, Schema, config_schema, knob
 from sft.data.templates import prompt_text, stop_token_ids
+
+
+class Buckets(Choice):
+    hardest = "hardest"
+    each = "each"
 
 
 @config_schema("exact_match", "exact_match")
 @dataclass
 class ExactMatchConfig(Schema):
-    """Greedy-decoding exact match on the hardest eval bucket, after training (`eval_exact_match_hardest`)."""
+    """Greedy-decoding exact match on the eval buckets after training: the hardest (`eval_exact_match_hardest`), or each
+    (`eval_exact/bucket_<k>`, `eval_exact/all`, the hardest's too)."""
 
-    max_rows: int = knob(100, "rows of the hardest bucket compared")
+    max_rows: int = knob(100, "rows of each bucket compared (the first of the eval set's)")
     max_new_tokens: int = knob(32, "the longest answer generated")
+    buckets: Buckets = knob(Buckets.hardest, "hardest: the hardest bucket's rows; each: every bucket's, each reported")
+
+    def check(self, cfg=None):
+        self.require("max_rows", self.max_rows >= 1, "must be >= 1")
+        self.require("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1")
 
 log = logging.getLogger("sft")
 
 
-def hardest_bucket_rows(rows: list[dict], bucket_edges: list[float], max_rows: int) -> list[dict]:
-    """The eval rows (`sft.data.rows.read_jsonl`'s) of the highest non-empty difficulty bucket, in their order, at
-    most `max_rows`; a row without a score counts as 0."""
-    bucket = [bisect.bisect_right(bucket_edges, r.get("difficulty_score") or 0.0) for r in rows]
-    hardest = max(bucket)
-    return [r for r, b in zip(rows, bucket) if b == hardest][:max_rows]
+def bucket_rows(rows: list[dict], bucket_edges: list[float], max_rows: int) -> dict[int, list[dict]]:
+    """The eval rows (`sft.data.rows.read_jsonl`'s) of each non-empty difficulty bucket (bucket k: scores from edge
+    k-1 up to edge k), in their order, at most `max_rows` each; a row without a score counts as 0."""
+    buckets: dict[int, list[dict]] = {}
+    for r in rows:
+        buckets.setdefault(bisect.bisect_right(bucket_edges, r.get("difficulty_score") or 0.0), []).append(r)
+    return {k: buckets[k][:max_rows] for k in sorted(buckets)}
 
 
 def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 32,
@@ -90,11 +103,22 @@ def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 32, ba
     return hits / max(len(rows), 1)
 
 
-def hardest_bucket_exact_match(trainer, tokenizer, eval_rows: list[dict], bucket_edges: list[float], max_rows: int,
-                               max_new_tokens: int) -> float:
-    """Exact match of greedy answers on the hardest eval bucket (every rank generates; rank 0 reports)."""
-    rows = hardest_bucket_rows(eval_rows, bucket_edges, max_rows)
+def bucket_exact_match(trainer, tokenizer, eval_rows: list[dict], bucket_edges: list[float], max_rows: int,
+                       max_new_tokens: int, each: bool = False) -> dict[str, float]:
+    """Exact match of greedy answers after training (every rank generates; rank 0 reports): on the hardest eval
+    bucket (`eval_exact_match_hardest`), and with `each` on every bucket (`eval_exact/bucket_<k>`) and all of those
+    rows together (`eval_exact/all`)."""
+    buckets = bucket_rows(eval_rows, bucket_edges, max_rows)
+    if not each:
+        buckets = {max(buckets): buckets[max(buckets)]}
+    rows = [r for chosen in buckets.values() for r in chosen]
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped if trainer.is_zero3 else trainer.model)
-    score = exact_match(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.shards_parameters)
-    log.info("exact match of greedy answers on the hardest eval bucket (%d rows): %.4f", len(rows), score)
-    return score
+    answers = greedy_answers(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.shards_parameters)
+    hits = iter([a.strip() == reference(r).strip() for a, r in zip(answers, rows)])
+    scores = {k: [next(hits) for _ in chosen] for k, chosen in buckets.items()}
+    metrics = {"eval_exact_match_hardest": sum(scores[max(scores)]) / len(scores[max(scores)])}
+    if each:
+        metrics.update({f"eval_exact/bucket_{k}": sum(v) / len(v) for k, v in scores.items()})
+        metrics["eval_exact/all"] = sum(map(sum, scores.values())) / len(rows)
+    log.info("exact match of greedy answers: %s", ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics

@@ -23,8 +23,9 @@ FILE = "results.json"
 EVAL_ROWS = "eval_rows.jsonl"  # the final evaluation, one line per eval sequence (see write_eval_rows)
 BUCKET = "eval_loss_bucket_"
 TASK_METRICS = ("eval_loss_task_", "eval_ce_task_")  # a mixture's per-task eval metrics (sft.data.mixture)
-# the final evaluation's generation metrics (sft.eval.samples) and benchmark scores (sft.eval.harness), as logged
-EVAL_EXTRA = ("eval_gen/", "eval_harness/")
+# the final evaluation's generation metrics (sft.eval.samples), exact match per bucket (sft.eval.generation) and
+# benchmark scores (sft.eval.harness), as logged
+EVAL_EXTRA = ("eval_gen/", "eval_exact/", "eval_harness/")
 
 
 @dataclass
@@ -112,7 +113,8 @@ class RunResults:
 
     @staticmethod
     def extra_metrics(metrics: dict) -> dict:
-        """The generation and benchmark entries of metrics (or of the file): `eval_gen/...`, `eval_harness/...`."""
+        """The generation and benchmark entries of metrics (or of the file): `eval_gen/...`, `eval_exact/...`,
+        `eval_harness/...`."""
         return {k: v for k, v in metrics.items() if k.startswith(EVAL_EXTRA)}
 
     @classmethod
