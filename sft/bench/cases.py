@@ -26,6 +26,7 @@ CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": [
 TRAINING_CASES = tuple(CASE_OVERRIDES)
 TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped
 LOSS_CASES = ("loss_naive", "loss_lean")
+MATMUL = "matmul"  # the machine's matrix-product rate at the model's shapes: the hardware limit of the training cases
 EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
 RESULT = "BENCH_RESULT "
 
@@ -147,13 +148,67 @@ def run_training_case(case: str, cfg) -> dict:
               "threads": torch.get_num_threads(), "losses": losses}
     if not _on_gpu():  # the threads' CPU time over their wall time: 1 on a quiet machine
         result["cpu_share"] = cpu_seconds / (seconds * torch.get_num_threads())
+    lengths = [len(ids) for ids in column(trainer.train_dataset, "input_ids")]
+    flops = flops_per_token(trainer.model, sum(lengths) / len(lengths)) * tokens_per_second
+    result["achieved_gflops"] = flops / 1e9  # the training FLOP/s the step's work amounts to (matmul: their limit)
     peak = cfg.throughput.peak_tflops or device_peak_tflops()
     if peak:
-        lengths = [len(ids) for ids in column(trainer.train_dataset, "input_ids")]
-        mean_length = sum(lengths) / len(lengths)
-        flops = flops_per_token(trainer.model, mean_length) * tokens_per_second
         result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
     return result
+
+
+def model_matmul_shapes(cfg) -> dict[tuple[int, int], int]:
+    """The (in, out) shapes of the model's linear layers and how many of each (per layer: q, k, v, o, gate, up, down;
+    the output layer), read from its config: the matrix products a training step is made of."""
+    from transformers import AutoConfig
+
+    from sft.model.loading import resolve
+
+    model = cfg.model
+    if model.random_init:
+        config = AutoConfig.for_model(**OmegaConf.to_container(model.random_init, resolve=True))
+    else:
+        config = AutoConfig.from_pretrained(resolve(model.name_or_path, model.get("gguf_file")),
+                                            trust_remote_code=model.trust_remote_code)
+    config = config.get_text_config()
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    intermediate = config.intermediate_size
+    shapes: dict[tuple[int, int], int] = {}
+    for shape, count in (((hidden, heads * head_dim), 1), ((hidden, kv), 2), ((heads * head_dim, hidden), 1),
+                         ((hidden, intermediate), 2), ((intermediate, hidden), 1)):
+        shapes[shape] = shapes.get(shape, 0) + count * layers
+    shapes[(hidden, config.vocab_size)] = shapes.get((hidden, config.vocab_size), 0) + 1
+    return shapes
+
+
+def run_matmul_case(case: str, cfg) -> dict:
+    """The rate of `torch.mm` over the model's own products (`model_matmul_shapes`, `bench.matmul_tokens` rows each,
+    in the model's dtype, the cases' threads): each shape's best of 5 timings after one untimed, weighted by how often
+    the model has it. What a training step of this model could reach if it were nothing but its matrix products."""
+    import torch
+
+    device = "cuda" if _on_gpu() else "cpu"
+    dtype = getattr(torch, str(cfg.model.dtype))
+    tokens = cfg.bench.matmul_tokens
+    flops = seconds = 0.0
+    for (n_in, n_out), count in model_matmul_shapes(cfg).items():
+        x = torch.randn(tokens, n_in, device=device, dtype=dtype)
+        w = torch.randn(n_in, n_out, device=device, dtype=dtype)
+        out = torch.empty(tokens, n_out, device=device, dtype=dtype)
+        best = float("inf")
+        for attempt in range(6):
+            _sync(device)
+            started = time.perf_counter()
+            torch.mm(x, w, out=out)
+            _sync(device)
+            if attempt:
+                best = min(best, time.perf_counter() - started)
+        flops += count * 2.0 * tokens * n_in * n_out
+        seconds += count * best
+    return {"gflops": flops / seconds / 1e9, "tokens": tokens, "threads": torch.get_num_threads()}
 
 
 # The long_rows case's variants: what each adds to a packed run of one row per step (offloading on a GPU only;
@@ -493,6 +548,8 @@ def run_case(case: str, cfg) -> dict:
         result = run_checksums_case(case, cfg)
     elif case == "long_rows":
         result = run_long_rows_case(case, cfg)
+    elif case == MATMUL:
+        result = run_matmul_case(case, cfg)
     else:
         result = run_preprocess_case(case, cfg)
     return result

@@ -10,7 +10,7 @@ from sft.config import registry
 from sft.config.schema import Schema, knob
 
 CASES = ["raw", "hf", "ce_naive", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "trl_padding_free_mask",
-         "eval_hf", "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
+         "matmul", "eval_hf", "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
 LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequence_parallel")  # cases.LONG_ROW_VARIANTS
 ON_REQUEST = ["checksums", "long_rows"]  # a 15 GB checkpoint; rows of up to 16k tokens: only when named in bench.cases
 
@@ -24,6 +24,11 @@ class BenchConfig(Schema):
                                             "trainer.per_device_train_batch_size); ratios at the first are named "
                                             "plainly (ce_vs_hf), at the others with the size (ce_vs_hf_b16)")
     steps: int = knob(40, "optimizer steps per training case")
+    train_rows: Optional[str] = knob(None, "the training cases' rows: null, the data config's (data.train_file); "
+                                     "multi_turn, chats of a system turn and two additions worked column by column, "
+                                     "about 300 tokens each (sft.bench.rows.multi_turn_rows)")
+    train_row_count: int = knob(512, "how many multi_turn rows")
+    matmul_tokens: int = knob(1024, "matmul: the rows of each timed product (a micro-batch's tokens)")
     warmup_steps: int = knob(5, "steps not timed")
     repeats: int = knob(3, "rounds over all cases, interleaved; each ratio is the median of its per-round ratios")
     threads: Optional[int] = knob(None, "torch threads of every case on a CPU (null: one per core)")
@@ -60,6 +65,9 @@ class BenchConfig(Schema):
         unknown = [case for case in self.cases if case not in CASES + ON_REQUEST]
         self.require("long_row_lengths", all(n >= 16 for n in self.long_row_lengths), "each must be >= 16 tokens")
         self.require("long_row_steps", self.long_row_steps >= 1, "must be >= 1")
+        self.require("train_rows", self.train_rows in (None, "multi_turn"), "must be null or multi_turn")
+        self.require("train_row_count", self.train_row_count >= 1, "must be >= 1")
+        self.require("matmul_tokens", self.matmul_tokens >= 1, "must be >= 1")
         self.require("long_row_variants", set(self.long_row_variants) <= set(LONG_ROW_VARIANT_NAMES),
                      f"each must be one of {', '.join(LONG_ROW_VARIANT_NAMES)}")
         self.require("cases", not unknown, f"no such case: {', '.join(unknown)} (cases: "

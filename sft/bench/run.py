@@ -43,7 +43,14 @@ checkpoint's CRC-32s from the page cache and from the disk; `long_rows` (only wh
 each of `bench.long_row_lengths` tokens, plain, checkpointed, with tiled MLPs, (GPU) offloaded checkpoints and
 each row split over 2 processes (`sp=ulysses`): tokens/s and memory per token (docs/long_context.md).
 
-`preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token vocabulary on the tiny
+`matmul` times `torch.mm` over the model's own linear layers' shapes (`bench.matmul_tokens` rows each, the same
+threads): the rate a step made of nothing but its matrix products would reach here. With it, each training case gets
+`hw_limit_<case>`: its training FLOP/s (6N per token for full fine-tuning, about 4N with LoRA, plus attention:
+`sft.training.throughput.flops_per_token`) over that rate, round by round: the CPU's analogue of MFU, measured
+rather than taken from a data sheet. `bench.train_rows=multi_turn` trains every case on chats of about 300 tokens.
+
+`preset=smollm2` runs the training cases on the real model (SmolLM2-135M-Instruct) on such chats, with `matmul`
+(full fine-tuning; add `lora=default` for LoRA). `preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token vocabulary on the tiny
 model's body, where the output layer weighs as in real fine-tuning. `preset=gpu_7b` is the GPU check: LoRA on a
 randomly initialised model of Qwen2.5-7B's shape, bf16, packed rows of about 4k tokens, the lean loss, 20 steps
 (see conf/preset/gpu_7b.yaml).
@@ -66,8 +73,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, LOSS_CASES, RESULT,
-                             TRAINING_CASES, TRL_CASES, child, timed_training_overrides)
+from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, LOSS_CASES, MATMUL,
+                             RESULT, TRAINING_CASES, TRL_CASES, child, timed_training_overrides)
 from sft.bench.rows import multi_turn_rows, synthetic_rows
 from sft.bench.config import compose
 from sft.config.schema import ConfigError
@@ -241,16 +248,22 @@ def run_all(overrides: list[str]) -> dict:
         wanted = [case for case in wanted if case not in TRL_CASES]
     jobs = {}  # case id -> (case, config)
     batch_sizes = list(b.batch_sizes or [base.trainer.per_device_train_batch_size])
+    rows_dir = tempfile.TemporaryDirectory(prefix="sft-bench-rows-")
+    rows = []
+    if b.train_rows == "multi_turn":  # chats of about 300 tokens, as real fine-tuning data has them
+        multi_turn_rows(path := Path(rows_dir.name, "multi_turn.jsonl"), b.train_row_count)
+        rows = [f"data.train_file={path}"]
     for size in batch_sizes:
         for case in wanted:
             if case in TRAINING_CASES:
-                cfg = compose(overrides + CASE_OVERRIDES[case] + timed_training_overrides(base)
+                cfg = compose(overrides + rows + CASE_OVERRIDES[case] + timed_training_overrides(base)
                               + [f"trainer.per_device_train_batch_size={size}"])
                 jobs[case_id(case, size, batch_sizes[0])] = (case, cfg)
     evaluation = compose(overrides + ["loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"])
     jobs.update({case: (case, evaluation) for case in wanted if case in EVAL_CASES})
-    jobs.update({case: (case, base) for case in wanted if case in LOSS_CASES})
-    rounds = run_rounds(jobs, b, report) if jobs else []
+    jobs.update({case: (case, base) for case in wanted if case in (*LOSS_CASES, MATMUL)})
+    with rows_dir:
+        rounds = run_rounds(jobs, b, report) if jobs else []
     for name in jobs:
         runs = [r[name] for r in rounds]
         report["raw"][name] = runs
@@ -259,6 +272,12 @@ def run_all(overrides: list[str]) -> dict:
     cases, per_round = report["cases"], {}
     for size in batch_sizes:
         per_round.update(training_ratios(rounds, case_id("", size, batch_sizes[0])))
+    if MATMUL in cases:  # each training case's FLOP/s over the model's matrix products' rate, round by round
+        for name in jobs:
+            if values := [r[name]["achieved_gflops"] / r[MATMUL]["gflops"] for r in rounds
+                          if "achieved_gflops" in r.get(name, {}) and MATMUL in r]:
+                per_round[f"hw_limit_{name}"] = values
+                cases[name]["hw_limit"] = statistics.median(values)
     if all(case in cases for case in EVAL_CASES):
         per_round["eval_vs_hf_time"] = paired(rounds, "eval_sft", "eval_hf", "seconds_per_1000_rows")
     if all(case in cases for case in LOSS_CASES):
@@ -363,7 +382,8 @@ def print_report(report: dict) -> None:
     cases = report["cases"]
     gpu = any("cpu_share" not in c for c in cases.values() if "tokens_per_second" in c)
     memory = "peak GiB" if gpu else "peak RSS"
-    print(f"\n{'case':<26}{'tokens/s':>12}{'vs hf':>8}{memory:>10}{'vs hf':>8}{'cpu s':>8}{'mfu':>8}")
+    print(f"\n{'case':<26}{'tokens/s':>12}{'vs hf':>8}{memory:>10}{'vs hf':>8}{'cpu s':>8}{'mfu':>8}{'GFLOP/s':>9}"
+          f"{'hw lim':>8}")
     for name, c in cases.items():
         if "tokens_per_second" not in c:
             continue
@@ -373,7 +393,13 @@ def print_report(report: dict) -> None:
               f"{c['tokens_per_second'] / hf['tokens_per_second'] if hf else float('nan'):>8.2f}"
               f"{c['peak_memory_gb']:>10.2f}"
               f"{c['peak_memory_gb'] / hf['peak_memory_gb'] if hf else float('nan'):>8.2f}"
-              f"{c.get('cpu_seconds', float('nan')):>8.1f}{c['mfu'] if 'mfu' in c else float('nan'):>8.3f}")
+              f"{c.get('cpu_seconds', float('nan')):>8.1f}{c['mfu'] if 'mfu' in c else float('nan'):>8.3f}"
+              f"{c.get('achieved_gflops', float('nan')):>9.1f}{c.get('hw_limit', float('nan')):>8.3f}")
+    if MATMUL in cases:
+        m = cases[MATMUL]
+        print(f"matmul: torch.mm over the model's products ({m['tokens']:.0f} rows each) at {m['gflops']:.1f} GFLOP/s "
+              "on this machine; hw lim: a case's training FLOP/s over that rate (GFLOP/s: its 6N (full) or ~4N "
+              "(LoRA) FLOPs per token plus attention, sft.training.throughput.flops_per_token)")
     if not gpu and any("tokens_per_second" in c for c in cases.values()):
         print("(memory on a CPU: each case's whole-process peak resident memory, imports and data included)"
               if report.get("isolated", True) else "(bench.isolate=false: the cases shared one process, so memory "

@@ -137,3 +137,34 @@ def test_a_bad_override_is_one_line_and_exit_code_2(override, message):
     proc = subprocess.run([sys.executable, "-m", "sft.bench", override], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=qwen2_5_7b_random", "model.random_init.num_hidden_layers=2"]])
+def test_the_matmul_case_times_the_models_own_linear_layers(overrides):
+    """The products `matmul` times are those of the model's linear layers (its output layer included), as many."""
+    from collections import Counter
+
+    import torch
+    from hydra.utils import instantiate
+
+    from sft.bench.cases import model_matmul_shapes
+    from sft.bench.config import compose
+
+    cfg = compose(overrides + ["model.dtype=float32"])
+    with torch.device("meta" if overrides else "cpu"):  # Qwen2.5-7B's shape: no weights, its layers only
+        model = instantiate(cfg.model)
+    linear = Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model_matmul_shapes(cfg) == dict(linear)
+
+
+def test_each_cases_hardware_limit_is_its_flops_over_the_matmul_rate_of_the_same_round(monkeypatch):
+    import sft.bench.run
+
+    rounds = iter([{"tokens_per_second": 10.0, "achieved_gflops": 20.0}, {"gflops": 50.0},  # round 1: ce, matmul
+                   {"gflops": 40.0}, {"tokens_per_second": 9.0, "achieved_gflops": 18.0},  # round 2, in reverse
+                   {"tokens_per_second": 11.0, "achieved_gflops": 22.0}, {"gflops": 100.0}])
+    monkeypatch.setattr(sft.bench.run, "spawn", lambda case, cfg: next(rounds))
+    report = sft.bench.run.run_all(["bench.cases=[ce,matmul]", "bench.batch_sizes=[8]", "bench.repeats=3",
+                                    "bench.min_cpu_share=0"])
+    assert report["spread"]["hw_limit_ce"] == [0.22, 0.45]
+    assert report["ratios"]["hw_limit_ce"] == report["cases"]["ce"]["hw_limit"] == 0.4
