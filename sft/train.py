@@ -68,7 +68,10 @@ def train(cfg: DictConfig) -> RunResults:
     """Run the recipe for a checked config; return the results written to `results.json`."""
     from sft.training.checkpoints import find_checkpoint
 
+    from sft.training.step_log import no_bars_without_a_terminal
+
     started = time.time()
+    no_bars_without_a_terminal()
     slurm_distributed_env()
     set_cpu_threads(log)
     name_the_run()

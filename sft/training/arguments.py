@@ -88,7 +88,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
                                 factory=lambda: ["tensorboard"])
     run_name: Optional[str] = knob(None, "the trackers' run name")
     logging_nan_inf_filter: bool = knob(False, "True would hide a NaN loss from the log, not from the update")
-    disable_tqdm: Optional[bool] = knob(None, "no progress bar")
+    disable_tqdm: Optional[bool] = knob(None, "no progress bar (null: none where stderr is no terminal, each log then a "
+                                        "line of numbers in train.log)")
     log_level: str = knob("passive", "transformers' log level")
     ddp_timeout: int = knob(1800, "seconds a collective may wait")
     ddp_backend: Optional[str] = knob(None, "null: nccl on GPU, gloo on CPU")
@@ -198,6 +199,10 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     fields.update(process_fields(deepspeed=bool(cfg.deepspeed), fsdp=cfg.fsdp is not None, on_gpu=on_gpu))
     if cfg.fsdp is not None:
         fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"]))
+    if fields.get("disable_tqdm") is None:  # no bars where nobody watches them (sft.training.step_log)
+        from sft.training.step_log import has_terminal
+
+        fields["disable_tqdm"] = not has_terminal()
     check_installed_fields(fields)
     if fields.get("hub_token"):  # the Hub client reads HF_TOKEN; TrainingArguments is pickled into every checkpoint
         os.environ["HF_TOKEN"] = fields["hub_token"]

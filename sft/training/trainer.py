@@ -74,6 +74,7 @@ from sft.training.controllers.base import Controller
 from sft.training.distributed import fsdp_without_gpus
 from sft.training.sequence_parallel import SequenceParallel
 from sft.training.step_control import StepContext, StepControl, StepReport
+from sft.training.step_log import use_step_log
 from sft.training.throughput import ThroughputMeter
 
 log = logging.getLogger("sft")
@@ -93,6 +94,7 @@ class WeightedLossTrainer(Trainer):
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
         import_deepspeed_only_when_used()  # Trainer unwraps the model while it is set up: no DeepSpeed import for it
         super().__init__(*args, callbacks=callbacks, **kwargs)
+        use_step_log(self)  # logs as lines of numbers, not transformers' dicts of strings
         self.loss = loss
         self.clip_policy = clip_policy or GradClipPolicy()
         decode = self.processing_class.decode if self.processing_class is not None else str
