@@ -41,7 +41,9 @@ class Answers:
     stopped: list[bool]
 
     def exact(self, references: list[str]) -> int:
-        return sum(a.strip() == r.strip() for a, r in zip(self.texts, references))
+        from sft.eval.generation import exact_match
+
+        return int(sum(exact_match(a, r) for a, r in zip(self.texts, references)))
 
 
 def answers(model, tokenizer, rows: list[dict], max_new_tokens: int) -> Answers:

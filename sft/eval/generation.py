@@ -95,12 +95,20 @@ def reference(row: dict) -> str:
     return row["messages"][-1].get("content") or ""
 
 
-def exact_match(model, tokenizer, rows: list[dict], max_new_tokens: int = 32, batch_size: int = 32,
-                synced_gpus: bool = False) -> float:
-    """Fraction of rows whose greedy answer equals the reference answer."""
-    answers = greedy_answers(model, tokenizer, rows, max_new_tokens, batch_size, synced_gpus)
-    hits = sum(a.strip() == reference(r).strip() for a, r in zip(answers, rows))
-    return hits / max(len(rows), 1)
+def exact_match(answer: str, reference: str) -> float:
+    """1.0 where the answer equals the reference, surrounding white space aside; 0.0 for an empty reference (a turn
+    that only calls tools, scored by its calls): an empty answer is no match of nothing."""
+    return float(bool(reference.strip()) and answer.strip() == reference.strip())
+
+
+def warn_if_cut(what: str, lengths: list[int], max_new_tokens: int, knob: str) -> int:
+    """Log a warning where answers reached `max_new_tokens` before their stop token (each then scores as wrong);
+    return how many did."""
+    cut = sum(n >= max_new_tokens for n in lengths)
+    if cut:
+        log.warning("%s: %d of %d answers reached %s=%d before their stop token, cut there (scored as they are): "
+                    "raise it if the answers are longer", what, cut, len(lengths), knob, max_new_tokens)
+    return cut
 
 
 def bucket_exact_match(trainer, tokenizer, eval_rows: list[dict], bucket_edges: list[float], max_rows: int,
@@ -113,8 +121,10 @@ def bucket_exact_match(trainer, tokenizer, eval_rows: list[dict], bucket_edges: 
         buckets = {max(buckets): buckets[max(buckets)]}
     rows = [r for chosen in buckets.values() for r in chosen]
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped if trainer.is_zero3 else trainer.model)
-    answers = greedy_answers(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.shards_parameters)
-    hits = iter([a.strip() == reference(r).strip() for a, r in zip(answers, rows)])
+    ids = greedy_ids(model, tokenizer, rows, max_new_tokens, synced_gpus=trainer.shards_parameters)
+    warn_if_cut("exact_match", [len(i) for i in ids], max_new_tokens, "exact_match.max_new_tokens")
+    answers = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    hits = iter([exact_match(a, reference(r)) for a, r in zip(answers, rows)])
     scores = {k: [next(hits) for _ in chosen] for k, chosen in buckets.items()}
     metrics = {"eval_exact_match_hardest": sum(scores[max(scores)]) / len(scores[max(scores)])}
     if each:

@@ -3,7 +3,8 @@
 At every `every`-th evaluation, greedy answers to a fixed set of eval prompts (`prompts`, chosen once from
 the eval file, spread over the difficulty buckets) are generated on every rank (synced under ZeRO-3), scored
 by each metric in `metrics` (name -> the import path of a function `(answer, reference) -> float`) and
-logged as `eval_gen/<name>` (their mean) and `eval_gen/seconds` with the evaluation's other metrics; the
+logged as `eval_gen/<name>` (their mean), `eval_gen/cut_answers` (the share that reached `max_new_tokens` before
+their stop token, with a warning: they score as cut) and `eval_gen/seconds` with the evaluation's other metrics; the
 table (step, prompt, reference, answer) goes to TensorBoard as text and to W&B as a table.
 
     metrics={exact_match: sft.eval.samples.exact_match}, answers ["4", "5 "], references ["4", "5"]
@@ -21,13 +22,9 @@ from dataclasses import dataclass
 from typing import Dict
 
 from sft.config.schema import ConfigError, Schema, config_schema, import_target, knob, missing
+from sft.eval.generation import exact_match  # noqa: F401 - the default metric's import path: sft.eval.samples.exact_match
 
 log = logging.getLogger("sft")
-
-
-def exact_match(answer: str, reference: str) -> float:
-    """1.0 where the answer equals the reference, surrounding white space aside."""
-    return float(answer.strip() == reference.strip())
 
 
 def rouge_l(answer: str, reference: str) -> float:
@@ -111,19 +108,22 @@ class EvalGeneration(Schema):
     def generate(self, model, tokenizer, synced_gpus: bool) -> tuple[dict[str, float], list[list[str]]]:
         """The metrics (`eval_gen/<name>`, the tool calls', `eval_gen/seconds`) and the table rows (prompt, reference,
         answer)."""
-        from sft.eval.generation import greedy_ids, reference
+        from sft.eval.generation import greedy_ids, reference, warn_if_cut
 
         started = time.perf_counter()
         ids = greedy_ids(model, tokenizer, self.rows, self.max_new_tokens, batch_size=len(self.rows),
                          synced_gpus=synced_gpus)
         answers = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
         references = [reference(r) for r in self.rows]
+        cut = warn_if_cut("eval_generation", [len(i) for i in ids], self.max_new_tokens,
+                          "eval_generation.max_new_tokens")
         metrics = {f"eval_gen/{name}": sum(score(a, ref) for a, ref in zip(answers, references)) / len(answers)
                    for name, score in self.scorers.items()}
         prompts_shown = [r["messages"][-2].get("content") or "" for r in self.rows]  # the last user turn
         table = [list(t) for t in zip(prompts_shown, references, answers)]
         if self.tool_calls:
             metrics.update(self._score_calls(tokenizer, [tokenizer.decode(i) for i in ids], table))
+        metrics["eval_gen/cut_answers"] = cut / len(answers)  # reached max_new_tokens before their stop
         metrics["eval_gen/seconds"] = time.perf_counter() - started
         return metrics, table
 

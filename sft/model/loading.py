@@ -170,6 +170,8 @@ class ModelConfig(Schema):
             self.require("gguf_file", not self.random_init, "and random_init exclude each other: random_init builds "
                          "random weights, gguf_file reads a model's")
             find_gguf(self.gguf_file, self.name_or_path, key="gguf_file")  # the file is there (converting it waits for the model)
+        elif not self.random_init and self.name_or_path != TINY:
+            check_reachable(self.name_or_path)
         if self.quantization is not None and cfg is not None:
             self.require("quantization", cfg.lora is not None, "a quantized base trains only with LoRA (lora=qlora)")
             self.require("quantization", cuda_available(),
@@ -220,6 +222,36 @@ def resolve(name_or_path: str, gguf_file: str | None = None) -> str:
 
         return str(gguf_model_dir(find_gguf(gguf_file, name_or_path)))
     return str(tiny_model_dir()) if name_or_path == TINY else name_or_path
+
+
+def check_reachable(name_or_path: str, key: str = "name_or_path") -> None:
+    """A model that is neither a local dir nor in the hub's cache must be downloadable: where the hub is off
+    (`HF_HUB_OFFLINE`) or cannot be reached (one request, 5 s at most), one `ConfigError` says so at once, and how to
+    point at a local copy (transformers would retry for a minute and then name the tokenizer)."""
+    import huggingface_hub
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    from sft.config.schema import ConfigError
+
+    if Path(name_or_path).expanduser().is_dir():
+        return
+    if name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1:
+        raise ConfigError(key, name_or_path, "no such model dir")
+    if try_to_load_from_cache(name_or_path, "config.json") is not None:  # downloaded before (a string: its path)
+        return
+    if constants.HF_HUB_OFFLINE:
+        why = "the hub is off (HF_HUB_OFFLINE)"
+    else:
+        try:
+            huggingface_hub.HfApi().model_info(name_or_path, timeout=5)
+            return
+        except huggingface_hub.errors.RepositoryNotFoundError:
+            raise ConfigError(key, name_or_path, f"the hub ({constants.ENDPOINT}) has no such model") from None
+        except Exception as e:  # noqa: BLE001 - any failure to reach the hub: no route, DNS, proxy, timeout, 5xx
+            why = f"the hub cannot be reached ({type(e).__name__})"
+    raise ConfigError(key, name_or_path, f"is not on this machine (no such dir, not in the hub's cache) and {why}: "
+                      f"download it where the hub is reachable (hf download {name_or_path} --local-dir <dir>) and set "
+                      "model.name_or_path=<dir>, or train a GGUF file: model.gguf_file=<file.gguf>")
 
 
 def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False,

@@ -44,3 +44,16 @@ def test_each_buckets_exact_match_is_the_share_of_answers_equal_to_their_referen
     assert metrics["eval_exact_match_hardest"] == metrics[f"eval_exact/bucket_{max(bucket_rows(rows, edges, 100))}"]
     assert bucket_exact_match(trainer, tokenizer, rows, edges, 100, 12) == {
         "eval_exact_match_hardest": metrics["eval_exact_match_hardest"]}
+
+
+def test_answers_cut_at_max_new_tokens_are_named_in_a_warning(tokenizer, caplog):
+    from sft.model.loading import load_model
+
+    model = load_model("tiny").eval()
+    rows = [json.loads(line) for line in (REPO / "sft" / "sample_data" / "validation.jsonl").read_text().splitlines()[:6]]
+    trainer = SimpleNamespace(model=model, model_wrapped=model, is_zero3=False, shards_parameters=False,
+                              accelerator=SimpleNamespace(unwrap_model=lambda m: m))
+    with caplog.at_level("WARNING", logger="sft"):
+        bucket_exact_match(trainer, tokenizer, rows, [1.0, 2.0, 3.0], max_rows=100, max_new_tokens=2, each=True)
+    assert ("exact_match: 6 of 6 answers reached exact_match.max_new_tokens=2 before their stop token, cut there "
+            "(scored as they are): raise it if the answers are longer") in caplog.text

@@ -16,6 +16,7 @@ def test_prompts_are_taken_in_turn_from_every_bucket():
     assert [r["id"] for r in chosen] == [6, 0, 5, 3, 1]  # unscored, <2, [2,3), >=3, then round two
     assert len(spread_over_buckets(rows, [2.0], 50)) == len(rows)
     assert exact_match(" 4 ", "4") == 1.0 and exact_match("4", "5") == 0.0
+    assert exact_match("", "") == exact_match(" ", "") == 0.0  # a call-only turn: scored by its calls, not as text
     assert markdown_table(3, [["a|b", "r", "x\ny"]]).splitlines()[-1] == "| 3 | a\\|b | r | x y |"
 
 

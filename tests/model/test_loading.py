@@ -1,6 +1,8 @@
 """Model loading (`sft.model.loading`): a random-init architecture from its config, config overrides, attention
 implementations."""
 
+import os
+
 import pytest
 
 from sft.config import compose
@@ -32,3 +34,32 @@ def test_a_config_override_the_model_does_not_have_is_refused():
     with pytest.raises(ConfigError, match=r"model.config_overrides=\{'intermediate_size': 96\}: changes the shape of "
                                           "tiny's weights, which then cannot load"):
         load_model("tiny", config_overrides={"intermediate_size": 96})
+
+
+@pytest.mark.parametrize("env, why", [({"HF_HUB_OFFLINE": "1"}, "the hub is off (HF_HUB_OFFLINE)"),
+                                      ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the hub cannot be reached")])
+def test_a_model_neither_on_disk_nor_reachable_is_one_line_at_once_saying_how_to_point_at_a_local_copy(
+        tmp_path, env, why):
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "sft.inspect_data", "model=qwen2_5_7b", "--rows", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HOME": str(tmp_path / "hf"), **env})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: config: model.name_or_path='Qwen/Qwen2.5-7B-Instruct': is not on this "
+                                  f"machine (no such dir, not in the hub's cache) and {why}")
+    assert "set model.name_or_path=<dir>, or train a GGUF file: model.gguf_file=<file.gguf>" in proc.stderr
+    assert time.perf_counter() - started < 30  # not a minute of retries
+
+
+def test_a_local_path_that_is_no_dir_is_refused_by_name():
+    from sft.config import ConfigError
+    from sft.model.loading import check_reachable
+
+    with pytest.raises(ConfigError, match="^name_or_path='/no/such/model': no such model dir$"):
+        check_reachable("/no/such/model")
