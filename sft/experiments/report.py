@@ -11,9 +11,11 @@ string naming it; default the first setting): over the seeds both have, or with 
 eval rows. `*` marks a difference whose interval excludes 0.
 
 At the end of `python -m sft.train -m ...` the Hydra callback `SweepReport` writes the same files into
-the sweep dir: `sweep_summary.csv` (a setting per row, every figure), `sweep_summary.md` (settings, then
-jobs), `sweep_jobs.csv` (a job per row) and `sweep_summary.png` (eval-loss curves of all jobs, and each
-metric's mean and interval against each swept parameter).
+the sweep dir: `sweep_summary.csv` (a setting per row, every figure), `sweep_summary.md` (the verdict: a sentence
+per setting naming the comparable metrics it is better or worse on or leaves unresolved, and a warning where seeds
+are too few; then settings, then jobs), `sweep_jobs.csv` (a job per row) and `sweep_summary.png` (eval_ce curves of
+all jobs, the paired differences to the baseline with their intervals, and eval_ce's mean and interval against each
+swept parameter).
 """
 
 from __future__ import annotations
@@ -245,6 +247,82 @@ def settings_markdown(rows: list[dict]) -> list[str]:
     return _markdown(table, columns)
 
 
+# --- the verdict: which setting is better, and how sure ---------------------------------------------------------
+
+_LOWER_IS_BETTER = {"loss", "ce", "perplexity", "seconds", "malformed", "cut"}  # words of a metric's last part
+
+
+def higher_is_better(metric: str) -> bool:
+    """A metric's direction from its name: losses, cross entropies, perplexities, times, malformed or cut answers go
+    down; accuracies, exact matches and other scores go up."""
+    return not _LOWER_IS_BETTER & set(metric.rsplit("/", 1)[-1].split("_"))
+
+
+def comparable(metric: str) -> bool:
+    """Whether a metric means the same under every setting of a sweep: the unweighted cross entropy, per bucket and
+    task, token accuracy, exact matches, generation and benchmark scores; not `eval_loss`, which each loss weighs its
+    own way, nor times."""
+    return ((metric in FIXED or metric.startswith((BUCKET, "eval_ce_task_", *EVAL_EXTRA)))
+            and not metric.endswith("seconds"))
+
+
+def verdict_lines(rows: list[dict]) -> list[str]:
+    """A sentence per setting against the baseline: the comparable metrics on which its paired difference is better
+    or worse (the interval excludes 0) and those it leaves unresolved; the best mean of `eval_ce`; and a warning
+    where the seeds are too few for an interval to mean much."""
+    if not rows:
+        return []
+    params = list(rows[0])[:list(rows[0]).index("seeds")]
+    base = next(r for r in rows if r["baseline"])
+
+    def name(row: dict) -> str:
+        return " ".join(f"{p}={row[p]}" for p in params) or "the one setting"
+
+    lines = []
+    metrics = [m for m in dict.fromkeys(k for r in rows for k in r)
+               if comparable(m) and isinstance(base.get(m), Interval)]
+    for row in rows:
+        if row["baseline"]:
+            continue
+        judged: dict[str, list[str]] = {"better": [], "worse": [], "not resolved": []}
+        for metric in metrics:
+            diff = row.get(f"diff_{metric}")
+            if not isinstance(diff, Interval):
+                continue
+            if diff.low is None or diff.low == diff.high:  # one value (or a bootstrap over one row): no interval
+                judged["not resolved"].append(f"{metric} ({diff.mean:+.3g}, no interval)")
+                continue
+            shown = f"{metric} ({diff.mean:+.3g} [{diff.low:+.3g}, {diff.high:+.3g}])"
+            if not diff.excludes_zero:
+                judged["not resolved"].append(shown)
+            else:
+                judged["better" if (diff.mean > 0) == higher_is_better(metric) else "worse"].append(shown)
+        seeds = int(row["seeds"].split("/")[0])
+        parts = [f"**{kind}** on {', '.join(found)}" for kind, found in judged.items() if found]
+        lines.append(f"- {name(row)} against {name(base)} ({seeds} seed{'s' * (seeds != 1)}, paired): "
+                     f"{'; '.join(parts) or 'no metric'}.")
+    ce = [(r["eval_ce"].mean, name(r)) for r in rows if isinstance(r.get("eval_ce"), Interval)]
+    if ce:
+        best = min(ce)
+        lines.append(f"- Lowest mean eval_ce (unweighted cross entropy, comparable across losses): {best[1]} "
+                     f"({best[0]:.4g}).")
+    fewest = min(int(r["seeds"].split("/")[0]) for r in rows)
+    if fewest == 1:
+        lines.append("- Warning: a setting has one seed: its intervals are bootstraps over the eval rows, which "
+                     "measure the eval set's noise, not the seed's: run 3 or more seeds (trainer.seed=1,2,3).")
+    elif fewest < 3:
+        lines.append(f"- Warning: a setting has {fewest} seeds: a 95% t interval from {fewest} values is "
+                     f"{_t_factor(fewest):.1f} standard errors wide each side (from 3: 4.3, from 5: 2.8), so few "
+                     "differences resolve: run 3 or more seeds (trainer.seed=1,2,3).")
+    return lines
+
+
+def _t_factor(n: int) -> float:
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, n - 1))
+
+
 def write_report(sweep_dir: str | Path, baseline: str | None = None) -> list[dict]:
     """Write `sweep_summary.{csv,md,png}` and `sweep_jobs.csv` into the sweep dir; return the job rows."""
     sweep_dir = Path(sweep_dir)
@@ -256,37 +334,62 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None) -> list[dic
     _write_csv(sweep_dir / "sweep_summary.csv", grouped)
     job_columns = [c for c in dict.fromkeys(k for row in jobs for k in row)
                    if any(row.get(c) not in (None, "") for row in jobs)]
-    text = [f"# Sweep {sweep_dir}", "", "## Settings (mean [95% interval]; diff_: paired difference to the "
-            "baseline, * where its interval excludes 0)", "", *settings_markdown(grouped), "", "## Jobs", "",
-            *_markdown(jobs, job_columns)]
+    text = [f"# Sweep {sweep_dir}", "", "## Verdict", "", *verdict_lines(grouped), "",
+            "## Settings (mean [95% interval]; diff_: paired difference to the baseline, * where its interval "
+            "excludes 0)", "", *settings_markdown(grouped), "", "## Jobs", "", *_markdown(jobs, job_columns)]
     (sweep_dir / "sweep_summary.md").write_text("\n".join(text) + "\n")
     plot(sweep_dir, jobs, grouped)
     return jobs
 
 
 def plot(sweep_dir: Path, rows: list[dict], grouped: list[dict]) -> None:
-    """Eval-loss curves of every job, and each setting's final eval_ce (mean and interval) against each
-    swept parameter."""
+    """Three views of comparable metrics only (`comparable`; the weighted eval_loss is not one): eval_ce per job over
+    the steps; each setting's paired difference to the baseline on every comparable metric, with its interval (to
+    the right of 0 is better, whichever way the metric goes); and each setting's final eval_ce (mean and interval)
+    against each swept parameter."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     params = [k for k in _parameters(rows[0]) if k not in SEED_KEYS]
-    fig, axes = plt.subplots(1, 1 + max(len(params), 1), figsize=(6 + 4 * max(len(params), 1), 4.5), squeeze=False)
-    curves = axes[0][0]
+    fig, axes = plt.subplots(1, 2 + len(params), figsize=(12 + 4 * len(params), 5), squeeze=False)
+    curves, forest = axes[0][0], axes[0][1]
     for row in rows:
         results = RunResults.read(sweep_dir / str(row["job"]))
-        history = results.eval_history if results else []
-        points = [(h["step"], h["eval_loss"]) for h in history if h.get("eval_loss") is not None]
+        points = [(h["step"], h["eval_ce"]) for h in (results.eval_history if results else [])
+                  if h.get("eval_ce") is not None]
         if points:
             label = " ".join(f"{k}={row[k]}" for k in _parameters(row)) or f"job {row['job']}"
             curves.plot(*zip(*points), marker="o", markersize=3, label=label)
-    curves.set(xlabel="step", ylabel="eval_loss", title="eval loss per job")
+    curves.set(xlabel="step", ylabel="eval_ce", title="eval_ce per job (unweighted: comparable across losses)")
     if curves.lines:
         curves.legend(fontsize=7)
-    for ax, key in zip(axes[0][1:], params):
-        ok = [r for r in grouped if isinstance(r.get("eval_ce"), Interval)]
+    labels, y = [], 0
+    for row in grouped:
+        if row["baseline"]:
+            continue
+        for metric in [m for m in row if m.startswith("diff_") and comparable(m[5:])]:
+            diff = row[metric]
+            if not isinstance(diff, Interval):
+                continue
+            sign = 1 if higher_is_better(metric[5:]) else -1  # drawn so that better is always to the right
+            low, high = (diff.low, diff.high) if diff.low is not None else (diff.mean, diff.mean)
+            resolved = diff.excludes_zero and diff.low != diff.high  # (a bootstrap over one row is no interval)
+            color = "tab:gray" if not resolved else ("tab:green" if sign * diff.mean > 0 else "tab:red")
+            forest.errorbar([sign * diff.mean], [y], xerr=[[sign * diff.mean - min(sign * low, sign * high)],
+                                                         [max(sign * low, sign * high) - sign * diff.mean]],
+                            fmt="o", color=color, capsize=3)
+            labels.append(f"{' '.join(str(row[p]) for p in params)}: {metric[5:]}")
+            y += 1
+    forest.axvline(0, color="black", linewidth=0.8)
+    forest.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+    forest.set_yticks(range(len(labels)), labels, fontsize=7)
+    forest.invert_yaxis()
+    forest.set(xlabel="paired difference to the baseline (right: better)", title="vs the baseline, 95% intervals")
+    ok = [r for r in grouped if isinstance(r.get("eval_ce"), Interval)]
+    for ax, key in zip(axes[0][2:], params):
         try:
             xs = [float(r[key]) for r in ok]
         except ValueError:

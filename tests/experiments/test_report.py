@@ -147,3 +147,42 @@ def test_benchmark_and_tool_call_scores_get_intervals_and_differences_like_every
     assert float(other["diff_eval_gen/tool_call_accuracy"]) == pytest.approx(np.mean(values) / 2 - 0.25)
     markdown = (tmp_path / "sweep_summary.md").read_text()
     assert "eval_harness/gsm8k/exact_match" in markdown and "eval_gen/tool_call_accuracy" in markdown
+
+
+def test_the_verdict_says_which_setting_is_better_on_what_and_how_sure(tmp_path):
+    for n, ((alpha, seed), ce) in enumerate(CE.items()):
+        job(tmp_path, n, [f"loss.alpha={alpha}", f"trainer.seed={seed}"], ce)
+    write_report(tmp_path, baseline="loss.alpha=0")
+    md = (tmp_path / "sweep_summary.md").read_text()
+    verdict = md.split("## Verdict\n\n")[1].split("\n\n")[0].splitlines()
+    diffs = [CE["0.5", s] - CE["0", s] for s in "123"]
+    low, high = stats.t.interval(0.95, 2, loc=np.mean(diffs), scale=stats.sem(diffs))
+    assert verdict[0].startswith(f"- loss.alpha=0.5 against loss.alpha=0 (3 seeds, paired): **better** on eval_ce "
+                                 f"({np.mean(diffs):+.3g} [{low:+.3g}, {high:+.3g}])")
+    assert verdict[1] == "- Lowest mean eval_ce (unweighted cross entropy, comparable across losses): loss.alpha=0.5 " \
+                         f"({np.mean([CE['0.5', s] for s in '123']):.4g})."
+    assert len(verdict) == 2 and md.count("# Sweep") == 1  # three seeds: no warning; one heading
+
+
+def test_two_seeds_are_warned_about_and_an_interval_spanning_zero_is_not_resolved(tmp_path):
+    for n, (alpha, seed, ce) in enumerate([("0", "1", 0.80), ("0", "2", 0.90), ("1", "1", 0.82), ("1", "2", 0.87)]):
+        job(tmp_path, n, [f"loss.alpha={alpha}", f"trainer.seed={seed}"], ce)
+    write_report(tmp_path)
+    verdict = (tmp_path / "sweep_summary.md").read_text().split("## Verdict\n\n")[1].split("\n\n")[0]
+    assert verdict.startswith("- loss.alpha=1 against loss.alpha=0 (2 seeds, paired): ")
+    assert "**not resolved** on eval_ce (-0.005 [" in verdict
+    assert ("- Warning: a setting has 2 seeds: a 95% t interval from 2 values is 12.7 standard errors wide each side "
+            "(from 3: 4.3, from 5: 2.8)") in verdict
+
+
+@pytest.mark.parametrize("metric, higher, comparable", [
+    ("eval_ce", False, True), ("eval_loss", False, False), ("eval_loss_bucket_3", False, True),
+    ("eval_token_accuracy", True, True), ("eval_exact/bucket_2", True, True), ("exact_match_hardest", True, True),
+    ("eval_harness/sft_sample_addition_ppl/byte_perplexity", False, True), ("eval_harness/seconds", False, False),
+    ("eval_harness/sft_sample_addition_choice/acc", True, True), ("eval_gen/tool_calls_malformed", False, True),
+    ("train_tokens_per_second", True, False)])
+def test_each_metric_has_a_direction_and_only_those_alike_under_every_loss_are_judged(metric, higher, comparable):
+    from sft.experiments.report import comparable as is_comparable
+    from sft.experiments.report import higher_is_better
+
+    assert higher_is_better(metric) == higher and is_comparable(metric) == comparable
