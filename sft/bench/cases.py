@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from sft.bench import config as bench_config
+from sft.bench.device import memory_peak, memory_reset, on_gpu, sync
 
 # Each training case and what it trains with. `raw`, `hf`, `ce_naive` and `trl` compute the same full logits and
 # cross entropy (the framework's cost alone); `ce` and `packing` the lean loss that `loss.impl=auto` picks; the
@@ -91,7 +92,7 @@ def case_trainer(case: str, cfg, run_dir: str):
     for name in TrainerConfig.sft_fields:  # sft's own knobs, not TrainingArguments fields
         fields.pop(name)
     fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 0.0))
-    fields["dataloader_pin_memory"] &= _on_gpu()
+    fields["dataloader_pin_memory"] &= on_gpu()
     if case.startswith("trl"):
         from trl import SFTConfig
 
@@ -146,7 +147,7 @@ def run_training_case(case: str, cfg) -> dict:
     result = {"tokens_per_second": tokens_per_second, "peak_memory_gb": peak_memory_gb(),
               "timed_steps": len(clock.times) - warmup, "seconds": seconds, "cpu_seconds": cpu_seconds,
               "threads": torch.get_num_threads(), "losses": losses}
-    if not _on_gpu():  # the threads' CPU time over their wall time: 1 on a quiet machine
+    if not on_gpu():  # the threads' CPU time over their wall time: 1 on a quiet machine
         result["cpu_share"] = cpu_seconds / (seconds * torch.get_num_threads())
     lengths = [len(ids) for ids in column(trainer.train_dataset, "input_ids")]
     flops = flops_per_token(trainer.model, sum(lengths) / len(lengths)) * tokens_per_second
@@ -155,60 +156,6 @@ def run_training_case(case: str, cfg) -> dict:
     if peak:
         result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
     return result
-
-
-def model_matmul_shapes(cfg) -> dict[tuple[int, int], int]:
-    """The (in, out) shapes of the model's linear layers and how many of each (per layer: q, k, v, o, gate, up, down;
-    the output layer), read from its config: the matrix products a training step is made of."""
-    from transformers import AutoConfig
-
-    from sft.model.loading import resolve
-
-    model = cfg.model
-    if model.random_init:
-        config = AutoConfig.for_model(**OmegaConf.to_container(model.random_init, resolve=True))
-    else:
-        config = AutoConfig.from_pretrained(resolve(model.name_or_path, model.get("gguf_file")),
-                                            trust_remote_code=model.trust_remote_code)
-    config = config.get_text_config()
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    intermediate = config.intermediate_size
-    shapes: dict[tuple[int, int], int] = {}
-    for shape, count in (((hidden, heads * head_dim), 1), ((hidden, kv), 2), ((heads * head_dim, hidden), 1),
-                         ((hidden, intermediate), 2), ((intermediate, hidden), 1)):
-        shapes[shape] = shapes.get(shape, 0) + count * layers
-    shapes[(hidden, config.vocab_size)] = shapes.get((hidden, config.vocab_size), 0) + 1
-    return shapes
-
-
-def run_matmul_case(case: str, cfg) -> dict:
-    """The rate of `torch.mm` over the model's own products (`model_matmul_shapes`, `bench.matmul_tokens` rows each,
-    in the model's dtype, the cases' threads): each shape's best of 5 timings after one untimed, weighted by how often
-    the model has it. What a training step of this model could reach if it were nothing but its matrix products."""
-    import torch
-
-    device = "cuda" if _on_gpu() else "cpu"
-    dtype = getattr(torch, str(cfg.model.dtype))
-    tokens = cfg.bench.matmul_tokens
-    flops = seconds = 0.0
-    for (n_in, n_out), count in model_matmul_shapes(cfg).items():
-        x = torch.randn(tokens, n_in, device=device, dtype=dtype)
-        w = torch.randn(n_in, n_out, device=device, dtype=dtype)
-        out = torch.empty(tokens, n_out, device=device, dtype=dtype)
-        best = float("inf")
-        for attempt in range(6):
-            _sync(device)
-            started = time.perf_counter()
-            torch.mm(x, w, out=out)
-            _sync(device)
-            if attempt:
-                best = min(best, time.perf_counter() - started)
-        flops += count * 2.0 * tokens * n_in * n_out
-        seconds += count * best
-    return {"gflops": flops / seconds / 1e9, "tokens": tokens, "threads": torch.get_num_threads()}
 
 
 # The long_rows case's variants: what each adds to a packed run of one row per step (offloading on a GPU only;
@@ -230,12 +177,12 @@ def run_long_rows_case(case: str, cfg) -> dict:
 
     from sft.train import build
 
-    device = "cuda" if _on_gpu() else "cpu"
+    device = "cuda" if on_gpu() else "cpu"
 
     class AfterTheFirstStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
-                self.baseline = _memory_reset(device)
+                self.baseline = memory_reset(device)
 
     trainer = build(cfg, tempfile.mkdtemp(prefix="sft-bench-long-rows-")).trainer
     collator = trainer.data_collator = CountingCollator(trainer.data_collator)
@@ -243,7 +190,7 @@ def run_long_rows_case(case: str, cfg) -> dict:
     trainer.add_callback(first)
     trainer.add_callback(clock)
     trainer.train()
-    grown = _memory_peak(device) - first.baseline
+    grown = memory_peak(device) - first.baseline
     row = max(collator.tokens)
     seconds = clock.times[-1] - clock.times[0]
     return {"tokens_per_second": sum(collator.tokens[1:len(clock.times)]) / seconds, "row_tokens": row,
@@ -318,7 +265,7 @@ def run_loss_case(case: str, cfg) -> dict:
     from sft.loss.kernels import choose_impl
 
     b = cfg.bench
-    device = "cuda" if _on_gpu() else "cpu"
+    device = "cuda" if on_gpu() else "cpu"
     dtype = getattr(torch, b.loss_dtype)
     torch.manual_seed(0)
     hidden = torch.randn(b.loss_batch, b.loss_seq, b.loss_hidden, device=device, dtype=dtype, requires_grad=True)
@@ -338,12 +285,12 @@ def run_loss_case(case: str, cfg) -> dict:
         terms.loss_sum.backward()
         hidden.grad = weight.grad = None
 
-    baseline = _memory_reset(device)
+    baseline = memory_reset(device)
     started = time.perf_counter()
     forward_backward()
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "peak_memory_gb": _memory_peak(device) - baseline,
+    return {"seconds": seconds, "peak_memory_gb": memory_peak(device) - baseline,
             "tokens": b.loss_batch * b.loss_seq, "impl": impl}
 
 
@@ -475,45 +422,6 @@ def threads(cfg) -> int:
     return max(1, (cfg.bench.threads or cores) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def _on_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _memory_reset(device: str) -> float:
-    """Start a peak-memory measurement here; return the baseline in GiB."""
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / 2**30
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the peak resident set to the current one
-    return _proc_status("VmRSS")
-
-
-def _memory_peak(device: str) -> float:
-    import torch
-
-    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else _proc_status("VmHWM")
-
-
-def _proc_status(key: str) -> float:
-    """A memory line of /proc/self/status, in GiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 2**20
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
 def child(case: str, config_file: str) -> None:
     """Entry of a case's process: run it, print its result as one JSON line."""
     import logging
@@ -527,7 +435,7 @@ def child(case: str, config_file: str) -> None:
 
 def run_case(case: str, cfg) -> dict:
     """Run one case in this process (the same torch threads for every case on a CPU); its result."""
-    if not _on_gpu():  # every case the same threads (launch.sh's runs: one per core) and allocator (as sft's runs)
+    if not on_gpu():  # every case the same threads (launch.sh's runs: one per core) and allocator (as sft's runs)
         import torch
 
         from sft.training.distributed import reuse_freed_memory
@@ -549,6 +457,8 @@ def run_case(case: str, cfg) -> dict:
     elif case == "long_rows":
         result = run_long_rows_case(case, cfg)
     elif case == MATMUL:
+        from sft.bench.matmul import run_matmul_case
+
         result = run_matmul_case(case, cfg)
     else:
         result = run_preprocess_case(case, cfg)

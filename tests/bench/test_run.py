@@ -147,7 +147,7 @@ def test_the_matmul_case_times_the_models_own_linear_layers(overrides):
     import torch
     from hydra.utils import instantiate
 
-    from sft.bench.cases import model_matmul_shapes
+    from sft.bench.matmul import model_matmul_shapes
     from sft.bench.config import compose
 
     cfg = compose(overrides + ["model.dtype=float32"])
