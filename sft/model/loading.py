@@ -145,6 +145,7 @@ class ModelConfig(Schema):
     """The model (`load_model`)."""
 
     _target_: str = "sft.model.loading.load_model"
+    _convert_: str = "all"  # lists and dicts reach transformers' configs as plain Python, not OmegaConf's containers
     name_or_path: str = knob("tiny", "a hub id or a local checkpoint; tiny: the embedded ~0.8M-parameter model")
     gguf_file: Optional[str] = knob(None, "a GGUF file (llama.cpp, Ollama, LM Studio) to train instead of name_or_path: "
                                     "its path, or <package>/<file> inside an installed Python package; converted once "
@@ -199,6 +200,7 @@ class TokenizerConfig(Schema):
     """The tokenizer and what the labelling reads beside it (`load_tokenizer`)."""
 
     _target_: str = "sft.model.loading.load_tokenizer"
+    _convert_: str = "all"  # chat_template_kwargs as plain Python (the template and its saved defaults read them)
     name_or_path: str = knob("${model.name_or_path}", "the model's, by default")
     gguf_file: Optional[str] = knob("${model.gguf_file}", "the model's, by default: the tokenizer and chat template "
                                     "of that GGUF file")

@@ -63,3 +63,17 @@ def test_a_local_path_that_is_no_dir_is_refused_by_name():
 
     with pytest.raises(ConfigError, match="^name_or_path='/no/such/model': no such model dir$"):
         check_reachable("/no/such/model")
+
+
+def test_lists_and_dicts_from_the_command_line_reach_the_configs_as_plain_python():
+    """OmegaConf's ListConfig and DictConfig would fail transformers' strict config fields (`layer_types`)."""
+    from hydra.utils import instantiate
+
+    cfg = compose("train", ["+model.config_overrides.layer_types=[full_attention,full_attention,sliding_attention,"
+                            "full_attention]", "+model.config_overrides.use_sliding_window=true",
+                            "+tokenizer.chat_template_kwargs.tools_shown=[a,b]",
+                            "+tokenizer.chat_template_kwargs.extra={depth:2}"])
+    model = instantiate(cfg.model)
+    assert type(model.config.layer_types) is list and model.config.layer_types[2] == "sliding_attention"
+    kwargs = instantiate(cfg.tokenizer).sft_chat.kwargs
+    assert type(kwargs["tools_shown"]) is list and type(kwargs["extra"]) is dict
