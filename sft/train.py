@@ -1,7 +1,7 @@
 """Fine-tune a chat model: `python -m sft.train [group=option] [key=value ...]` (see conf/train.yaml).
 
 The recipe, top to bottom (`train`): find the checkpoint to resume from; build the training arguments
-(before the model, as DeepSpeed ZeRO-3 requires), tokenizer, loss, data, model (+ LoRA), controllers,
+(before the model, as DeepSpeed ZeRO-3 requires), tokenizer, loss, controllers, model (+ LoRA), data,
 collator and trainer (`build`, which the bench's cases share); restore the checkpoint's state; train
 (evaluating before, during and after); save the model and `results.json` in the run dir.
 """
@@ -165,8 +165,8 @@ def record_preempted(trainer, run_dir: str, started: float) -> None:
 
 
 def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recipe:
-    """Training arguments (before the model, as ZeRO-3 requires), tokenizer, loss, data, model (+ LoRA),
-    controllers, collator and trainer, for a checked config."""
+    """Training arguments (before the model, as ZeRO-3 requires), tokenizer, loss, controllers, model (+ LoRA), data,
+    collator and trainer, for a checked config."""
     from hydra.utils import instantiate
     from transformers import set_seed
 
@@ -189,6 +189,9 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     controllers = build_controllers(cfg.controllers)
     for name in RESERVED_NAMES.keys() & controllers.keys():  # each is a key of the checkpoints' state
         raise ConfigError(f"controllers.{name}", None, f"is the name of {RESERVED_NAMES[name]}: name yours otherwise")
+    # The model before the data: what it refuses (packed rows it cannot keep apart, sft.model.packing) is refused
+    # before any data is read. Trainer seeds again itself, so what tokenising draws from the RNG changes nothing.
+    model = build_model(cfg, args.activation_checkpointing)
     spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
     with args.main_process_first(desc="preprocessing"):
         data = load_sft_datasets(spec, tokenizer, loss, scores_needed_by=scores_used_by(loss, controllers),
@@ -197,10 +200,6 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     controllers["preemption"] = Preemption(grace_s=cfg.signal_grace_s)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
 
-    # Seeded again: tokenising (a cold data cache) draws random numbers and a warm one does not, which would
-    # give the LoRA adapters (or a random-init model) other initial weights on the second run of a config.
-    set_seed(args.seed)
-    model = build_model(cfg, args.activation_checkpointing)
     sequence_parallel = sequence_parallel_size(cfg)
     trainer = WeightedLossTrainer(
         model=model,
@@ -231,12 +230,15 @@ def build_model(cfg: DictConfig, activation_checkpointing: bool):
     from hydra.utils import instantiate
 
     from sft.model.lora import apply_lora
+    from sft.model.packing import check_packing
 
     attn = cfg.model.attn_implementation
     if cfg.data.packing and attn == "sdpa":  # sdpa would attend across the whole packed row, under a mask
         attn = "sdpa_varlen"
         log.info("data.packing: attention sdpa_varlen (sdpa per sample of the packed row)")
     model = instantiate(cfg.model, attn_implementation=attn, sequence_parallel=sequence_parallel_size(cfg))
+    if cfg.data.packing:
+        check_packing(model)
     if cfg.lora is not None:
         from peft import prepare_model_for_kbit_training
 

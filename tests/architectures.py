@@ -1,8 +1,11 @@
-"""Tiny random-init models of the architectures users bring (one line of ARCHITECTURES each), and a batch to run them
-on."""
+"""Tiny random-init models of the architectures users bring (one line of ARCHITECTURES each: the 2024-25 families, the
+hybrids of 2026 whose layers are not all attention, and gpt-oss's and DeepSeek-V3's attention), and a batch to run
+them on."""
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from sft.model.packing import keep_samples_apart
 
 SHAPE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -25,6 +28,32 @@ ARCHITECTURES = {  # model_type -> what its config needs beyond SHAPE (transform
 }
 
 
+HYBRID = {  # hybrids of 2026: a layer that carries state along the sequence, then an attention layer
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "linear_num_value_heads": 4,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_num_value_heads": 4,
+                     "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "block_ff_dim": 64, "conv_L_cache": 3},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16,
+                         "mamba_d_state": 8, "mamba_chunk_size": 8, "num_local_experts": 0,
+                         "shared_intermediate_size": 64},
+    "falcon_h1": {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_ssm": 64, "mamba_d_state": 8, "mamba_chunk_size": 8},
+    "nemotron_h": {"hybrid_override_pattern": "M*", "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8,
+                   "n_groups": 1, "chunk_size": 8},
+}
+ATTENTION_2026 = {
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                    "qk_nope_head_dim": 4, "v_head_dim": 8, "head_dim": 4, "n_group": 1, "topk_group": 1,
+                    "num_key_value_heads": 4},
+}
+ARCHITECTURES.update(HYBRID)
+ARCHITECTURES.update(ATTENTION_2026)
+
+
 CASES = [(arch, tie) for arch in ARCHITECTURES for tie in (False, True)]
 
 
@@ -36,6 +65,7 @@ def tiny(model_type: str, tie: bool, attn: str = "eager", **config_fields):
     config = AutoConfig.for_model(model_type, **{**SHAPE, **ARCHITECTURES[model_type], **config_fields},
                                   tie_word_embeddings=tie)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    keep_samples_apart(model)  # as sft.model.loading.load_model gives every model it loads
     if not tie:  # logits in the range where a softcap or a scale matters, as a trained model's are
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(30.0)
@@ -53,4 +83,14 @@ def batch():
     return ids, mask, labels
 
 
-MOE = ["qwen3_moe", "mixtral"]
+MOE = ["qwen3_moe", "mixtral", "qwen3_next", "gpt_oss", "deepseek_v3"]  # fused experts: LoRA through parameter wrappers
+ROUTER_AUX = ["qwen3_moe", "mixtral", "qwen3_next", "gpt_oss"]  # a load-balancing loss with output_router_logits
+# (DeepSeek-V3 balances its experts without one: a bias on the router's scores)
+
+# The decoder layers with a dense MLP that model.tiled_mlp_tokens tiles (sft.model.tiling), where not every layer:
+# a mixture of experts' block is none (DeepSeek-V3's first layer is dense), nor Nemotron-H's mamba and attention layers.
+DENSE_MLPS = {"qwen3_moe": 0, "mixtral": 0, "qwen3_next": 0, "gpt_oss": 0, "nemotron_h": 0, "deepseek_v3": 1}
+
+NO_SDPA = {"gemma2", "gpt_oss"}  # transformers runs them with eager attention only (softcapping; attention sinks)
+# Packing under eager attention that transformers' mask leaves unseparated: refused by the probe (sft.model.packing)
+EAGER_PACKING_REFUSED = {"gpt_oss", "granitemoehybrid"}

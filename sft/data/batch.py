@@ -28,6 +28,18 @@ def packed_bounds(positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, starts.new_tensor([positions.numel()])])
 
 
+def packed_slots(bounds: torch.Tensor, tokens: int, longest: int) -> torch.Tensor:
+    """Each token of a packed row (of `tokens`, sample boundaries `bounds`) as its place in the row's samples laid
+    out one a row, right-padded to the `longest`: [samples * longest].
+
+        bounds [0, 3, 5], tokens 5, longest 3  ->  [0, 1, 2, 3, 4]  (sample 1 in slots 3, 4 of 0..5)
+    """
+    starts = bounds[:-1]
+    sample = torch.repeat_interleave(torch.arange(starts.numel(), device=bounds.device), bounds[1:] - starts,
+                                     output_size=tokens)
+    return sample * longest + torch.arange(tokens, device=bounds.device) - starts[sample]
+
+
 def sample_index(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Each token's sample, numbered over the whole batch row after row, and the number of samples."""
     starts = sample_starts(position_ids).long()

@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sft.data.batch import packed_bounds
+from sft.data.batch import packed_bounds, packed_slots
 
 NAME = "sdpa_varlen"
 
@@ -43,7 +43,7 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout=0.0
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     samples, longest = bounds.numel() - 1, int(longest)
-    slots = _slots(bounds, query.shape[2], longest)
+    slots = packed_slots(bounds, query.shape[2], longest)
 
     def spread(x):  # [1, heads, T, d] -> [samples, heads, longest, d]
         out = x.new_zeros(x.shape[1], samples * longest, x.shape[3])
@@ -71,14 +71,6 @@ def _causal_band(length: int, window: int | None, device) -> torch.Tensor | None
         return None
     i = torch.arange(length, device=device)
     return ((i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window))[None, None]
-
-
-def _slots(bounds: torch.Tensor, tokens: int, longest: int) -> torch.Tensor:
-    """Each packed token's index in the [samples * longest] layout."""
-    starts = bounds[:-1]
-    sample = torch.repeat_interleave(torch.arange(starts.numel(), device=bounds.device), bounds[1:] - starts,
-                                     output_size=tokens)
-    return sample * longest + torch.arange(tokens, device=bounds.device) - starts[sample]
 
 
 def register() -> None:

@@ -342,6 +342,16 @@ def load_model(
         check_heads_split(config, sequence_parallel)
     model = _load(name_or_path, gguf_file, config, dtype, attn_implementation, trust_remote_code, random_init,
                   config_overrides, extra)
+    from sft.model.packing import keep_samples_apart
+
+    if stateful := keep_samples_apart(model):  # each packed sample's state from nothing (a no-op on padded rows)
+        if sequence_parallel > 1:
+            from sft.config.schema import ConfigError
+
+            raise ConfigError("sp.size", sequence_parallel, f"{type(model).__name__}'s {', '.join(stateful)} carry "
+                              "state along the sequence, which sequence parallelism splits over the ranks: not "
+                              "supported (sp=none)")
+        log.info("model: %s keep the samples of a packed row apart (sft.model.packing)", ", ".join(stateful))
     if tiled_mlp_tokens:
         from sft.model.tiling import tile_mlps
 
@@ -349,7 +359,8 @@ def load_model(
             from sft.config.schema import ConfigError
 
             raise ConfigError("model.tiled_mlp_tokens", tiled_mlp_tokens, f"{type(model).__name__} has no dense MLP "
-                              "to tile (a decoder layer's `mlp` of a class named *MLP): set it to null")
+                              "to tile (a decoder layer's mlp, feed_forward or shared_mlp of a class named *MLP, "
+                              "without experts): set it to null")
     return model
 
 

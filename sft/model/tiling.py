@@ -23,11 +23,17 @@ import torch
 log = logging.getLogger("sft")
 
 
+DENSE_MLP_NAMES = ("mlp", "feed_forward", "shared_mlp")
+
+
 def tile_mlps(model: torch.nn.Module, tokens: int) -> int:
     """Compute every dense decoder MLP of `model` in tiles of at most `tokens` tokens; the number of MLPs tiled."""
     tiled = 0
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "mlp" and type(module).__name__.endswith("MLP"):
+        # a decoder layer's dense MLP, by its name and its class's (LFM2 and Falcon-H1 call it feed_forward, Granite-4
+        # shared_mlp); never a mixture of experts' block (gpt-oss names its one GptOssMLP): it has experts
+        if name.rsplit(".", 1)[-1] in DENSE_MLP_NAMES and type(module).__name__.endswith("MLP") \
+                and not hasattr(module, "experts"):
             module.forward = _tiled_forward(module, module.forward, tokens)
             tiled += 1
     log.info("model.tiled_mlp_tokens=%d: %d MLPs tiled", tokens, tiled)

@@ -3,7 +3,7 @@ router aux loss of a mixture of experts."""
 
 import pytest
 import torch
-from architectures import CASES, IDS, MOE, batch, tiny
+from architectures import CASES, IDS, ROUTER_AUX, batch, tiny
 from transformers import TrainingArguments
 
 from sft.loss.builtin import CrossEntropyLoss
@@ -30,10 +30,10 @@ def test_the_training_loss_is_the_models_own_loss(tmp_path, arch, tie, impl):
 
 
 def router_weights(model) -> list[torch.nn.Parameter]:
-    return [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
+    return [p for name, p in model.named_parameters() if name.endswith(("mlp.gate.weight", "mlp.router.weight"))]
 
 
-@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize("arch", ROUTER_AUX)
 def test_the_router_aux_loss_is_added_as_the_models_own_loss_adds_it_and_trains_the_router(tmp_path, arch):
     from sft.training.trainer import input_tokens
 

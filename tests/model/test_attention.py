@@ -3,22 +3,29 @@ the architecture lacks is a config error."""
 
 import pytest
 import torch
-from architectures import ARCHITECTURES, tiny
+from architectures import ARCHITECTURES, EAGER_PACKING_REFUSED, NO_SDPA, tiny
 
 from sft.data.collator import WeightedDataCollator
 from sft.model.attention import register as register_sdpa_varlen
 from sft.model.loading import load_model
 
-NO_SDPA = {"gemma2"}  # transformers runs it with eager attention only (attention softcapping)
-
-
 @pytest.mark.parametrize("arch, attn", [(a, attn) for a in sorted(ARCHITECTURES) for attn in ("eager", "sdpa_varlen")
                                         if not (attn == "sdpa_varlen" and a in NO_SDPA)])
 def test_each_sample_of_a_packed_row_gets_its_logits_alone(arch, attn):
+    """Attention and every layer that carries state (state-space, delta rule, convolution: sft.model.packing) keep
+    the samples of a packed row apart, or packing is refused before any data is read."""
+    from sft.config import ConfigError
     from sft.data.collator import WeightedDataCollator
+    from sft.model.packing import check_packing
 
     register_sdpa_varlen()
     model = tiny(arch, tie=False, attn=attn).eval()
+    if attn == "eager" and arch in EAGER_PACKING_REFUSED:  # transformers' eager mask ignores the samples there
+        with pytest.raises(ConfigError, match=r"^data.packing=True: \w+ForCausalLM \(attention: eager\) lets the samples "
+                                              r"of a packed row see each other: .* train padded rows"):
+            check_packing(model)
+        return
+    assert check_packing(model) < 1e-4
     reference = tiny(arch, tie=False, attn="eager").eval()  # the same weights; transformers' own masks
     torch.manual_seed(2)
     samples = [torch.randint(3, 128, (n,)).tolist() for n in (9, 6, 11)]

@@ -111,7 +111,7 @@ def test_tiled_mlp_with_several_processes_needs_deepspeed(monkeypatch):
 def test_each_architectures_dense_mlps_are_tiled_with_the_models_own_loss_and_gradients(arch):
     # The rule is by name (a layer's `mlp` of a class named *MLP): every dense family's MLPs (Phi-3's fused
     # gate_up_proj, Gemma's GELU ones) tiled, no mixture of experts' block; the model's own loss, unchanged.
-    from architectures import MOE, SHAPE, batch, tiny
+    from architectures import DENSE_MLPS, SHAPE, batch, tiny
 
     from sft.model.tiling import tile_mlps
 
@@ -124,8 +124,10 @@ def test_each_architectures_dense_mlps_are_tiled_with_the_models_own_loss_and_gr
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    assert tiled == (0 if arch in MOE else SHAPE["num_hidden_layers"])
+    assert tiled == DENSE_MLPS.get(arch, SHAPE["num_hidden_layers"])
     (loss, grads), (tiled_loss, tiled_grads) = results
-    assert tiled_loss == pytest.approx(loss, abs=1e-6) and grads.keys() == tiled_grads.keys()
+    # the tiles' sums in another order, through the layers after them: float32's rounding, relative to the loss (2e-7
+    # measured on Gemma-2 with 2 threads, 0 with 1); 1e-5 leaves room for other thread counts and CPUs
+    assert tiled_loss == pytest.approx(loss, rel=1e-5) and grads.keys() == tiled_grads.keys()
     for name in grads:  # gradients of up to ~6 here (the scaled output layer): float32's summation order, 1e-6
         torch.testing.assert_close(tiled_grads[name], grads[name], atol=1e-5, rtol=1e-5, msg=name)
