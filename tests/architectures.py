@@ -50,6 +50,15 @@ ATTENTION_2026 = {
                     "qk_nope_head_dim": 4, "v_head_dim": 8, "head_dim": 4, "n_group": 1, "topk_group": 1,
                     "num_key_value_heads": 4},
 }
+MORE_HYBRIDS = {  # checked for packing only: a step on packed rows is the padded rows' step
+    "jamba": {"num_experts": 2, "num_experts_per_tok": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+              "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8},
+    "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+              "mamba_n_groups": 1, "mamba_chunk_size": 8},
+    "olmo_hybrid": {},
+    "minimax": {"num_local_experts": 2, "num_experts_per_tok": 1, "layer_types": ["linear_attention", "full_attention"]},
+    "recurrent_gemma": {},
+}
 ARCHITECTURES.update(HYBRID)
 ARCHITECTURES.update(ATTENTION_2026)
 
@@ -62,7 +71,8 @@ IDS = [f"{arch}-{'tied' if tie else 'untied'}" for arch, tie in CASES]
 
 def tiny(model_type: str, tie: bool, attn: str = "eager", **config_fields):
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **{**SHAPE, **ARCHITECTURES[model_type], **config_fields},
+    config = AutoConfig.for_model(model_type, **{**SHAPE, **{**ARCHITECTURES, **MORE_HYBRIDS}[model_type],
+                                                 **config_fields},
                                   tie_word_embeddings=tie)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     keep_samples_apart(model)  # as sft.model.loading.load_model gives every model it loads

@@ -4,7 +4,7 @@ parallelism, which splits what such layers must see whole, is refused by name.""
 
 import pytest
 import torch
-from architectures import HYBRID, tiny
+from architectures import HYBRID, MORE_HYBRIDS, tiny
 from conftest import ROWS, run_train, train_steps
 
 from sft.loss.builtin import CrossEntropyLoss
@@ -12,7 +12,7 @@ from sft.loss.builtin import CrossEntropyLoss
 VOCAB = 768  # the tiny tokenizer's ids fit
 
 
-@pytest.mark.parametrize("arch", sorted(HYBRID))
+@pytest.mark.parametrize("arch", sorted(HYBRID) + sorted(MORE_HYBRIDS))
 def test_a_step_on_packed_rows_is_the_step_on_padded_rows(tmp_path, tokenizer, arch):
     """The same 8 rows, one micro-batch, one SGD step: the same loss and the same weights after it, whether the rows
     are padded or packed into one (where transformers' PyTorch kernels would carry one sample's state into the next,
