@@ -32,4 +32,14 @@ def test_the_site_builds_strictly(tmp_path):
 def test_every_example_is_on_the_examples_page():
     page = (REPO / "docs" / "examples.md").read_text()
     folders = [p.name for p in (REPO / "examples").iterdir() if (p / "README.md").is_file()]
-    assert len(folders) == 9 and all(f"`{name}/`" in page for name in folders)
+    assert len(folders) == 10 and all(f"`{name}/`" in page for name in folders)
+
+
+def test_every_link_and_docs_path_of_the_examples_readmes_resolves():
+    """mkdocs checks docs/ only: the examples' READMEs are checked here, Markdown links and docs/... paths alike."""
+    for readme in (REPO / "examples").glob("*/README.md"):
+        text = readme.read_text()
+        for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+            assert "://" in link or (readme.parent / link).exists(), (readme, link)
+        for path in re.findall(r"\bdocs/[\w/.-]+\.md", text):
+            assert (REPO / path).exists(), (readme, path)
