@@ -66,8 +66,7 @@ class Recipe:
 
 def train(cfg: DictConfig) -> RunResults:
     """Run the recipe for a checked config; return the results written to `results.json`."""
-    from sft.training.checkpoints import find_checkpoint
-
+    from sft.training.checkpoints import find_checkpoint, step_of
     from sft.training.step_log import no_bars_without_a_terminal
 
     started = time.time()
@@ -90,6 +89,9 @@ def train(cfg: DictConfig) -> RunResults:
         preemption.install()  # until results.json: a signal after training lets the run finish
         try:
             train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
+            if checkpoint and recipe.trainer.state.global_step == step_of(checkpoint):
+                log.info("resume: %s holds every step of the run (%d): nothing trained; the final evaluation and "
+                         "model/ again", checkpoint, recipe.trainer.state.global_step)
             preemption.training_done = True
             if preemption.stopped_at is not None:
                 stop_preempted(recipe.trainer, preemption, run_dir, started)

@@ -2,7 +2,8 @@
 
 Every override, and why it is needed (each is marked `@override`; a test checks that transformers
 still has each one, with the same parameters):
-- `get_batch_samples` (public) sums the loss's denominator over the optimizer step's micro-batches and
+- `get_batch_samples` (public) gives no batch once `max_steps` are trained (Trainer, resumed from a run's last
+  checkpoint, would train a step past them); it sums the loss's denominator over the optimizer step's micro-batches and
   all ranks (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to
   `compute_loss`; it also opens the step in `sft.training.step_control` (DeepSpeed's clip threshold is set there);
 - `compute_loss` (public) pops `labels`/`weights`/`source_lines`/`source_views`/`source_ids`/`aux_*` (the
@@ -216,7 +217,12 @@ class WeightedLossTrainer(Trainer):
 
     @override
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """Fetch the step's micro-batches and the loss denominator summed over them and all ranks."""
+        """Fetch the step's micro-batches and the loss denominator summed over them and all ranks; none once the run
+        has trained its `max_steps` (a resume from its last checkpoint: Trainer would train one step more each time,
+        its schedule climbing back up)."""
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return [], None
         batches = []
         for _ in range(num_batches):
             try:

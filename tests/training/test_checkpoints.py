@@ -217,3 +217,22 @@ def test_a_new_run_into_a_used_or_busy_dir_is_refused(tmp_path, uninterrupted):
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1"]
     assert json.loads((run / "results.json").read_text())["global_step"] == 1
     assert not (run / ".sft.lock").exists()  # released at the end
+
+
+@pytest.mark.slow
+def test_a_finished_run_resumed_stays_finished(tmp_path, uninterrupted):
+    """resume=auto on a run that trained its max_steps (the SLURM recipe always passes it) trains nothing more: the
+    same weights, no step past 12, the schedule not climbing back; twice over."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    for _ in range(2):
+        resumed = run_train(*RUN, "resume=auto", f"hydra.run.dir={run}")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "holds every step of the run (12): nothing trained" in (run / "train.log").read_text()
+    results = json.loads((run / "results.json").read_text())
+    assert results["status"] == "ok" and results["global_step"] == 12
+    assert not list(run.glob("checkpoint-1[3-9]"))
+    ours, theirs = load_file(run / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
+    assert all(ours[k].equal(theirs[k]) for k in theirs)
