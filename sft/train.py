@@ -264,7 +264,7 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
     trainer, data = recipe.trainer, recipe.data
     stateful = {"clip": recipe.clip_policy, "trainer": trainer, **recipe.controllers}  # build refuses those names
     saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
-    run_info = {"config": saved_config(cfg), "data_hash": data.data_hash,
+    run_info = {"config": saved_config(cfg), "data_hash": data.data_hash, "world_size": trainer.args.world_size,
                 "data": data.identity, "sft_version": version(), "git_commit": git_commit(),
                 # a resume goes on with the run it resumes: rotation deletes only that run's checkpoints
                 "run_id": saved.get("run_id") if saved is not None else uuid.uuid4().hex[:12]}

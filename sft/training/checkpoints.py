@@ -305,11 +305,13 @@ def check_resume_config(checkpoint: str, current: dict, force: bool) -> list[tup
     checkpoint cannot follow (`fixed_on_resume`: model, LoRA shape, batch shape, optimizer ...) is refused
     naming it, unless forced. The others apply: see `LearningRateChange` for the learning rate."""
     try:
-        saved = read_state(checkpoint).get("config")
+        state = read_state(checkpoint)
     except (OSError, ValueError):  # resume_force on a checkpoint without sft's state: nothing to compare
         return []
+    saved = state.get("config")
     if saved is None:
         return []
+    check_resume_processes(checkpoint, state, force)
     changes = config_changes(saved, current)
     fixed = [(key, old, new) for key, old, new in changes if fixed_on_resume(key)]
     if changes:
@@ -325,6 +327,29 @@ def check_resume_config(checkpoint: str, current: dict, force: bool) -> list[tup
     if fixed:
         log.warning("resume_force: resuming although %s changed", ", ".join(k for k, _, _ in fixed))
     return changes
+
+
+def check_resume_processes(checkpoint: str, state: dict, force: bool) -> None:
+    """What a resume cannot see in the config: the number of processes (the global batch is per-device batch x
+    accumulation x processes, so another number is another run), and a checkpoint saved without its optimizer and
+    schedule (`trainer.save_only_model`: Trainer would restart both without a word). Refused unless forced."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    saved_world = state.get("world_size")
+    problems = []
+    if saved_world is not None and saved_world != world:
+        trainer = state["config"]["trainer"]
+        per_process = trainer["per_device_train_batch_size"] * trainer["gradient_accumulation_steps"]
+        problems.append(("resume", f"was saved by {saved_world} process(es), this run has {world}: the global batch "
+                         f"would go from {per_process * saved_world} to {per_process * world} rows a step. Resume with "
+                         f"{saved_world} process(es) (./launch.sh --nproc {saved_world}), or resume_force=true"))
+    if state["config"].get("trainer", {}).get("save_only_model"):
+        problems.append(("resume", "was saved with trainer.save_only_model=true: no optimizer state or schedule to "
+                         "continue, so a resume would restart both at step 0's values. Start a new run from its "
+                         "weights (model.name_or_path=<its model>), or resume_force=true"))
+    for key, reason in problems:
+        if not force:
+            raise ConfigError(key, checkpoint, reason)
+        log.warning("resume_force: %s %s", checkpoint, reason)
 
 
 class LearningRateChange(TrainerCallback):
