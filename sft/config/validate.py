@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import fields, is_dataclass
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sft.config.schema import TARGET_BASES, ConfigError, Schema, import_target
 
@@ -23,12 +23,15 @@ def check(cfg: DictConfig) -> None:
             raise e.within(path) if path else e
 
 
-def _nodes(cfg: DictConfig, path: str = ""):
-    """(path, node) of the config and every dict node below it, parents first."""
-    yield path, cfg
-    for key in cfg:
+def _nodes(cfg: DictConfig | ListConfig, path: str = ""):
+    """(path, node) of the config and every dict node below it, in lists too (instantiate builds a `_target_`
+    wherever it is), parents first."""
+    if isinstance(cfg, DictConfig):
+        yield path, cfg
+    keys = range(len(cfg)) if isinstance(cfg, ListConfig) else list(cfg)
+    for key in keys:
         child = None if OmegaConf.is_missing(cfg, key) else cfg[key]
-        if isinstance(child, DictConfig):
+        if isinstance(child, (DictConfig, ListConfig)):
             yield from _nodes(child, f"{path}.{key}" if path else str(key))
 
 
@@ -78,6 +81,9 @@ def check_target(path: str, target: str, schema: type | None) -> None:
                  if len(pattern.split(".")) == len(keys) and all(map(fnmatchcase, keys, pattern.split(".")))), None)
     if schema is not None and target == getattr(schema, "_target_", None) and (base is None or issubclass(schema, base)):
         return
+    if base is None and not isinstance(getattr(schema, "_target_", None), str):  # refused unimported: importing runs
+        raise ConfigError("_target_", target, "nothing is built from a _target_ here (a node builds only what "
+                          "its group builds)")
     built = import_target(target)
     if base is None and schema is not None and isinstance(getattr(schema, "_target_", None), str):
         own = import_target(schema._target_)

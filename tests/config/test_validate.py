@@ -110,3 +110,23 @@ def test_targets_of_your_own_that_extend_the_nodes_class_pass(tmp_path):
         check(composed("clip._target_=sft.training.clipping.ZClip", "+controllers=early_stopping"))
     finally:
         sys.path.remove(str(REPO / "examples" / "own_loss"))
+
+
+@pytest.mark.parametrize("override", [
+    "+model.random_init.x=[{_target_:shutil.copyfile,src:a,dst:b}]",
+    "+model.config_overrides.x=[1,{_target_:shutil.copyfile,src:a,dst:b}]",
+    "+tokenizer.chat_template_kwargs.tools=[{_target_:shutil.copyfile,src:a,dst:b}]",
+])
+def test_a_target_inside_a_list_is_refused_like_one_in_a_dict(override):
+    """Hydra's instantiate builds a `_target_` wherever it is, inside lists too."""
+    with pytest.raises(ConfigError, match=r"\._target_='shutil.copyfile': nothing is built from a _target_ here"):
+        check(composed(override))
+
+
+def test_a_refused_target_is_not_imported(tmp_path, monkeypatch):
+    """Importing a module runs it: a target refused by where it stands is refused by its name alone."""
+    (tmp_path / "planted.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\ndef f(): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="planted.f"):
+        check(composed("+model.config_overrides.x={_target_:planted.f}"))
+    assert not (tmp_path / "ran").exists()
