@@ -110,7 +110,9 @@ def template(tokenizer, prefill: str) -> str:
     stops = ", ".join(map(repr, profile.stops)) or "no token"
     parts = [f"template: {settings.template_name}; answers end at {stops} ({settings.stops_from}{own})"]
     if settings.kwargs:
-        parts.append(f"rendered with {', '.join(f'{k}={v!r}' for k, v in settings.kwargs.items())}")
+        from sft.config.secrets import masked
+
+        parts.append(f"rendered with {', '.join(f'{k}={v!r}' for k, v in masked(settings.kwargs).items())}")
     if profile.prefill:
         parts.append(f"its generation prompt prefills {profile.prefill!r} (data.prefill={prefill})")
     return "; ".join(parts) + "".join(f"\nnote: {note}" for note in profile.notes)

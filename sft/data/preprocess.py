@@ -87,7 +87,9 @@ def log_template_profile(tokenizer, labelling: Labelling = LABELLING) -> None:
 
 def reasoning_hint(tokenizer) -> str:
     """What may make a template render reasoning it drops."""
-    given = ", ".join(f"{k}={v!r}" for k, v in chat_settings(tokenizer).kwargs.items())
+    from sft.config.secrets import masked
+
+    given = ", ".join(f"{k}={v!r}" for k, v in masked(chat_settings(tokenizer).kwargs).items())
     return ("a template kwarg may turn thinking on: tokenizer.chat_template_kwargs, e.g. enable_thinking or thinking"
             + (f"; given: {given}" if given else "") + "; or the template renders no reasoning for such turns")
 

@@ -44,7 +44,9 @@ class ChatSettings:
 
     def identity(self) -> dict:
         """What of these settings decides the labels (part of the data hash)."""
-        return {"chat_template_kwargs": dict(sorted(self.kwargs.items())), "stop_tokens": list(self.stop_tokens)}
+        from sft.config.secrets import masked  # a secret of the template's (api_key) is in no hash nor record
+
+        return {"chat_template_kwargs": masked(dict(sorted(self.kwargs.items()))), "stop_tokens": list(self.stop_tokens)}
 
 
 def chat_settings(tokenizer) -> ChatSettings:

@@ -73,10 +73,16 @@ def chat_defaults_saved(tokenizer):
     is put back after. Nothing changes where there are no kwargs."""
     from sft.data.templates import chat_settings
 
+    from sft.config.secrets import is_secret
+
     kwargs, template = chat_settings(tokenizer).kwargs, tokenizer.chat_template
+    if secrets := sorted(k for k in kwargs if is_secret(k)):  # never written into the saved template in clear
+        log.warning("model/: tokenizer.chat_template_kwargs.%s is a secret: not made a default of the saved chat "
+                    "template (a server passes it itself)", ", ".join(secrets))
+    kwargs = {k: v for k, v in kwargs.items() if not is_secret(k)}
     if kwargs and template:
-        tokenizer.chat_template = template_with_defaults(template, dict(kwargs))
-        log.info("model/: the chat template defaults to the run's chat_template_kwargs %s", dict(kwargs))
+        tokenizer.chat_template = template_with_defaults(template, kwargs)
+        log.info("model/: the chat template defaults to the run's chat_template_kwargs %s", kwargs)
     try:
         yield
     finally:

@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from conftest import run_train
 
 from sft.config.secrets import MASK, environment_name, is_secret, masked, secrets_to_environment
 
@@ -39,3 +40,16 @@ def test_a_secret_on_the_command_line_moves_to_the_environment(monkeypatch):
     from sft.config.registry import compose
 
     assert compose("train", moved[1:2]).trainer.hub_token == "hf_abc"  # the config still resolves to it
+
+
+@pytest.mark.slow
+def test_a_secret_template_kwarg_is_in_no_file_of_the_run(tmp_path):
+    """`tokenizer.chat_template_kwargs.api_key` renders the template, and is written nowhere in clear: not in the
+    checkpoints' state, the log, the saved chat template's defaults, the data hash's record, the TensorBoard events."""
+    run = tmp_path / "run"
+    proc = run_train("+tokenizer.chat_template_kwargs.api_key=sk-LEAKED-42", "trainer.max_steps=2",
+                     "trainer.save_steps=2", "trainer.eval_strategy=no", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    leaks = [p for p in run.rglob("*") if p.is_file() and b"sk-LEAKED-42" in p.read_bytes()]
+    assert leaks == [] and "sk-LEAKED-42" not in proc.stdout + proc.stderr
+    assert "chat_template_kwargs.api_key is a secret: not made a default" in (run / "train.log").read_text()
