@@ -30,6 +30,7 @@ from hydra.experimental.callback import Callback
 
 from sft.experiments.results import BUCKET, EVAL_EXTRA, TASK_METRICS, RunResults, read_eval_rows
 from sft.experiments.stats import EvalRows, Interval, bootstrap_interval, paired_bootstrap, t_interval
+from sft.files import own_path, write_text
 
 # Overrides that only place or shape the run: never a swept parameter worth a column.
 _NOT_PARAMETERS = ("hydra.", "trainer.output_dir", "trainer.report_to", "trainer.run_name", "sweep.")
@@ -208,7 +209,7 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
     columns = [c for c in dict.fromkeys(k for row in rows for k in row)
                if any(row.get(c) not in (None, "") for row in rows)]
     spread = {c for c in columns if any(isinstance(row.get(c), Interval) for row in rows)}
-    with open(path, "w", newline="") as f:
+    with open(own_path(path), "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([h for c in columns for h in ((c, f"{c}_low", f"{c}_high") if c in spread else (c,))])
         for row in rows:
@@ -337,7 +338,7 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None) -> list[dic
     text = [f"# Sweep {sweep_dir}", "", "## Verdict", "", *verdict_lines(grouped), "",
             "## Settings (mean [95% interval]; diff_: paired difference to the baseline, * where its interval "
             "excludes 0)", "", *settings_markdown(grouped), "", "## Jobs", "", *_markdown(jobs, job_columns)]
-    (sweep_dir / "sweep_summary.md").write_text("\n".join(text) + "\n")
+    write_text(own_path(sweep_dir / "sweep_summary.md"), "\n".join(text) + "\n")
     plot(sweep_dir, jobs, grouped)
     return jobs
 
@@ -409,7 +410,7 @@ def plot(sweep_dir: Path, rows: list[dict], grouped: list[dict]) -> None:
         if len(lines) > 1:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(sweep_dir / "sweep_summary.png", dpi=110)
+    fig.savefig(own_path(sweep_dir / "sweep_summary.png"), dpi=110)
     plt.close(fig)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from sft.config.schema import ConfigError, Schema, knob
+from sft.files import own_path, write_text
 
 
 @dataclass
@@ -59,5 +60,5 @@ def start_job(run_dir: str | Path, number: int, overrides: list[str], resume: bo
         if results is not None and results.status == "ok":
             return results
     run_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"overrides": mine}) + "\n")
+    write_text(own_path(record), json.dumps({"overrides": mine}) + "\n")
     return None

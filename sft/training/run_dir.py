@@ -237,16 +237,33 @@ def unwritable_dir(argv: list[str]) -> ConfigError | None:
 
 # What Hydra writes into a run dir before any code of the run runs, and the run's own folders written file by file
 PLANTABLE = (".hydra", "train.log", "runs", "hangs", "nan_batches", "spikes", "model")
+# the files a run or a sweep writes at the top of its dir (a sweep: also into each job's dir)
+WRITTEN = ("results.json", "eval_rows.jsonl", "eval_initial.json", "rejected.jsonl", "sweep_job.json",
+           "sweep_summary.md", "sweep_summary.csv", "sweep_summary.png", "sweep_jobs.csv", "multirun.yaml")
 
 
 def unlink_planted(argv: list[str]) -> None:
-    """Remove symlinks where a run given an existing dir writes its own files (`PLANTABLE`): a link there would
-    have the run write through it, into whatever it points at. The run writes its own files instead."""
+    """Remove symlinks where a run given an existing dir writes its own files: its files and dirs (`PLANTABLE`,
+    `WRITTEN`), whatever lies below those dirs (`.hydra/config.yaml`, `model/config.json`), and the same in each job
+    dir of a sweep. A link there would have the run write through it, into whatever it points at; the run writes its
+    own files instead."""
     for folder in given_dirs(argv).values():
-        for name in PLANTABLE:
-            path = Path(folder, name)
-            if path.is_symlink():
-                target = os.readlink(path)
-                path.unlink()
-                log.warning("run dir: %s was a symlink (to %s): removed it; the run writes its own files there",
-                            path, target)
+        folder = Path(folder)
+        jobs = [p for p in folder.iterdir() if p.name.isdigit() and p.is_dir() and not p.is_symlink()] \
+            if folder.is_dir() and not folder.is_symlink() else []
+        for place in (folder, *jobs):
+            for name in PLANTABLE + WRITTEN:
+                _unlink_links(Path(place, name))
+
+
+def _unlink_links(path: Path) -> None:
+    """Remove `path` where it is a symlink, else every symlink below it (a dir's, walked without following links)."""
+    if path.is_symlink():
+        target = os.readlink(path)
+        path.unlink()
+        log.warning("run dir: %s was a symlink (to %s): removed it; the run writes its own files there", path, target)
+    elif path.is_dir():
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                if Path(root, name).is_symlink():
+                    _unlink_links(Path(root, name))

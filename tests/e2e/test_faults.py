@@ -357,6 +357,27 @@ def test_a_prepared_run_dir_keeps_checkpoints_it_did_not_write_and_its_links_are
 
 
 @pytest.mark.slow
+def test_links_below_the_top_of_a_run_or_sweep_dir_are_not_followed(tmp_path):
+    """A link planted inside .hydra/ or model/ of a run dir, or in a sweep's dir or job dir (its summary, a job's
+    record and log), is removed, never written through (issue 41.9)."""
+    run, sweep, victim = tmp_path / "run", tmp_path / "sweep", tmp_path / "victim"
+    victim.mkdir()
+    planted = {run / ".hydra" / "config.yaml", run / ".hydra" / "overrides.yaml", run / "model" / "config.json",
+               sweep / "sweep_summary.md", sweep / "sweep_jobs.csv", sweep / "0" / "sweep_job.json",
+               sweep / "0" / "train.log", sweep / "0" / ".hydra" / "config.yaml"}
+    for i, path in enumerate(sorted(planted)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (victim / str(i)).write_text("keep me\n")
+        path.symlink_to(victim / str(i))
+    proc = run_train(*SHORT, "resume=auto", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_train("-m", "trainer.seed=1", *SHORT, f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(p.read_text() == "keep me\n" for p in victim.iterdir())
+    assert not any(path.is_symlink() for path in planted) and all(path.is_file() for path in planted)
+
+
+@pytest.mark.slow
 def test_a_secret_given_as_a_config_value_is_written_nowhere(tmp_path):
     secret = "hf_NotARealToken1234567890"
     run, wandb_dir = tmp_path / "run", tmp_path / "wandb"
