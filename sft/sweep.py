@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     from sft.experiments.results import RunResults
     from sft.experiments.tracking import log_sweep_report, sweep_experiment
     from sft.training.preemption import PREEMPTED_EXIT_CODE
+    from sft.training.run_dir import claim_sweep_dir
 
     from sft.config.secrets import secrets_to_environment
 
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     jobs = expand(overrides)
     launcher = ["accelerate", "launch", *shlex.split(os.environ.get("SFT_LAUNCH_ARGS", "")), "-m", "sft.train"]
     cfg = compose("train", [o for o in overrides if "," not in o and not o.startswith("hydra.")])
+    try:
+        claim_sweep_dir(sweep_dir, cfg.sweep.resume)  # held until this process ends (a dir named by time: new)
+    except ConfigError as e:
+        print(f"error: config: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"[sweep] {len(jobs)} job(s) in {sweep_dir}", flush=True)
     # ./launch.sh signals the whole process group: the running job saves and stops, and this loop sees it
     # preempted. A Python handler, not SIG_IGN, which the job's processes would inherit.

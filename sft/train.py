@@ -486,6 +486,16 @@ def cli() -> None:
         sys.exit(2)
     unlink_planted(sys.argv[1:])
     refuse_multirun_in_launch(sys.argv[1:])
+    sweep_dir = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.sweep.dir=")), None)
+    if {"-m", "--multirun"} & set(sys.argv[1:]) and sweep_dir:  # one sweep in a sweep dir, held while it runs
+        from sft.training.run_dir import claim_sweep_dir
+
+        try:
+            claim_sweep_dir(sweep_dir.strip("'\""),
+                            any(a.lstrip("+") in ("sweep.resume=true", "sweep.resume=True") for a in sys.argv[1:]))
+        except ConfigError as e:
+            print(f"error: config: {e}", file=sys.stderr)
+            sys.exit(2)
     share_run_dir()
     sys.argv.extend(rank_overrides())
     main()

@@ -78,7 +78,7 @@ class RunDirLock:
             atexit.register(self.release)
             guard("lock", self.path)  # released also after a SIGKILL, or an exit that runs no atexit
             return
-        raise ConfigError("hydra.run.dir", self.run_dir, f"could not take {self.path}: another run keeps taking it")
+        raise ConfigError(self.key, self.run_dir, f"could not take {self.path}: another run keeps taking it")
 
     def _create(self, text: str) -> None:
         """Create the lock file holding `text`, or raise FileExistsError. The text is written to a file of
@@ -109,13 +109,13 @@ class RunDirLock:
             except FileNotFoundError:
                 return
             if young:
-                raise ConfigError("hydra.run.dir", self.run_dir, f"another run is starting in it ({self.path})")
+                raise ConfigError(self.key, self.run_dir, f"another run is starting in it ({self.path})")
         elif holder.get("host") != socket.gethostname() or _alive(holder):
             raise ConfigError(
-                "hydra.run.dir", self.run_dir,
+                self.key, self.run_dir,
                 f"another run is using it: pid {holder.get('pid')} on {holder.get('host')} since "
                 f"{holder.get('started')} (lock {self.path}; if that run is gone, delete the file). Two runs in "
-                "one dir would overwrite each other's checkpoints: give this one another hydra.run.dir")
+                f"one dir would overwrite each other's files: give this one another {self.key}")
         log.warning("run dir lock: %s was left by %s, which no longer runs: taking it over", self.path,
                     f"pid {holder['pid']}" if holder else "a crashed start")
         self.path.unlink(missing_ok=True)
@@ -182,6 +182,24 @@ def describe_run(run_dir: str | os.PathLike) -> str:
         return f"results.json (status {status})"
     outputs = run_outputs(run_dir)
     return ", ".join(p.name for p in outputs[:3]) + (" ..." if len(outputs) > 3 else "")
+
+
+def claim_sweep_dir(sweep_dir: str, resume: bool) -> RunDirLock | None:
+    """A sweep holds its dir for as long as it runs (`RunDirLock`: a second sweep started into it refuses, naming
+    the first), and a new sweep (no `sweep.resume`) does not start in a dir holding another sweep's jobs: their
+    records, logs and results would be overwritten by this one's, and the report mix the two. None where the dir
+    is Hydra's to name (`${now:...}`: a new one every time)."""
+    if "${" in sweep_dir:
+        return None
+    jobs = sorted(p.name for p in Path(sweep_dir).glob("[0-9]*") if p.is_dir() and p.name.isdigit()
+                  and any((p / name).exists() for name in ("sweep_job.json", "results.json", ".hydra")))
+    if jobs and not resume:
+        raise ConfigError("hydra.sweep.dir", sweep_dir, f"holds another sweep's jobs ({len(jobs)}: {', '.join(jobs[:5])}"
+                          f"{' ...' if len(jobs) > 5 else ''}): sweep.resume=true continues that sweep; another "
+                          "hydra.sweep.dir starts a new one beside it")
+    lock = RunDirLock(sweep_dir, "hydra.sweep.dir")
+    lock.acquire()
+    return lock
 
 
 def claim(run_dir: str | os.PathLike, overwrite: bool, sweep_job: bool = False) -> None:

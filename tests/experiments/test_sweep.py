@@ -3,6 +3,7 @@ example, tests/e2e/test_examples.py)."""
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -134,6 +135,27 @@ def test_an_interrupted_sweep_resumes_to_the_results_of_an_uninterrupted_one(tmp
     other = run_train("-m", *quick, "loss.alpha=3,4", "sweep.resume=true", f"hydra.sweep.dir={cut}")
     assert other.returncode == 2
     assert "sweep.resume=True: job 0 in" in other.stderr and "another sweep" in other.stderr
+    records = {p: p.read_bytes() for p in cut.rglob("*") if p.is_file() and p.name != ".sft.lock"}
+    again = run_train("-m", *quick, "loss.alpha=3,4", f"hydra.sweep.dir={cut}")  # a new sweep into that dir
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert again.stderr.strip() == (f"error: config: hydra.sweep.dir='{cut}': holds another sweep's jobs (3: 0, 1, 2): "
+                                    "sweep.resume=true continues that sweep; another hydra.sweep.dir starts a new one "
+                                    "beside it")
+    assert {p: p.read_bytes() for p in cut.rglob("*") if p.is_file() and p.name != ".sft.lock"} == records
+
+
+def test_a_sweep_started_into_a_dir_another_sweep_runs_in_is_refused(tmp_path):
+    from sft.training.run_dir import RunDirLock
+
+    lock = RunDirLock(tmp_path / "busy", "hydra.sweep.dir")
+    lock.acquire()  # the first sweep, still running
+    try:
+        proc = run_train("-m", "loss.alpha=0,1", f"hydra.sweep.dir={tmp_path / 'busy'}")
+    finally:
+        lock.release()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: config: hydra.sweep.dir='{tmp_path / 'busy'}': ") and str(os.getpid()) in proc.stderr
+    assert not list((tmp_path / "busy").glob("[0-9]"))  # no job of the second sweep started
 
 
 def mlflow_store(tmp_path) -> dict:
