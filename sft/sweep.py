@@ -28,6 +28,22 @@ def expand(overrides: list[str]) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(parsed, max_batch_size=None) for job in batch]
 
 
+def refused_job(overrides: list[str]) -> str | None:
+    """The first job of a sweep whose overrides do not compose (`-m trainer.learning_rate=abc,0.001`,
+    `-m loss=ce,nonexistent`), as one line naming the job and the knob; None where every job composes. Said before
+    any job starts, not as Hydra's text mid-sweep."""
+    from sft.config.argv import refused_value
+
+    try:
+        jobs = expand([o for o in overrides if o not in ("-m", "--multirun")])
+    except Exception:  # noqa: BLE001 - the sweep itself does not parse: Hydra says why as it starts
+        return None
+    for number, job in enumerate(jobs):
+        if (error := refused_value([o for o in job if not o.startswith("hydra.")])) is not None:
+            return f"job {number} ({' '.join(o for o in job if not o.startswith('hydra.'))}): {error}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     from sft.config.registry import compose
     from sft.config.schema import ConfigError
@@ -45,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
                      time.strftime("multirun/%Y-%m-%d/%H-%M-%S"))
     jobs = expand(overrides)
     launcher = ["accelerate", "launch", *shlex.split(os.environ.get("SFT_LAUNCH_ARGS", "")), "-m", "sft.train"]
+    if refused := refused_job(overrides):
+        print(f"error: config: {refused}", file=sys.stderr)
+        sys.exit(2)
     cfg = compose("train", [o for o in overrides if "," not in o and not o.startswith("hydra.")])
     try:
         claim_sweep_dir(sweep_dir, cfg.sweep.resume)  # held until this process ends (a dir named by time: new)

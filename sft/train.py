@@ -34,7 +34,7 @@ from sft.training.arguments import evaluates, training_arguments
 from sft.training.sequence_parallel import sequence_parallel_size
 from sft.training.distributed import (end_process_group, exit_without_teardown, rank_overrides,
                                       refuse_multirun_in_launch, set_cpu_threads, share_run_dir, slurm_distributed_env)
-from sft.training.engines import check_fsdp_resume
+from sft.training.engines import check_fsdp_layers, check_fsdp_resume
 from sft.training.run_dir import lock_run_dirs
 
 if TYPE_CHECKING:
@@ -194,6 +194,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     # The model before the data: what it refuses (packed rows it cannot keep apart, sft.model.packing) is refused
     # before any data is read. Trainer seeds again itself, so what tokenising draws from the RNG changes nothing.
     model = build_model(cfg, args.activation_checkpointing)
+    check_fsdp_layers(cfg.fsdp, model)
     spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
     with args.main_process_first(desc="preprocessing"):
         data = load_sft_datasets(spec, tokenizer, loss, scores_needed_by=scores_used_by(loss, controllers),
@@ -486,6 +487,12 @@ def cli() -> None:
         sys.exit(2)
     unlink_planted(sys.argv[1:])
     refuse_multirun_in_launch(sys.argv[1:])
+    if {"-m", "--multirun"} & set(sys.argv[1:]):
+        from sft.sweep import refused_job
+
+        if refused := refused_job(sys.argv[1:]):  # each job's values, before the first job starts
+            print(f"error: config: {refused}", file=sys.stderr)
+            sys.exit(2)
     sweep_dir = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.sweep.dir=")), None)
     if {"-m", "--multirun"} & set(sys.argv[1:]) and sweep_dir:  # one sweep in a sweep dir, held while it runs
         from sft.training.run_dir import claim_sweep_dir

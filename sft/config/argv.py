@@ -79,9 +79,9 @@ def unknown_key(key: str, overrides: list[str], composer=None) -> ConfigError:
     """A key that is not in the config: of a group left off (`exact_match.max_rows` while `exact_match: null`), new
     in a free-form dict (needs `+`), or misspelt (the nearest knob named)."""
     parent_key, _, name = key.rpartition(".")
-    def about(override: str) -> bool:  # sets this key, or a node above it (model.random_init={model_type: ...})
-        name = override.lstrip("+~").split("=", 1)[0]
-        return name.startswith(key) or key.startswith(name + ".")
+    def about(override: str) -> bool:  # sets this key, or a node above it (model.random_init={model_type: ...}),
+        name = override.lstrip("+~").split("=", 1)[0]  # not a group's choice (lora=default: its keys come with it)
+        return name.startswith(key) or (key.startswith(name + ".") and not Path(CONF_DIR, name).is_dir())
 
     others = [o for o in overrides if not about(o)]
     try:

@@ -10,6 +10,7 @@ checks. Nothing here imports torch or transformers, so that `--cfg job` and `--h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -81,6 +82,8 @@ class TrainConfig(Schema):
                                  "checkpoint (sft.training.preemption)")
 
     def check(self, cfg=None):
+        self.require("eval_buckets", all(math.isfinite(edge) for edge in self.eval_buckets),
+                     "bucket edges must be finite numbers")
         self.require("eval_buckets", list(self.eval_buckets) == sorted(self.eval_buckets),
                      "bucket edges must be increasing")
         self.require("resume", self.resume in (None, "auto") or Path(self.resume).is_dir(),

@@ -174,6 +174,8 @@ class DataSpec(Schema):
 
     def check(self, cfg=None):
         self.require("max_length", self.max_length >= 8, "must be >= 8")
+        self.require("num_proc", self.num_proc is None or self.num_proc >= 1, "must be >= 1 (or null: as many as "
+                     "the rows need, up to the cores)")
         self.require("default_score", self.default_score is None or self.default_score >= 0, "must be >= 0")
         if self.mixture:
             self._check_mixture(cfg)

@@ -75,6 +75,17 @@ class EvalHarness(Schema):
         for task in self.tasks:
             if task.endswith((".yaml", ".yml")):
                 self.require("tasks", Path(task).is_file(), f"{task}: no such task file")
+        if named := [t for t in self.tasks if t not in SAMPLE_TASKS and not t.endswith((".yaml", ".yml"))]:
+            import difflib
+
+            from lm_eval.tasks import TaskManager  # indexes the harness's tasks (seconds): before training, not after
+
+            known = TaskManager().all_tasks
+            for task in named:
+                close = difflib.get_close_matches(task, known, n=1, cutoff=0.7)
+                self.require("tasks", task in known, f"{task}: lm-evaluation-harness has no such task"
+                             + (f" (did you mean {close[0]}?)" if close else "") + "; the bundled: "
+                             + ", ".join(SAMPLE_TASKS) + "; or the path of a task YAML of yours")
         self.require("limit", self.limit is None or self.limit >= 1, "must be >= 1 (or null: every example)")
         self.require("batch_size", self.batch_size >= 1, "must be >= 1")
         self.require("every", self.every >= 0, "must be >= 0")

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -396,9 +397,14 @@ def _load(name_or_path, gguf_file, config, dtype, attn_implementation, trust_rem
             **extra,
         )
     except ValueError as e:
+        from sft.config.schema import ConfigError
+
+        if "is not supported. The only possible arguments are" in str(e):  # a name transformers does not know
+            known = [k for k in re.findall(r'"(?:attn_implementation=)?([\w|]+)"', str(e)) if k != attn_implementation]
+            raise ConfigError("model.attn_implementation", attn_implementation, f"no such attention (transformers': "
+                              f"{', '.join(dict.fromkeys(known))}; sft's: sdpa_varlen)") from None
         if "does not support an attention implementation" not in str(e):
             raise
-        from sft.config.schema import ConfigError
 
         raise ConfigError("model.attn_implementation", attn_implementation,
                           str(e).split(". Please")[0] + ": use eager (or flash_attention_2 on a GPU)") from e

@@ -5,6 +5,7 @@ builds from it (`training_arguments`). `python -m sft.config` writes the fields 
 from __future__ import annotations
 
 import os
+import re
 
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional
@@ -113,7 +114,24 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             self.require(key, getattr(self, key) >= 1, "must be >= 1")
         self.require("max_steps", self.max_steps == -1 or self.max_steps > 0, "must be > 0, or -1 to use epochs")
-        self.require("num_train_epochs", self.num_train_epochs > 0, "must be > 0")
+        self.require("num_train_epochs", math.isfinite(self.num_train_epochs) and self.num_train_epochs > 0,
+                     "must be a finite number > 0")
+        for key in ("adam_beta1", "adam_beta2"):  # torch's AdamW refuses others only when it is built
+            self.require(key, 0 <= getattr(self, key) < 1, "must be in [0, 1)")
+        self.require("adam_epsilon", self.adam_epsilon >= 0, "must be >= 0")
+        for key in ("seed", "data_seed"):
+            value = getattr(self, key)
+            self.require(key, value is None or 0 <= value < 2**32, "must be in [0, 2**32 - 1] (numpy's seeds)")
+        self.require("dataloader_num_workers", self.dataloader_num_workers >= 0, "must be >= 0 (0: no worker "
+                     "processes)")
+        if self.lr_scheduler_kwargs:
+            self.check_scheduler_kwargs()
+        if self.optim_args:
+            value = r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[Tt]rue|[Ff]alse|[Nn]one"  # what optimizers cast them to
+            self.require("optim_args", all(re.fullmatch(rf"\s*\w+\s*=\s*({value})\s*", part)
+                                           for part in self.optim_args.split(",")),
+                         "must be key=value pairs separated by commas, each value a number, true or false "
+                         "(momentum=0.9,nesterov=true)")
         self.require("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1,
                      "must be >= 1 (or null to keep every checkpoint)")
         self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
@@ -132,6 +150,27 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
                          f"{', '.join(sorted(TRACKER_PACKAGES))}; all; none)")
             absent = missing(TRACKER_PACKAGES[tracker]) if TRACKER_PACKAGES.get(tracker) else None
             self.require("report_to", absent is None, f"{tracker} is not installed: pip install {(absent or '?')[-1]}")
+
+
+    def check_scheduler_kwargs(self) -> None:
+        """`lr_scheduler_kwargs` must be parameters of the schedule `lr_scheduler_type` builds (transformers' function
+        for it), which would otherwise fail when the schedule is made, after the model and data."""
+        import inspect
+
+        from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+        from transformers.trainer_utils import SchedulerType
+
+        try:
+            function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(str(self.lr_scheduler_type))]
+        except (ValueError, KeyError):
+            return  # an unknown type: TrainingArguments names it
+        params = inspect.signature(function).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return
+        own = [name for name in params if name not in ("optimizer", "num_warmup_steps", "num_training_steps")]
+        for key in self.lr_scheduler_kwargs:
+            self.require("lr_scheduler_kwargs", key in own, f"{key} is not a parameter of the {self.lr_scheduler_type} "
+                         f"schedule ({function.__name__} takes: {', '.join(own) or 'none'})")
 
 
 def trainer_fields_source() -> str:

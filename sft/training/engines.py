@@ -45,6 +45,19 @@ class FsdpConfig(Schema):
                      "trains on one GPU: lora=qlora without fsdp)")
 
 
+def check_fsdp_layers(fsdp, model) -> None:
+    """`fsdp.layers` must name module classes of the model (accelerate would fail on the first step without saying
+    which knob); the error lists its decoder layers."""
+    if fsdp is None or fsdp.layers is None:
+        return
+    classes = {type(m).__name__ for m in model.modules()}
+    if missing := [name for name in fsdp.layers if name not in classes]:
+        layers = sorted(name for name in classes if name.endswith(("DecoderLayer", "Block", "Layer")))
+        raise ConfigError("fsdp.layers", list(fsdp.layers), f"{', '.join(missing)} is no module class of "
+                          f"{type(model).__name__} (its layers: {', '.join(layers) or 'none'}; null: its own "
+                          "_no_split_modules)")
+
+
 def fsdp_fields(fsdp, activation_checkpointing: bool) -> dict:
     """TrainingArguments' FSDP2 fields for the `fsdp` node. Activation checkpointing becomes FSDP's own
     (each layer wrapped before sharding): Trainer's would gather every layer's weights once more in backward."""

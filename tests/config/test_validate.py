@@ -130,3 +130,43 @@ def test_a_refused_target_is_not_imported(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="planted.f"):
         check(composed("+model.config_overrides.x={_target_:planted.f}"))
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.adam_beta1=1.5", "trainer.adam_beta1=1.5: must be in [0, 1)"),
+    ("trainer.adam_beta2=2", "trainer.adam_beta2=2.0: must be in [0, 1)"),
+    ("trainer.adam_epsilon=-1", "trainer.adam_epsilon=-1.0: must be >= 0"),
+    ("trainer.seed=-1", "trainer.seed=-1: must be in [0, 2**32 - 1]"),
+    ("trainer.num_train_epochs=inf", "trainer.num_train_epochs=inf: must be a finite number > 0"),
+    ("trainer.lr_scheduler_kwargs={bogus:1}", "bogus is not a parameter of the cosine schedule "
+                                              "(get_cosine_schedule_with_warmup takes: num_cycles, last_epoch)"),
+    ("trainer.dataloader_num_workers=-1", "trainer.dataloader_num_workers=-1: must be >= 0"),
+    ("trainer.optim_args='momentum=abc'", "trainer.optim_args='momentum=abc': must be key=value pairs"),
+    ("data.num_proc=-2", "data.num_proc=-2: must be >= 1"),
+    ("eval_buckets=[1,nan]", "eval_buckets=[1.0, nan]: bucket edges must be finite numbers"),
+    ("exact_match=default exact_match.max_new_tokens=0", "exact_match.max_new_tokens=0: must be >= 1"),
+    ("exact_match=default exact_match.max_rows=-1", "exact_match.max_rows=-1: must be >= 1"),
+    ("+controllers=early_stopping controllers.early_stopping.metric=eval_los",
+     "controllers.early_stopping.metric='eval_los': not a metric an evaluation reports"),
+])
+def test_values_that_would_fail_late_or_never_act_are_one_config_error_first(override, message):
+    """Each of these failed with a traceback when the optimizer, scheduler or loader was built, after the model and
+    data (or, a misspelt metric, never acted at all)."""
+    with pytest.raises(ConfigError) as error:
+        check(composed(*override.split()))
+    assert message in str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, message", [
+    (["fsdp=full_shard", "fsdp.layers=[NoSuchLayer]"], "fsdp.layers=['NoSuchLayer']: NoSuchLayer is no module class "
+                                                       "of Qwen2ForCausalLM (its layers: Qwen2DecoderLayer"),
+    (["model.attn_implementation=bogus"], "model.attn_implementation='bogus': no such attention (transformers': eager"),
+    (["lora=default", "lora.dropot=0.1"], "lora.dropot: not a knob of lora (did you mean lora.lora_dropout?)"),
+    (["-m", "trainer.learning_rate=abc,0.001"], "job 0 (trainer.learning_rate=abc): trainer.learning_rate: Value "
+                                                "'abc' of type 'str' could not be converted to Float"),
+    (["-m", "loss=ce,nonexistent"], "job 1 (loss=nonexistent): loss='nonexistent': no such option"),
+    (["eval_harness=sample", "eval_harness.tasks=[nosuchtask]"], "nosuchtask: lm-evaluation-harness has no such task"),
+])
+def test_the_command_line_says_each_in_one_line(tmp_path, overrides, message):
+    assert_cli_refuses(tmp_path, message, *overrides)

@@ -24,6 +24,7 @@ and one YAML file (`conf/controllers/<name>.yaml`); a built-in one is also decor
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -141,6 +142,21 @@ class MetricWatchController(Controller):
     def check(self, cfg=None):
         super().check(cfg)
         self.require("patience", self.patience >= 1, "must be >= 1")
+        if not (self.metric in EVAL_METRICS or self.metric.startswith(EVAL_METRIC_PREFIXES)
+                or re.fullmatch(r"eval_loss_bucket_\d+", self.metric)):
+            import difflib
+
+            close = difflib.get_close_matches(self.metric, EVAL_METRICS, n=1, cutoff=0.6)
+            raise ConfigError("metric", self.metric, "not a metric an evaluation reports (" + ", ".join(EVAL_METRICS)
+                              + ", eval_loss_bucket_<k>, eval_loss_task_<task>, eval_ce_task_<task>, eval_gen/..., "
+                              "eval_harness/...)" + (f"; did you mean {close[0]}?" if close else "") + ": it would "
+                              "never be seen, and never act")
+
+
+# What every evaluation reports (sft.training.trainer), and the prefixes of what some report (per task, generation
+# samples, benchmarks): a watched metric must be one of them.
+EVAL_METRICS = ("eval_loss", "eval_ce", "eval_token_accuracy", "eval_loss_hardest_bucket")
+EVAL_METRIC_PREFIXES = ("eval_loss_task_", "eval_ce_task_", "eval_gen/", "eval_harness/")
 
 
 class MetricWatch:
