@@ -44,6 +44,25 @@ def refused_job(overrides: list[str]) -> str | None:
     return None
 
 
+def start_multirun(argv: list[str]) -> None:
+    """Before Hydra runs a sweep in this process (`python -m sft.train -m`): every job's values checked, and the sweep
+    dir, where given, claimed for this sweep (`claim_sweep_dir`); an error is one line and exit code 2."""
+    from sft.config.schema import ConfigError
+    from sft.training.run_dir import claim_sweep_dir
+
+    refused = refused_job(argv)
+    sweep_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")), None)
+    try:
+        if refused is None and sweep_dir:
+            claim_sweep_dir(sweep_dir.strip("'\""), any(a.lstrip("+") in ("sweep.resume=true", "sweep.resume=True")
+                                                        for a in argv))
+    except ConfigError as e:
+        refused = str(e)
+    if refused:
+        print(f"error: config: {refused}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     from sft.config.registry import compose
     from sft.config.schema import ConfigError

@@ -89,7 +89,7 @@ def train(cfg: DictConfig) -> RunResults:
         preemption.install()  # until results.json: a signal after training lets the run finish
         try:
             train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
-            if checkpoint and recipe.trainer.state.global_step == step_of(checkpoint):
+            if checkpoint and recipe.trainer.state.global_step == step_of(checkpoint):  # (then nothing trained)
                 log.info("resume: %s holds every step of the run (%d): nothing trained; the final evaluation and "
                          "model/ again", checkpoint, recipe.trainer.state.global_step)
             preemption.training_done = True
@@ -192,7 +192,9 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
     for name in RESERVED_NAMES.keys() & controllers.keys():  # each is a key of the checkpoints' state
         raise ConfigError(f"controllers.{name}", None, f"is the name of {RESERVED_NAMES[name]}: name yours otherwise")
     # The model before the data: what it refuses (packed rows it cannot keep apart, sft.model.packing) is refused
-    # before any data is read. Trainer seeds again itself, so what tokenising draws from the RNG changes nothing.
+    # before any data is read. Seeded again: building a cached artefact (the tiny model, on first use) draws random
+    # numbers, which would give the adapters (or a random-init model) other initial weights on the next run.
+    set_seed(args.seed)
     model = build_model(cfg, args.activation_checkpointing)
     check_fsdp_layers(cfg.fsdp, model)
     spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
@@ -425,7 +427,7 @@ def main(cfg: DictConfig) -> float | None:
             print(f"preempted: {reason}", file=sys.stderr)
             sys.exit(PREEMPTED_EXIT_CODE)
         if in_sweep() and cfg.sweep.continue_on_error:
-            record_failure(reason, time.time() - started)
+            RunResults.failed(reason, time.time() - started).record(HydraConfig.get().runtime.output_dir)
             return None
         if isinstance(reason, ConfigError):
             fail(f"config: {reason}")
@@ -456,14 +458,6 @@ def start_sweep_job(cfg: DictConfig) -> RunResults | None:
     return finished
 
 
-def record_failure(error: BaseException, wall_time_s: float) -> None:
-    """A failed job of a sweep: its error in `results.json` and the log; the sweep goes on."""
-    failed = RunResults.failed(error, wall_time_s)
-    log.error("job failed (sweep.continue_on_error=true, the sweep goes on): %s", failed.error)
-    if os.environ.get("RANK", "0") == "0":
-        failed.write(HydraConfig.get().runtime.output_dir)
-
-
 def cli() -> None:
     """The `python -m sft.train` entry point: settle the multi-process details, then run `main`."""
     if {"--help", "-h"} & set(sys.argv[1:]):
@@ -488,21 +482,9 @@ def cli() -> None:
     unlink_planted(sys.argv[1:])
     refuse_multirun_in_launch(sys.argv[1:])
     if {"-m", "--multirun"} & set(sys.argv[1:]):
-        from sft.sweep import refused_job
+        from sft.sweep import start_multirun
 
-        if refused := refused_job(sys.argv[1:]):  # each job's values, before the first job starts
-            print(f"error: config: {refused}", file=sys.stderr)
-            sys.exit(2)
-    sweep_dir = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("hydra.sweep.dir=")), None)
-    if {"-m", "--multirun"} & set(sys.argv[1:]) and sweep_dir:  # one sweep in a sweep dir, held while it runs
-        from sft.training.run_dir import claim_sweep_dir
-
-        try:
-            claim_sweep_dir(sweep_dir.strip("'\""),
-                            any(a.lstrip("+") in ("sweep.resume=true", "sweep.resume=True") for a in sys.argv[1:]))
-        except ConfigError as e:
-            print(f"error: config: {e}", file=sys.stderr)
-            sys.exit(2)
+        start_multirun(sys.argv[1:])
     share_run_dir()
     sys.argv.extend(rank_overrides())
     main()

@@ -131,6 +131,15 @@ class RunResults:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text(own_path(run_dir / FILE), json.dumps(self.to_json(), indent=2) + "\n")
 
+    def record(self, run_dir: str | Path) -> None:
+        """A failed job of a sweep (`failed`): its error in the log, and in `results.json` (rank 0); the sweep goes on."""
+        import logging
+        import os
+
+        logging.getLogger("sft").error("job failed (sweep.continue_on_error=true, the sweep goes on): %s", self.error)
+        if os.environ.get("RANK", "0") == "0":
+            self.write(run_dir)
+
     @classmethod
     def read(cls, run_dir: str | Path) -> RunResults | None:
         """The run's results, or None when it never wrote any (interrupted, or still running)."""
