@@ -70,16 +70,19 @@ def main(argv: list[str] | None = None) -> None:
     from sft.experiments.results import RunResults
     from sft.experiments.tracking import log_sweep_report, sweep_experiment
     from sft.training.preemption import PREEMPTED_EXIT_CODE
-    from sft.training.run_dir import claim_sweep_dir
-
     from sft.config.secrets import secrets_to_environment
+    from sft.training.run_dir import claim_sweep_dir
 
     argv = secrets_to_environment(sys.argv[1:] if argv is None else argv)  # the jobs inherit the environment
     overrides = [a for a in argv if a not in ("-m", "--multirun")]
     sweep_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("hydra.sweep.dir=")),
                      time.strftime("multirun/%Y-%m-%d/%H-%M-%S"))
     jobs = expand(overrides)
-    launcher = ["accelerate", "launch", *shlex.split(os.environ.get("SFT_LAUNCH_ARGS", "")), "-m", "sft.train"]
+    launch_args = shlex.split(os.environ.get("SFT_LAUNCH_ARGS", ""))
+    # One process: accelerate's launcher would only set the environment, and kills the job's whole process tree 5 s
+    # after a SIGTERM, in the middle of its checkpoint; the job itself is the process to signal and wait for.
+    one = "--num_processes" not in launch_args or launch_args[launch_args.index("--num_processes") + 1] == "1"
+    launcher = [sys.executable, "-m", "sft.train"] if one else ["accelerate", "launch", *launch_args, "-m", "sft.train"]
     if refused := refused_job(overrides):
         print(f"error: config: {refused}", file=sys.stderr)
         sys.exit(2)
@@ -90,10 +93,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: config: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"[sweep] {len(jobs)} job(s) in {sweep_dir}", flush=True)
-    # ./launch.sh signals the whole process group: the running job saves and stops, and this loop sees it
-    # preempted. A Python handler, not SIG_IGN, which the job's processes would inherit.
+    # ./launch.sh signals the whole process group: the running job saves and stops (or finishes, after its training),
+    # and this loop, which noted the signal, starts no other job. A Python handler, not SIG_IGN, which the job's
+    # processes would inherit.
+    signalled: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: None)
+        signal.signal(sig, lambda signum, frame: signalled.append(signum))
     for number, job in enumerate(jobs):
         run_dir = Path(sweep_dir) / str(number)
         try:
@@ -115,9 +120,10 @@ def main(argv: list[str] | None = None) -> None:
                               env=env)
         sys.stderr.write(proc.stderr[-5000:])
         results = RunResults.read(run_dir)
-        if results is not None and results.status == "preempted":  # the machine is going away: so is the sweep
-            print(f"[sweep] #{number} preempted; continue with the same command plus sweep.resume=true "
-                  f"hydra.sweep.dir={sweep_dir}", file=sys.stderr, flush=True)
+        if signalled or (results is not None and results.status == "preempted"):  # the machine is going away
+            state = "preempted" if results is None or results.status != "ok" else "finished"
+            print(f"[sweep] #{number} {state} at a signal; the sweep stops: continue with the same command plus "
+                  f"sweep.resume=true hydra.sweep.dir={sweep_dir}", file=sys.stderr, flush=True)
             sys.exit(PREEMPTED_EXIT_CODE)
         if proc.returncode != 0 and results is None:
             last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [""]

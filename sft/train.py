@@ -67,6 +67,7 @@ class Recipe:
 def train(cfg: DictConfig) -> RunResults:
     """Run the recipe for a checked config; return the results written to `results.json`."""
     from sft.training.checkpoints import find_checkpoint, step_of
+    from sft.training.preemption import Preempted, Preemption
     from sft.training.step_log import no_bars_without_a_terminal
 
     started = time.time()
@@ -77,45 +78,46 @@ def train(cfg: DictConfig) -> RunResults:
     run_dir = HydraConfig.get().runtime.output_dir
     output_dir = cfg.trainer.output_dir or run_dir
     locks = lock_run_dirs(run_dir, output_dir)  # one run in a dir at a time
+    preemption = Preemption(grace_s=cfg.signal_grace_s)
+    preemption.install()  # a signal now stops the start-up; in training, after a checkpoint; after it, once finished
     try:
         checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force, cfg.trust_checkpoint)
         check_fsdp_resume(cfg, checkpoint)
         changes = continue_or_claim(cfg, output_dir, checkpoint)
-        recipe = build(cfg, run_dir, checkpoint)
+        recipe = build(cfg, run_dir, checkpoint, preemption)
         track_checkpoints(recipe, cfg, checkpoint, changes)
         start_mlflow(cfg, run_dir)
-        preemption = recipe.controllers["preemption"]
         preemption.on_exit = lambda: record_preempted(recipe.trainer, run_dir, started)
-        preemption.install()  # until results.json: a signal after training lets the run finish
-        try:
-            train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
-            if checkpoint and recipe.trainer.state.global_step == step_of(checkpoint):  # (then nothing trained)
-                log.info("resume: %s holds every step of the run (%d): nothing trained; the final evaluation and "
-                         "model/ again", checkpoint, recipe.trainer.state.global_step)
-            preemption.training_done = True
-            if preemption.stopped_at is not None:
-                stop_preempted(recipe.trainer, preemption, run_dir, started)
-            raise_if_failed(recipe.controllers)
-            final_eval = evaluate_and_save(recipe, cfg, run_dir)
-            final_eval.update(benchmark_after_training(recipe, cfg, run_dir, final_eval))
-            results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
-            log_hparams(cfg, run_dir, results.to_json(), recipe.trainer.args)
-            finish_trackers()
-            if recipe.trainer.is_world_process_zero():
-                results.write(run_dir)
-        finally:
-            preemption.uninstall()
+        train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
+        if checkpoint and recipe.trainer.state.global_step == step_of(checkpoint):  # (then nothing trained)
+            log.info("resume: %s holds every step of the run (%d): nothing trained; the final evaluation and "
+                     "model/ again", checkpoint, recipe.trainer.state.global_step)
+        preemption.training_done = True
+        if preemption.stopped_at is not None:
+            stop_preempted(recipe.trainer, preemption, run_dir, started)
+        raise_if_failed(recipe.controllers)
+        final_eval = evaluate_and_save(recipe, cfg, run_dir)
+        final_eval.update(benchmark_after_training(recipe, cfg, run_dir, final_eval))
+        results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
+        log_hparams(cfg, run_dir, results.to_json(), recipe.trainer.args)
+        finish_trackers()
+        if recipe.trainer.is_world_process_zero():
+            results.write(run_dir)
         finish_mlflow(run_dir, "FINISHED")
     except BaseException as e:
-        from sft.training.preemption import Preempted
-
+        if isinstance(e, Preempted) and e.at_start:  # nothing trained: results.json says so, with what to resume
+            record_preempted(None, run_dir, started, output_dir)
         with contextlib.suppress(Exception):  # the run's own error is the one to report
             finish_mlflow(run_dir, "KILLED" if isinstance(e, Preempted) else "FAILED")
         raise
     finally:
+        preemption.uninstall()
         for lock in locks:
             lock.release()
     end_process_group()
+    if preemption.signal is not None and in_sweep():  # a signal after training: this job finished, the sweep stops
+        raise Preempted(f"{preemption.signal} after training: this job finished ({run_dir}); the sweep stops here "
+                        "(the same command with sweep.resume=true goes on)", None)
     return results
 
 
@@ -155,18 +157,20 @@ def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
                     f"the same command plus resume=auto hydra.run.dir={run_dir}", checkpoint)
 
 
-def record_preempted(trainer, run_dir: str, started: float) -> None:
-    """A run that exits at a signal without finishing (a second signal, or past `signal_grace_s`; also after
-    training): `results.json` says preempted, with the newest complete checkpoint to continue from."""
-    from sft.training.checkpoints import latest_complete
+def record_preempted(trainer, run_dir: str, started: float, output_dir: str | None = None) -> None:
+    """A run that exits at a signal without finishing (in its start-up, `trainer` None; a second signal, or past
+    `signal_grace_s`; also after training): `results.json` says preempted, with the newest complete checkpoint to
+    continue from."""
+    from sft.training.checkpoints import latest_complete, step_of
 
-    if trainer.is_world_process_zero():
-        last = latest_complete(trainer.args.output_dir)
-        RunResults(status="preempted", checkpoint=str(last) if last else None, global_step=trainer.state.global_step,
+    if os.environ.get("RANK", "0") == "0":
+        last = latest_complete(output_dir or trainer.args.output_dir)
+        step = trainer.state.global_step if trainer is not None else (step_of(last) if last else 0)
+        RunResults(status="preempted", checkpoint=str(last) if last else None, global_step=step,
                    resumed_from=None, wall_time_s=round(time.time() - started, 1)).write(run_dir)
 
 
-def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recipe:
+def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preemption=None) -> Recipe:
     """Training arguments (before the model, as ZeRO-3 requires), tokenizer, loss, controllers, model (+ LoRA), data,
     collator and trainer, for a checked config."""
     from hydra.utils import instantiate
@@ -202,7 +206,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None) -> Recip
         data = load_sft_datasets(spec, tokenizer, loss, scores_needed_by=scores_used_by(loss, controllers),
                                  rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0
                                  else None)
-    controllers["preemption"] = Preemption(grace_s=cfg.signal_grace_s)
+    controllers["preemption"] = preemption or Preemption(grace_s=cfg.signal_grace_s)
     log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
 
     sequence_parallel = sequence_parallel_size(cfg)

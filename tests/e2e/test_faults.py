@@ -287,6 +287,85 @@ def test_sigterm_to_an_in_process_sweep_stops_the_sweep_with_75(tmp_path):
     assert (tmp_path / "0" / "checkpoint-2" / "sft_state.json").is_file() and not (tmp_path / "1").exists()
 
 
+SIGTERM_IN_THE_FIRST_JOBS_START_UP = """
+import os, signal
+import sft.train
+_build_model = sft.train.build_model
+def build_model(cfg, *args, **kwargs):
+    from hydra.core.hydra_config import HydraConfig
+    if HydraConfig.get().runtime.output_dir.endswith("/0"):
+        os.kill(os.getpid(), signal.SIGTERM)  # while the model is built: nothing trained yet
+    return _build_model(cfg, *args, **kwargs)
+sft.train.build_model = build_model
+"""
+
+SIGTERM_AFTER_THE_FIRST_JOBS_TRAINING = SIGTERM_WHILE_SAVING_THE_MODEL.replace(
+    'os.path.basename(output_dir) == "model"', 'output_dir.endswith("/0/model")')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patch, status", [(SIGTERM_IN_THE_FIRST_JOBS_START_UP, "preempted"),
+                                           (SIGTERM_AFTER_THE_FIRST_JOBS_TRAINING, "ok")],
+                         ids=["in-start-up", "after-training"])
+def test_sigterm_anywhere_in_a_job_stops_an_in_process_sweep_with_75(tmp_path, patch, status):
+    """In its start-up the job stops at once (it was killed, exit -15, with no results.json); after its training it
+    finishes, and the next job does not start (it did, and the grace timer killed it later, rewriting the finished
+    job's results as preempted)."""
+    proc = run_patched(patch, "-m", "trainer.seed=1,2", *SHORT, f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "0" / "results.json").read_text())["status"] == status
+    assert not (tmp_path / "1").exists()
+    assert wait_for_sentinel(tmp_path / "0" / ".sft.lock") and wait_for_sentinel(tmp_path / ".sft.lock")
+
+
+SIGTERM_AGAIN_AFTER_THE_CHECKPOINT = """
+import os, signal, time
+from sft.training.preemption import Preemption
+_on_step_end, _on_save = Preemption.on_step_end, Preemption.on_save
+def on_step_end(self, args, state, control, **kwargs):
+    if state.global_step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _on_step_end(self, args, state, control, **kwargs)
+def on_save(self, args, state, control, **kwargs):
+    _on_save(self, args, state, control, **kwargs)
+    if self.saved:
+        time.sleep(2.5)  # past the window in which a launcher's copy of the first signal is ignored
+        os.kill(os.getpid(), signal.SIGTERM)
+Preemption.on_step_end, Preemption.on_save = on_step_end, on_save
+"""
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_once_the_checkpoint_is_saved_exits_75_with_it_recorded(tmp_path):
+    proc = run_patched(SIGTERM_AGAIN_AFTER_THE_CHECKPOINT, *SHORT, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["status"] == "preempted" and results["checkpoint"].endswith("checkpoint-2")
+
+
+@pytest.mark.slow
+def test_sigterm_to_launch_sh_m_stops_the_sweep_after_the_jobs_checkpoint(tmp_path):
+    """./launch.sh -m: the running job saves and stops (accelerate's one-process launcher killed it 5 s after the
+    signal, recorded failed), the sweep starts no other job, exits 75, and leaves no lock."""
+    from conftest import REPO, free_port
+
+    sweep = tmp_path / "sweep"
+    launcher = subprocess.Popen([str(REPO / "launch.sh"), "-m", "trainer.seed=1,2", *RUN, f"hydra.sweep.dir={sweep}"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "MASTER_PORT": str(free_port())})
+    deadline = time.time() + 300
+    while not (sweep / "0" / "checkpoint-4" / "sft_state.json").exists() and launcher.poll() is None:
+        assert time.time() < deadline, "no checkpoint-4 within 300 s"
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 75, err[-3000:]
+    results = json.loads((sweep / "0" / "results.json").read_text())
+    assert results["status"] == "preempted" and (Path(results["checkpoint"]) / "sft_state.json").is_file()
+    assert not (sweep / "1").exists() and "the sweep stops: continue with the same command plus sweep.resume=true" in err
+    assert wait_for_sentinel(sweep / "0" / ".sft.lock") and not (sweep / ".sft.lock").exists()
+
+
 DISK_FULL_WRITING_THE_MODEL = """
 import os
 import transformers.modeling_utils as modeling_utils
