@@ -3,7 +3,9 @@
 - `RunDirLock`: rank 0 holds `<run dir>/.sft.lock` (pid, host, start) from start to exit, so a second run
   given the same `hydra.run.dir` refuses to start instead of interleaving checkpoints with the first. A killed
   run's lock is removed by its sentinel (`sft.training.sentinel`); one left all the same (the machine went down)
-  by a process on this host is taken over; one held on another host is refused, naming it.
+  by a process on this host is taken over; one held on another host is refused, naming it, unless it has not been
+  refreshed for `LOCK_STALE_S` (a held lock is refreshed every `LOCK_HEARTBEAT_S`: a run killed with its sentinel,
+  a container stopped, a requeue on another node).
 - `claim`: a new run (no `resume`) into a dir holding another run's checkpoints or results is refused in
   one line naming that run, unless `overwrite=true` (which deletes those outputs first).
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -30,6 +33,8 @@ LOCK_FILE = ".sft.lock"
 RUN_OUTPUTS = ("checkpoint-*", "model", "results.json", "eval_initial.json", "eval_rows.jsonl", "rejected.jsonl",
                "nan_batches", "spikes", "hangs", "runs")
 _YOUNG_LOCK_S = 10.0  # an empty lock file younger than this is being written (file systems without links)
+LOCK_HEARTBEAT_S = 30  # a held lock's time is refreshed this often
+LOCK_STALE_S = 300.0  # a lock of another host not refreshed for this long is left by a run that is gone
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -75,6 +80,7 @@ class RunDirLock:
                 raise ConfigError(self.key, self.run_dir, f"cannot be written ({e.strerror}: {self.path}); give a "
                                   "writable dir") from None
             self.held = True
+            self._beat()
             atexit.register(self.release)
             guard("lock", self.path)  # released also after a SIGKILL, or an exit that runs no atexit
             return
@@ -110,6 +116,12 @@ class RunDirLock:
                 return
             if young:
                 raise ConfigError(self.key, self.run_dir, f"another run is starting in it ({self.path})")
+        elif holder.get("host") != socket.gethostname() and self._silent_for() > LOCK_STALE_S:
+            log.warning("run dir lock: %s was left by pid %s on %s, and not refreshed for %.0f s (a live run refreshes "
+                        "it every %d s): taking it over", self.path, holder.get("pid"), holder.get("host"),
+                        self._silent_for(), LOCK_HEARTBEAT_S)
+            self.path.unlink(missing_ok=True)
+            return
         elif holder.get("host") != socket.gethostname() or _alive(holder):
             raise ConfigError(
                 self.key, self.run_dir,
@@ -119,6 +131,26 @@ class RunDirLock:
         log.warning("run dir lock: %s was left by %s, which no longer runs: taking it over", self.path,
                     f"pid {holder['pid']}" if holder else "a crashed start")
         self.path.unlink(missing_ok=True)
+
+    def _beat(self) -> None:
+        """Refresh the lock's time every `LOCK_HEARTBEAT_S` while it is held: a lock of another host that stopped
+        being refreshed (its run, and its sentinel, killed together: a container stopped, a node gone) is stale."""
+        import threading
+
+        def beat():
+            while self.held:
+                time.sleep(LOCK_HEARTBEAT_S)
+                if self.held:
+                    with contextlib.suppress(OSError):
+                        os.utime(self.path)
+
+        threading.Thread(target=beat, name="sft-run-dir-lock", daemon=True).start()
+
+    def _silent_for(self) -> float:
+        try:
+            return time.time() - self.path.stat().st_mtime
+        except FileNotFoundError:
+            return float("inf")
 
     def release(self) -> None:
         if not self.held:

@@ -83,6 +83,22 @@ def test_a_lock_held_on_another_host_is_refused(tmp_path):
         RunDirLock(tmp_path).acquire()
 
 
+def test_a_lock_of_another_host_that_nobody_refreshes_is_taken_over(tmp_path):
+    """A run killed with its sentinel (a container stopped) leaves its lock; a requeue on another node takes it once it
+    has gone unrefreshed for LOCK_STALE_S, where a live run refreshes it every LOCK_HEARTBEAT_S."""
+    from sft.training.run_dir import LOCK_HEARTBEAT_S, LOCK_STALE_S
+
+    assert LOCK_STALE_S >= 5 * LOCK_HEARTBEAT_S
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(json.dumps({"pid": 1, "host": "node-17", "started": "2026-12-01 08:00:00"}))
+    old = time.time() - LOCK_STALE_S - 1
+    os.utime(lock, (old, old))
+    taken = RunDirLock(tmp_path)
+    taken.acquire()
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    taken.release()
+
+
 def test_a_new_run_is_refused_over_another_runs_outputs_unless_overwrite(tmp_path):
     claim(tmp_path, overwrite=False)  # an empty dir: fine
     checkpoint(tmp_path / "checkpoint-8")
