@@ -18,6 +18,8 @@ from sft.training.controllers.base import Controller, StepVerdict, log
 
 NONFINITE = "nonfinite"
 SPIKE = "spike"
+HISTORY = 50  # good steps remembered, to tell a blow-up that began before the bad steps
+DIVERGING = 2.0  # a loss this many times its EMA, up to the bad steps: the weights were blowing up
 
 
 @config_schema("controllers", "guard")
@@ -46,6 +48,7 @@ class TrainingGuard(Controller):
         self.spike_steps: list[int] = []
         self.stopped_at_step: int | None = None
         self._output_dir = "."
+        self.history: list[tuple[int, float, float | None]] = []  # (step, loss, the loss EMA before it): good steps
 
     def judge(self, step: int, loss: float, grad_norm: float) -> str:
         """`ok`, `nonfinite` or `spike` for a finished step; updates the counters and the loss EMA."""
@@ -63,6 +66,7 @@ class TrainingGuard(Controller):
             return verdict
         self.consecutive = 0
         self.good_steps += 1
+        self.history = self.history[-(HISTORY - 1):] + [(step, loss, self.loss_ema)]
         self.loss_ema = loss if self.loss_ema is None else self.spike_ema * self.loss_ema + (1 - self.spike_ema) * loss
         return verdict
 
@@ -92,11 +96,33 @@ class TrainingGuard(Controller):
     def log_values(self) -> dict:
         return {"guard/skipped_steps": len(self.skipped_steps), "guard/spikes": len(self.spike_steps)}
 
+    def diverging_since(self) -> int | None:
+        """The first of the last good steps whose loss rose to twice its EMA or more, and stayed up to the bad
+        steps: where the weights began to blow up (the bad steps only showed it); None where the loss did not rise."""
+        rising = None
+        for step, loss, ema in self.history:
+            if ema is not None and loss >= DIVERGING * ema:
+                rising = step if rising is None else rising
+            else:
+                rising = None
+        return rising
+
     def failure(self) -> str | None:
         if self.stopped_at_step is None:
             return None
+        from sft.training.checkpoints import checkpoints
+
         out = self._output_dir
-        return (f"{self.consecutive} bad steps in a row (non-finite loss or gradient, or skipped spikes), the last at "
-                f"step {self.stopped_at_step}: stopped with checkpoint-{self.stopped_at_step} in {out}. "
-                f"The rows are named in {out}/nan_batches/ (and spikes/); fix or drop them (data.on_error, "
-                "controllers.guard.*), then resume with resume=auto")
+        head = (f"{self.consecutive} bad steps in a row (non-finite loss or gradient, or skipped spikes), the last at "
+                f"step {self.stopped_at_step}: stopped with checkpoint-{self.stopped_at_step} in {out}. ")
+        since = self.diverging_since()
+        if since is None:  # finite and steady until the bad steps, which changed no weight: the saved ones are sound
+            return head + (f"The loss was steady before them, and skipped steps change no weight: the rows named in "
+                           f"{out}/nan_batches/ (and spikes/) are the likely cause; fix or drop them (data.on_error, "
+                           "controllers.guard.*), then resume with resume=auto")
+        before = [path for step, path, complete in checkpoints(out) if complete and step < since]
+        where = f"resume={before[-1]}" if before else "a new run (no checkpoint precedes it)"
+        return head + (f"Its weights are not sound: the loss had risen to twice its running mean and more from step "
+                       f"{since} on, before any step went non-finite (the rows of the bad steps only showed it). "
+                       f"Continue from before step {since}: {where}, with a lower trainer.learning_rate (or "
+                       "clip=autoclip); resume=auto would continue from the blown-up weights")
