@@ -171,8 +171,7 @@ def record_preempted(trainer, run_dir: str, started: float, output_dir: str | No
 
 
 def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preemption=None) -> Recipe:
-    """Training arguments (before the model, as ZeRO-3 requires), tokenizer, loss, controllers, model (+ LoRA), data,
-    collator and trainer, for a checked config."""
+    """Training arguments (before the model: ZeRO-3), tokenizer, loss, controllers, model, data, collator, trainer."""
     from hydra.utils import instantiate
     from transformers import set_seed
 
@@ -474,10 +473,12 @@ def cli() -> None:
         if text is not None:  # else Hydra's own --help (a pkg:// search path, or an error to report)
             print(text, end="")
             return
-    from sft.config.argv import refused_override
+    from sft.config.argv import check_only, refused_override
+    from sft.training.run_dir import unlink_planted, unwritable_dir
 
     sys.argv[1:] = secrets_to_environment(sys.argv[1:])  # before Hydra writes or W&B records the command line
-    from sft.training.run_dir import unlink_planted, unwritable_dir
+    if "--check" in sys.argv[1:]:  # compose and check only (./launch.sh, before several processes)
+        sys.exit(check_only([a for a in sys.argv[1:] if a != "--check"]))
 
     # before Hydra, whose errors would not name the knob, and which writes into the run dir first
     if refused := refused_override(sys.argv[1:]) or unwritable_dir(sys.argv[1:]):

@@ -154,3 +154,27 @@ def key_of_engine_left_off(overrides: list[str]) -> ConfigError | None:
             return ConfigError(key, None, f"{engine} is off ({engine}=none in this config): turn it on with "
                                f"{ENGINE_OPTIONS[engine]}, then set its keys")
     return None
+
+
+def check_only(overrides: list[str]) -> int:
+    """`python -m sft.train --check [overrides]`: compose and check the config as a run would, print the error in one
+    line (exit code 2) or `config: ok` (0), and train nothing. `./launch.sh` runs it once before it starts several
+    processes, each of which would print the same error, then the launcher's own traceback."""
+    import sys
+
+    from sft.config.validate import check
+
+    refused = refused_override(overrides)
+    if refused is None:
+        try:
+            check(compose("train", overrides))
+        except ConfigError as e:
+            refused = e
+        except Exception as e:  # noqa: BLE001 - a composition error read by composition_error, else Hydra's text
+            refused = composition_error(e, overrides) or ConfigError("command line", None, str(e).splitlines()[0])
+    if refused is not None:
+        print(f"error: config: {refused}", file=sys.stderr)
+        return 2
+    print("config: ok")
+    return 0
+

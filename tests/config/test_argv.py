@@ -126,3 +126,15 @@ def test_an_option_of_a_config_dir_given_to_hydra_is_not_refused_before_hydra_re
     (tmp_path / "data" / "mine.yaml").write_text("defaults: [data_schema, _self_]\nmax_length: 64\n")
     assert refused_override(["--config-dir", str(tmp_path), "data=mine"]) is None
     assert refused_override([f"--config-dir={tmp_path}", "data=mine"]) is None
+
+
+def test_check_only_composes_and_checks_without_training(capsys):
+    """`python -m sft.train --check`: what ./launch.sh runs once before several processes."""
+    from sft.config.argv import check_only
+
+    assert check_only(["trainer.learning_rate=1e-4"]) == 0 and capsys.readouterr().out == "config: ok\n"
+    assert check_only(["trainer.adam_beta1=3"]) == 2
+    assert capsys.readouterr().err == "error: config: trainer.adam_beta1=3.0: must be in [0, 1)\n"
+    assert check_only(["trainer.max_stepz=3"]) == 2
+    assert capsys.readouterr().err.startswith("error: config: trainer.max_stepz: not a knob of trainer (did you mean "
+                                              "trainer.max_steps?)")
