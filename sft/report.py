@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a full disk, a read-only dir
+        print(f"error: the report cannot be written into {args.sweep_dir}: {e.strerror} ({e.filename})", file=sys.stderr)
+        sys.exit(1)
     if not rows:
         print(f"error: no job dirs in {args.sweep_dir}", file=sys.stderr)
         sys.exit(2)

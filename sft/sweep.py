@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a full disk: the jobs are done, the report is not
+        print(f"error: the sweep's report cannot be written into {sweep_dir}: {e.strerror} ({e.filename}); "
+              f"python -m sft.report {sweep_dir} writes it once there is room", file=sys.stderr)
+        sys.exit(1)
     log_sweep_report(sweep_dir, cfg.trainer.report_to)
     print((Path(sweep_dir) / "sweep_summary.md").read_text())
 

@@ -424,6 +424,10 @@ class SweepReport(Callback):
         except ReportError as e:
             print(f"error: {e}", file=sys.stderr)
             return
+        except OSError as e:  # a full disk: the sweep's jobs are done, its report is not, and the exit code says so
+            print(f"error: the sweep's report cannot be written into {sweep_dir}: {e.strerror} ({e.filename}); "
+                  f"python -m sft.report {sweep_dir} writes it once there is room", file=sys.stderr)
+            sys.exit(1)
         if rows:
             from sft.experiments.tracking import log_sweep_report
 

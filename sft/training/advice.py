@@ -90,7 +90,7 @@ def disk_full(error: BaseException) -> bool:
     """Whether an error while training is a full disk: ENOSPC, or how torch.save reports a short write."""
     import errno
 
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return True
     text = str(error)
     return "No space left on device" in text or "unexpected pos" in text or "file write failed" in text
@@ -102,6 +102,14 @@ def disk_full_message(output_dir: str, saving: str) -> str:
 
     from sft.training.checkpoints import latest_complete
 
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:  # the process's own limit, not the disk: `ulimit -f`
+        return (f"writing {saving} in {output_dir} stopped at this process's file-size limit (ulimit -f: "
+                f"{limit / 2**20:,.0f} MiB a file), not a full disk ({shutil.disk_usage(output_dir).free / 2**30:,.1f} "
+                "GiB free). What was being written is incomplete, so no resume uses it: raise the limit (ulimit -f "
+                "unlimited), then run again with resume=auto")
     free = shutil.disk_usage(output_dir).free / 2**20
     last = latest_complete(output_dir)
     needed = (f"; {last.name} took {sum(f.stat().st_size for f in last.rglob('*') if f.is_file()) / 2**20:,.0f} MiB"

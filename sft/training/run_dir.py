@@ -33,6 +33,7 @@ LOCK_FILE = ".sft.lock"
 RUN_OUTPUTS = ("checkpoint-*", "model", "results.json", "eval_initial.json", "eval_rows.jsonl", "rejected.jsonl",
                "nan_batches", "spikes", "hangs", "runs")
 _YOUNG_LOCK_S = 10.0  # an empty lock file younger than this is being written (file systems without links)
+MIN_FREE_BYTES = 16 * 2**20  # less than this free where a run would start: its disk is full
 LOCK_HEARTBEAT_S = 30  # a held lock's time is refreshed this often
 LOCK_STALE_S = 300.0  # a lock of another host not refreshed for this long is left by a run that is gone
 
@@ -282,6 +283,10 @@ def unwritable_dir(argv: list[str]) -> ConfigError | None:
                 pass
         except OSError as e:
             return ConfigError(key, folder, f"cannot be written ({e.strerror}: {existing}); give a writable dir")
+        free = shutil.disk_usage(existing).free
+        if free < MIN_FREE_BYTES:  # Hydra's first write (.hydra/config.yaml, the log) would fail with a traceback
+            return ConfigError(key, folder, f"its disk is full ({free / 2**20:.1f} MiB free at {existing}): free space, "
+                               "or give a dir on another disk")
     return None
 
 
