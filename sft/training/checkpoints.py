@@ -25,6 +25,7 @@ for the user, never resumed from, rotated or written into (`set_aside_after`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -216,6 +217,44 @@ def deepspeed_checkpoint(checkpoint: str | os.PathLike) -> bool:
     return (folder / "latest").is_file() or any(folder.glob("global_step*"))
 
 
+def written_record(checkpoint: str | os.PathLike) -> Path:
+    """Where this user's sft records the DeepSpeed checkpoints it wrote: in the sft cache (`$SFT_CACHE`, private to
+    the user), by the checkpoint's absolute path; never in the run dir, which others may write into."""
+    from sft.data.cache import cache_dir
+
+    key = hashlib.sha256(str(Path(checkpoint).resolve()).encode()).hexdigest()[:24]
+    return cache_dir() / "written-checkpoints" / f"{key}.json"
+
+
+def _file_identities(folder: Path) -> dict[str, list[int]]:
+    """Each file of a checkpoint (but the markers) as (inode, size, ctime): what changes when a file is replaced or
+    rewritten, even with its times set back (a change time cannot be set)."""
+    return {p.relative_to(folder).as_posix(): [p.stat().st_ino, p.stat().st_size, p.stat().st_ctime_ns]
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in (STATE_FILE, WRITING_FILE)}
+
+
+def record_written(folder: Path) -> None:
+    """Record a DeepSpeed checkpoint this process just wrote (`written_by_us` reads the record)."""
+    record = written_record(folder)
+    record.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_text(record, json.dumps({"checkpoint": str(folder.resolve()), "files": _file_identities(folder)}) + "\n")
+
+
+def written_by_us(checkpoint: str | os.PathLike) -> bool:
+    """Whether every file of a DeepSpeed checkpoint is the one this user's sft wrote there (no file added, replaced
+    or rewritten since): the trust DeepSpeed's unpickling needs, from a record outside the run dir."""
+    try:
+        record = json.loads(written_record(checkpoint).read_text())
+    except (OSError, ValueError):
+        return False
+    return record.get("files") == _file_identities(Path(checkpoint))
+
+
+UNTRUSTED = ("a DeepSpeed checkpoint this user's sft has no record of writing (none in its cache, or a file added, "
+             "replaced or rewritten since): DeepSpeed unpickles its files, which runs any code in them (a checkpoint "
+             "is code, like a model with remote code); trust_checkpoint=true if you trust whoever made it")
+
+
 def find_checkpoint(resume: str | None, output_dir: str, force: bool, trust: bool = False) -> str | None:
     """The checkpoint to resume from: none, the newest complete one in the run dir (`auto`), or a path.
 
@@ -229,6 +268,8 @@ def find_checkpoint(resume: str | None, output_dir: str, force: bool, trust: boo
         found, damaged = None, {}
         for _, path, complete in reversed(checkpoints(output_dir)):
             problem = verify(path) if complete else None
+            if complete and problem is None and deepspeed_checkpoint(path) and not trust and not written_by_us(path):
+                problem = UNTRUSTED
             if complete and problem is None:
                 found = path
                 break
@@ -246,10 +287,8 @@ def find_checkpoint(resume: str | None, output_dir: str, force: bool, trust: boo
         log.info("resume=auto: %s",
                  f"resuming from {found}" if found else f"no checkpoint in {output_dir}, starting fresh")
         return str(found) if found else None
-    if deepspeed_checkpoint(resume) and not inside(resume, output_dir) and not trust:
-        raise ConfigError("resume", resume, "a DeepSpeed checkpoint that this run dir did not write: DeepSpeed "
-                          "unpickles its files, which runs any code in them (a checkpoint is code, like a model "
-                          "with remote code); trust_checkpoint=true if you trust whoever made it")
+    if deepspeed_checkpoint(resume) and not trust and not written_by_us(resume):
+        raise ConfigError("resume", resume, UNTRUSTED)
     if not Path(resume, STATE_FILE).is_file() and not force:
         raise ConfigError("resume", resume, f"no {STATE_FILE}: an incomplete checkpoint, or not one of sft's "
                           "(resume_force=true resumes anyway)")
@@ -429,6 +468,8 @@ class CheckpointState(TrainerCallback, ExportableState):
                        "files": manifest(folder, self.checksum_all)}
             write_json_atomic(folder / STATE_FILE, payload)
             (folder / WRITING_FILE).unlink(missing_ok=True)
+            if deepspeed_checkpoint(folder):  # its pickles are trusted on resume by this record alone
+                record_written(folder)
             self.rotate(args.output_dir, state.best_model_checkpoint)
         PartialState().wait_for_everyone()
 

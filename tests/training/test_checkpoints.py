@@ -131,25 +131,38 @@ def test_resume_auto_sets_aside_checkpoints_it_did_not_write_and_deletes_only_it
     assert "removed " + str(debris) in caplog.text
 
 
-def test_a_deepspeed_checkpoint_from_elsewhere_is_refused_unless_trusted_by_name(tmp_path):
-    # DeepSpeed unpickles its files (weights_only=False): resuming from a stranger's checkpoint runs its code.
+def test_a_deepspeed_checkpoint_is_trusted_by_this_users_record_of_writing_it_not_by_where_it_lies(tmp_path, caplog):
+    # DeepSpeed unpickles its files (weights_only=False): resuming from a stranger's checkpoint runs its code, and a
+    # stranger may plant one in a shared run dir, sft_state.json and all (issue 41.7).
     from sft.config.schema import ConfigError
-    from sft.training.checkpoints import find_checkpoint
+    from sft.training.checkpoints import find_checkpoint, record_written
 
-    elsewhere = fake_checkpoint(tmp_path / "downloaded" / "checkpoint-3")
-    (elsewhere / "latest").write_text("global_step3")
-    (elsewhere / "global_step3").mkdir()
+    def deepspeed(path):
+        fake_checkpoint(path)
+        (path / "latest").write_text("global_step3")
+        (path / "global_step3").mkdir()
+        (path / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"pickled")
+        return path
+
+    elsewhere = deepspeed(tmp_path / "downloaded" / "checkpoint-3")
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    with pytest.raises(ConfigError) as refused:
-        find_checkpoint(str(elsewhere), str(run_dir), force=False)
-    assert str(refused.value).startswith(f"resume='{elsewhere}': a DeepSpeed checkpoint that this run dir did not "
-                                         "write: DeepSpeed unpickles its files")
-    assert "trust_checkpoint=true" in str(refused.value)
+    planted = deepspeed(run_dir / "checkpoint-3")
+    for checkpoint in (elsewhere, planted):
+        with pytest.raises(ConfigError) as refused:
+            find_checkpoint(str(checkpoint), str(run_dir), force=False)
+        assert str(refused.value).startswith(f"resume='{checkpoint}': a DeepSpeed checkpoint this user's sft has no "
+                                             "record of writing")
+        assert "trust_checkpoint=true" in str(refused.value)
     assert find_checkpoint(str(elsewhere), str(run_dir), force=False, trust=True) == str(elsewhere)
-    own = fake_checkpoint(run_dir / "checkpoint-3")  # one this run dir wrote: its own run's, no opt-in needed
-    (own / "latest").write_text("global_step3")
+    with caplog.at_level("WARNING", logger="sft"):
+        assert find_checkpoint("auto", str(run_dir), force=False) is None  # passed over, never unpickled
+    assert "passing over" in caplog.text
+    own = deepspeed(run_dir / "checkpoint-5")
+    record_written(own)  # as CheckpointState does when it saves one
     assert find_checkpoint(str(own), str(run_dir), force=False) == str(own)
+    (own / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"pickles")  # rewritten since
+    with pytest.raises(ConfigError, match="no record of writing"):
+        find_checkpoint(str(own), str(run_dir), force=False)
 
 
 @pytest.mark.slow
