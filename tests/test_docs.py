@@ -43,3 +43,16 @@ def test_every_link_and_docs_path_of_the_examples_readmes_resolves():
             assert "://" in link or (readme.parent / link).exists(), (readme, link)
         for path in re.findall(r"\bdocs/[\w/.-]+\.md", text):
             assert (REPO / path).exists(), (readme, path)
+
+
+def test_every_error_the_docs_quote_is_the_codes_own_word_for_word(capsys):
+    """A page's "`overrides` → `error: ...`" is what `python -m sft.train overrides --check` prints."""
+    from sft.config.argv import check_only
+
+    quoted = [(page.name, overrides, " ".join(error.split()))
+              for page in sorted((REPO / "docs").glob("*.md"))
+              for overrides, error in re.findall(r"`([^`\n]+)` →\s+`(error: [^`]+)`", page.read_text())]
+    assert len(quoted) >= 4
+    for page, overrides, error in quoted:
+        assert check_only(overrides.split()) == 2, (page, overrides)
+        assert capsys.readouterr().err.strip() == error, (page, overrides)
