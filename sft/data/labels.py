@@ -89,7 +89,10 @@ def tokenize_batch(batch: dict, tokenizer, labelling: Labelling = LABELLING, tok
 
     A token is trained when its first character lies in a trained span. Where a span begins and ends is
     found by bisecting the tokens' start offsets in the tokenizer's own encoding (`TokenStarts`): every
-    token's offsets become Python numbers only where the loss's token weights read them.
+    token's offsets become Python numbers only where the loss's token weights read them. Where an answer begins
+    inside a token of the whole text (Qwen3.5's prompt ends `<think>\n`, its answers begin `\n</think>`: one `\n\n`
+    token), the text is tokenised in parts at the answer's start (`split_at_answers`), as inference sees it: the
+    prompt's tokens, then the answer's, every one of its characters trained.
     """
     max_length, overlong = labelling.max_length, labelling.overlong
     columns = SequenceColumns(batch, weighted=token_weights is not None or turn_weighted)
@@ -118,7 +121,7 @@ def tokenize_batch(batch: dict, tokenizer, labelling: Labelling = LABELLING, tok
     for n, (k, view, spans, lo) in enumerate(where):
         if k in refused_rows:
             continue
-        encoding = encodings[n]
+        encoding = split_at_answers(tokenizer, encodings[n], pieces[n], [a - lo for a, _, _ in spans])
         ids = np.asarray(encoding.ids, dtype=np.int32)
         first = TokenStarts(encoding, lo)
         trained = np.zeros(len(ids), dtype=bool)
@@ -224,6 +227,37 @@ def encode(tokenizer, texts: list[str]) -> list:
     if backend.encode_special_tokens != split:
         backend.encode_special_tokens = split
     return backend.encode_batch(texts, add_special_tokens=False)
+
+
+class SplitEncoding:
+    """The ids and offsets of a text tokenised in parts (`split_at_answers`), read as an `Encoding` is here."""
+
+    def __init__(self, parts: list, starts: list[int]):
+        self.ids = [i for part in parts for i in part.ids]
+        self.offsets = [(a + lo, b + lo) for part, lo in zip(parts, starts) for a, b in part.offsets]
+
+    def token_to_chars(self, i: int) -> tuple[int, int]:
+        return self.offsets[i]
+
+
+def split_at_answers(tokenizer, encoding, text: str, answer_starts: list[int]):
+    """`encoding` of `text`, unless an answer starts inside one of its tokens (a token that begins before the answer
+    and ends after its start): then the text tokenised in parts cut at every such start (`SplitEncoding`), so that
+    each answer's first token is its own, as generation after the prompt makes it.
+
+        prompt "...<think>\n" + answer "\n</think>..."  ->  [..., "<think>", "\n"] + ["\n", "</think>", ...]
+    """
+    starts = TokenStarts(encoding)
+    cuts = []
+    for a in answer_starts:
+        i = starts(a)  # the first token starting at or after the answer: the one before it may straddle it
+        if 0 < a < len(text) and i > 0 and encoding.token_to_chars(i - 1)[1] > a:
+            cuts.append(a)
+    if not cuts:
+        return encoding
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    parts = encode(tokenizer, [text[lo:hi] for lo, hi in zip(bounds, bounds[1:])])
+    return SplitEncoding(parts, bounds[:-1])
 
 
 class TokenStarts:

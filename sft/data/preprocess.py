@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-PREPROCESS_VERSION = 4  # bump when tokenisation or labelling changes, to invalidate caches
+PREPROCESS_VERSION = 5  # bump when tokenisation or labelling changes, to invalidate caches
 
 
 PARALLEL_ROWS = 20000  # data.num_proc=null tokenises files of this many rows on every core

@@ -260,3 +260,27 @@ def test_a_sentencepiece_style_tokenizer_gets_the_rows_of_the_prefix_rendering_l
     assert_same_rows(ours, bench_baseline.tokenize_batch(batch, sentencepiece_style_tokenizer, max_length=200,
                                                          overlong=overlong, **kwargs))
     assert sum(map(len, ours["labels"])) > 0 and any(4.0 in w for w in ours["token_weights"])
+
+
+# A template whose generation prompt ends with a space and whose answers may begin with "=": the tiny vocabulary
+# has " =" as one token, which would straddle the prompt/answer boundary (Qwen3.5's `<think>\n` + `\n</think>`).
+STRADDLING = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}{{ 'Sum: ' }}"
+              "{% endif %}{{ m.content + '<|im_end|>\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\nSum: ' }}{% endif %}")
+
+
+def test_an_answer_that_begins_inside_a_token_is_trained_whole_and_tokenised_as_inference_sees_it():
+    from sft.model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny", chat_template=STRADDLING)
+    assert tokenizer.tokenize("Sum: = 12")[-4:] == ["Ġ=", "Ġ", "1", "2"]  # the fixture's mechanism: " =" one token
+    chat = [{"role": "user", "content": "What is 5 + 7?"}, {"role": "assistant", "content": "= 12"},
+            {"role": "user", "content": "And 1 + 1?"}, {"role": "assistant", "content": "= 2"}]
+    row = tokenize_chat(tokenizer, chat)
+    trained = [tokenizer.decode(run) for run in labelled_runs(row["input_ids"][0], row["labels"][0])]
+    assert trained == ["= 12<|im_end|>", "= 2<|im_end|>"]  # the oracle: each answer as rendered, with its stop
+    render = ChatRenderer(tokenizer)
+    prompt = render(chat[:1], add_generation_prompt=True)
+    first_answer = tokenizer("= 12<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert row["input_ids"][0][:len(tokenizer(prompt)["input_ids"]) + len(first_answer)] == \
+        tokenizer(prompt, add_special_tokens=False)["input_ids"] + first_answer  # the prompt's tokens, then the answer's
