@@ -121,6 +121,40 @@ QWEN25_TOOLS = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
+# Mistral-Nemo's rule for call ids (9 alphanumeric characters, else raise_exception) and its `arguments | tojson`:
+# a probe call with another id learns nothing, and a row's JSON-text arguments would train double-encoded.
+STRICT_IDS = (
+    "{%- if tools %}{{- '<|im_start|>system\n[AVAILABLE_TOOLS]' + tools | tojson + '<|im_end|>\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant\n' }}"
+    "{%- for c in m.tool_calls %}{%- if not c.id or c.id | length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- '[TOOL_CALLS]' + c.function.name + '[ARGS]' + c.function.arguments | tojson }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+# DeepSeek-V3.1's way with tools: calls rendered, definitions never (no `tools` in the template at all).
+NO_DEFINITIONS = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant\n' }}"
+    "{%- for c in m.tool_calls %}{{- '<tool_call>' + c.function.name + ' ' + c.function.arguments | tojson + "
+    "'</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+# LFM2's: a call-only turn's content written as JSON (`| tojson`: null for a null content)
+JSON_CONTENT = (
+    "{%- if tools %}{{- '<|im_start|>system\nTools: ' + tools | tojson + '<|im_end|>\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}{{- '<tool_call>' + c.function.name + '(' + "
+    "c.function.arguments | tojson + ')</tool_call>' }}{%- endfor %}{{- '\n' + m.content | tojson }}"
+    "{%- else %}{{- m.content }}{%- endif %}{{- '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 FAMILIES = {
     "chatml": dict(template=CHATML_TEMPLATE, special=[], bos=None, eos="<|im_end|>",
                    answer="{a}<|im_end|>"),
@@ -291,6 +325,10 @@ QUIRKS = {
     # a base model's ChatML: turns end with <|im_end|>, the tokenizer's eos is <|endoftext|> (no generation config)
     "base_chatml": dict(template=CHATML_TEMPLATE, special=[], bos=None, eos="<|endoftext|>", answer="{a}<|im_end|>"),
     "plain_text": dict(template=PLAIN_TEXT, special=[], bos=None, eos="<|endoftext|>", answer=" {a}"),
+    "strict_ids": dict(template=STRICT_IDS, special=["[AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[ARGS]"], bos=None,
+                       eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "no_definitions": dict(template=NO_DEFINITIONS, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "json_content": dict(template=JSON_CONTENT, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
 }
 
 

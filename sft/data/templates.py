@@ -355,7 +355,8 @@ class TemplateProfile:
             null, empty = (self.render(chat, _PROBE_TOOLS) for chat in chats)
         except Refused:
             return False
-        return null.count("None") == empty.count("None")  # not written out as "None" (GLM's, MiniMax's)
+        # not written out: as Python's "None" (GLM's, MiniMax's) nor JSON's "null" (LFM2's `content | tojson`)
+        return all(null.count(word) == empty.count(word) for word in ("None", "null"))
 
 
 # The probe chats: a question, an answer, the next question; a call of a tool and its result.
@@ -368,7 +369,9 @@ _PROBE_ANSWER = {"role": "assistant", "content": PROBE_ANSWER}
 _PROBE_NEXT = {"role": "user", "content": "Next question?"}
 
 
-_PROBE_RESULT = {"role": "tool", "content": "Probe result.", "tool_call_id": "call_0", "name": "probe_tool"}
+# The probe call's id: 9 letters and digits, the one form every template takes (Mistral's refuse any other)
+PROBE_ID = "call00000"
+_PROBE_RESULT = {"role": "tool", "content": "Probe result.", "tool_call_id": PROBE_ID, "name": "probe_tool"}
 
 
 _PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool", "description": "A probe.", "parameters": {
@@ -377,7 +380,7 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool", "descrip
 
 def _probe_call(arguments) -> dict:
     return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}]}
+        {"id": PROBE_ID, "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}]}
 
 
 def _listed(tokens) -> str:

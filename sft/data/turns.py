@@ -64,11 +64,11 @@ def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None,
     weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
     messages = render.prepare(messages)
     full = render(messages, tools=tools)
-    missing = [name for name in map(_tool_name, tools or []) if name and name not in full]
-    if missing:
-        raise Refused("tools", f"the chat template does not render the tool definitions ({missing[0]!r} "
-                      "is not in the chat's text): the model would learn to call tools it is never shown; set "
-                      "tokenizer.chat_template to one that renders tools")
+    if tools and not definitions_shown(render, messages, tools):
+        name = next((n for n in map(_tool_name, tools) if n), "?")
+        raise Refused("tools", f"the chat template does not render the tool definitions ({name!r} ...): the prompt "
+                      "of the chat's first answer is the same with them as without, so the model would learn to call "
+                      "tools it is never shown; set tokenizer.chat_template to one that renders tools")
     views, whole_chat, own_texts = Views(), [], []
     for i, m in enumerate(messages):
         if weights[i] == 0:  # context: not trained
@@ -174,3 +174,16 @@ def _reasoning(message: dict) -> str:
     if isinstance(content, str) and "</think>" in content:
         return content.split("</think>")[0].split("<think>")[-1].strip()
     return ""
+
+
+def definitions_shown(render, messages: list[dict], tools: list[dict]) -> bool:
+    """Whether the template shows the tool definitions: the prompt of the chat's first answer (the chat before it, with
+    the generation prompt) rendered with them differs from it rendered without (a tool's name elsewhere in the chat,
+    an answer mentioning it, says nothing)."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    with_tools = render(messages[:first], tools, add_generation_prompt=True)
+    try:
+        return with_tools != render(messages[:first], None, add_generation_prompt=True)
+    except Refused:  # a template that needs the tools to render at all uses them
+        return True
+

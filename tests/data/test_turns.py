@@ -414,3 +414,31 @@ def test_a_template_that_renders_no_tool_calls_or_definitions_is_refused(tmp_pat
     with pytest.raises(DataError) as e:
         trained_on(tmp_path, load_tokenizer("tiny"), rows)  # its ChatML template knows no tools
     assert message in str(e.value)
+
+
+def test_a_template_that_takes_only_ids_of_its_form_still_reads_the_arguments_as_json():
+    """Mistral-Nemo (9-character ids): the row's JSON-text arguments train as JSON, not as a JSON string of it."""
+    tokenizer = family_tokenizer("strict_ids")
+    row = [AGENT[0], {**call('{"city": "Paris"}'), "tool_calls": [{**call('{"city": "Paris"}')["tool_calls"][0],
+                                                                    "id": "a1b2c3d4e"}]},
+           {**AGENT[2], "tool_call_id": "a1b2c3d4e"}, AGENT[3]]
+    runs = labelled(tokenizer, row, tools=TOOLS)
+    assert runs[0][0] == '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}<|im_end|>'
+
+
+def test_calls_are_refused_where_the_template_never_shows_the_tool_definitions():
+    """DeepSeek-V3.1: the definitions are not in the prompt, whatever the answers mention: a call would train with
+    nothing in the prompt that defines it (the check looked for the tool's name anywhere, answers included)."""
+    tokenizer = family_tokenizer("no_definitions")
+    mentioning = [AGENT[0], call('{"city": "Paris"}'), AGENT[2], {"role": "assistant", "content": "get_weather says 18"}]
+    with pytest.raises(Refused) as refused:
+        chat_views(tokenizer, mentioning, TOOLS)
+    assert refused.value.field == "tools" and "does not render the tool definitions" in refused.value.reason
+
+
+def test_a_call_only_turns_null_content_written_as_json_is_not_trained():
+    """LFM2: `content | tojson` writes a null content as `null`, which would train after the call."""
+    tokenizer = family_tokenizer("json_content")
+    runs = labelled(tokenizer, AGENT, tools=TOOLS)
+    assert runs[0][0] == '<tool_call>get_weather({"city": "Paris"})</tool_call>\n""<|im_end|>'  # "" as the template
+    assert not ChatRenderer(tokenizer).profile.null_content  # writes an empty content
