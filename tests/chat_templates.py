@@ -155,6 +155,19 @@ JSON_CONTENT = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
+# Apriel-1.6's: a turn's call written with its id, and its end token, only once the chat goes on past it
+IDS_ONCE_CONTINUED = (
+    "{%- if tools %}{{- '<|im_start|>system\nTools: ' + tools | tojson + '<|im_end|>\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- set last = loop.last %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\n' + (m.content or '') }}"
+    "{%- if m.tool_calls %}{{- '<tool_calls>[' }}{%- for c in m.tool_calls %}"
+    "{{- '{\"name\": \"' + c.function.name + '\", \"arguments\": ' + c.function.arguments | tojson }}"
+    "{%- if not last %}{{- ', \"id\": \"' + c.id + '\"' }}{%- endif %}{{- '}' }}{%- endfor %}{{- ']</tool_calls>' }}"
+    "{%- endif %}{%- if not last %}{{- '\n<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 FAMILIES = {
     "chatml": dict(template=CHATML_TEMPLATE, special=[], bos=None, eos="<|im_end|>",
                    answer="{a}<|im_end|>"),
@@ -329,6 +342,8 @@ QUIRKS = {
                        eos="<|im_end|>", answer="{a}<|im_end|>"),
     "no_definitions": dict(template=NO_DEFINITIONS, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
     "json_content": dict(template=JSON_CONTENT, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "ids_once_continued": dict(template=IDS_ONCE_CONTINUED, special=[], bos=None, eos="<|im_end|>",
+                               answer="{a}\n<|im_end|>"),
 }
 
 

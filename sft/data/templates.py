@@ -282,7 +282,12 @@ class TemplateProfile:
                 except Refused:
                     continue
                 k = token_boundary(final, common_prefix(final, going_on), added_tokens(self.render.tokenizer))
-                out[kind] = _stop_at(going_on[k:], self.stops) if _first_stop(final[k:], self.stops) is None else ""
+                if _first_stop(final[k:], self.stops) is None:
+                    # the first stop token before the next message, with the white space before it: right after the
+                    # turn, or after what the template adds to it once the chat goes on (Apriel's call ids)
+                    rest = going_on[k:]
+                    nxt = rest.find(more["content"])
+                    out[kind] = _first_stop_with_space(rest[:nxt] if nxt >= 0 else rest, self.stops)
                 break
         return out
 
@@ -447,6 +452,16 @@ def _divergence(a: str, b: str) -> str:
     """Where two renderings part: a few characters of each from the first difference."""
     i = common_prefix(a, b)
     return f"{a[max(0, i - 20):i + 30]!r} vs {b[max(0, i - 20):i + 30]!r}"
+
+
+def _first_stop_with_space(text: str, stops) -> str:
+    """The first stop token in `text` with the white space right before it (`"\n<|end|>"`), or ""."""
+    found = _first_stop(text, stops)
+    if found is None:
+        return ""
+    end, token = found
+    before = text[:end - len(token)]
+    return text[len(before.rstrip()):end]
 
 
 def _stop_at(text: str, stops) -> str:

@@ -442,3 +442,14 @@ def test_a_call_only_turns_null_content_written_as_json_is_not_trained():
     runs = labelled(tokenizer, AGENT, tools=TOOLS)
     assert runs[0][0] == '<tool_call>get_weather({"city": "Paris"})</tool_call>\n""<|im_end|>'  # "" as the template
     assert not ChatRenderer(tokenizer).profile.null_content  # writes an empty content
+
+
+@pytest.mark.parametrize("prefill", ["refuse", "after"])
+def test_a_call_the_template_writes_otherwise_once_the_chat_goes_on_still_trains_its_stop(prefill):
+    """Apriel-1.6: a call is written with its id and an end token only once more follows; the call trained (as the
+    model writes it, last) ends with the end token the template writes after it (it trained with none)."""
+    tokenizer = family_tokenizer("ids_once_continued")
+    runs = labelled(tokenizer, AGENT, tools=TOOLS, prefill=prefill)  # the call, rewritten later: a sequence of its own
+    assert sorted(run for sequence in runs for run in sequence) == [
+        '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_calls>\n<|im_end|>',
+        "It is 18 C.\n<|im_end|>"]
