@@ -86,6 +86,7 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     from sft.config.schema import ConfigError
     from sft.config.validate import check
     from sft.data.load import load_sft_datasets
+    from sft.data.rows import DataError
     from sft.loss.base import build_loss
     from sft.training.arguments import has_eval_data
 
@@ -94,11 +95,21 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     if split == "eval" and not has_eval_data(cfg.data):
         raise ConfigError("data.eval_file", None, "no eval file to inspect (--split eval)")
     tokenizer = instantiate(cfg.tokenizer)
-    data = load_sft_datasets(instantiate(cfg.data, _convert_="object"), tokenizer, build_loss(cfg.loss))
+    spec, loss, refusal = instantiate(cfg.data, _convert_="object"), build_loss(cfg.loss), ""
+    try:
+        data = load_sft_datasets(spec, tokenizer, loss)
+    except DataError as e:
+        if not loss.reads_difficulty_score or "difficulty_score" not in str(e):
+            raise
+        # the rows as they are (each weighted 1), and what training with this loss will refuse
+        data = load_sft_datasets(spec, tokenizer, None)
+        refusal = (f"\nnote: loss={type(loss).__name__} reads each row's difficulty_score, so training will refuse "
+                   f"rows of this data: {' '.join(line.strip() for line in str(e).strip().splitlines()[:2])}")
     dataset = data.train if split == "train" else data.eval
     shown = [show(tokenizer, row, data.source_name(split, row.get("source", 0)), color)
              for row in (dataset[i] for i in range(min(rows, len(dataset))))]
-    return "\n\n".join(shown + [totals(split, data.summary[split]), template(tokenizer, cfg.data.prefill)]) + "\n"
+    return "\n\n".join(shown + [totals(split, data.summary[split]) + refusal,
+                                 template(tokenizer, cfg.data.prefill)]) + "\n"
 
 
 def template(tokenizer, prefill: str) -> str:

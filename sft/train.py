@@ -206,7 +206,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
                                  rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0
                                  else None)
     controllers["preemption"] = preemption or Preemption(grace_s=cfg.signal_grace_s)
-    log.info("data %s: %d train rows, %d eval rows", data.data_hash, len(data.train), len(data.eval or []))
+    log.info("data %s: %s", data.data_hash, data.counts())
 
     sequence_parallel = sequence_parallel_size(cfg)
     trainer = WeightedLossTrainer(

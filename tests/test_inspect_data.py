@@ -47,3 +47,14 @@ def test_a_bad_file_is_a_one_line_error_naming_the_line(tmp_path, capsys, no_mod
     with pytest.raises(SystemExit):
         main(["data.train_file=/no/such.jsonl"])
     assert "error: config: data.train_file" in capsys.readouterr().err
+
+
+def test_rows_the_loss_would_refuse_are_shown_and_the_refusal_said():
+    """Rows without a difficulty_score under the default hard-sample loss: inspect shows them (it refused to), and
+    says what training will refuse and how to train them."""
+    from sft.inspect_data import inspect
+
+    report = inspect(["data=jsonl", "data.train_file=examples/data/chats.jsonl", "data.eval_file=null"], rows=1)
+    assert report.startswith("-- examples/data/chats.jsonl:1 · ")
+    assert ("note: loss=HardSampleLoss reads each row's difficulty_score, so training will refuse rows of this data: "
+            "160 bad row(s) in the data: examples/data/chats.jsonl:1: difficulty_score: missing") in report

@@ -105,11 +105,15 @@ class RowFormat:
             raise FormatError(required, f"missing (data.format={self.chosen}; data.columns maps a column of another "
                                         "name)")
         own = {self.name(f) for f in (*FIELDS[self.chosen], *COMMON, "score")}
+        tools_field = self.name("tools")
+        if tools_field == "tools" and "tools" not in row and "functions" in row:  # OpenAI's older name for them
+            tools_field = "functions"
+            own.add("functions")
         out = {k: v for k, v in row.items() if k not in own}
         out["messages"] = getattr(self, f"_{self.chosen}")(row)
         if self.chosen != "alpaca":  # (whose system field is its own)
             out["messages"] = self._with_system(row, out["messages"])
-        tools = self._tools(row.get(self.name("tools")))
+        tools = self._tools(row.get(tools_field), tools_field)
         if tools is not None:
             out["tools"] = tools
         score = self.name("score")
@@ -117,9 +121,9 @@ class RowFormat:
             out["difficulty_score"] = row[score]
         return out
 
-    def _tools(self, value) -> list | None:
-        """The row's tool definitions as templates take them; None for none (null, "", "[]", [])."""
-        field = self.name("tools")
+    def _tools(self, value, field: str) -> list | None:
+        """The row's tool definitions (its column `field`: `tools`, OpenAI's older `functions`, or as `data.columns`
+        maps it) as templates take them; None for none (null, "", "[]", [])."""
         if isinstance(value, str):  # LLaMA-Factory keeps the definitions as JSON text
             try:
                 value = json.loads(value) if value.strip() else None

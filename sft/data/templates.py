@@ -143,7 +143,8 @@ class ChatRenderer:
         from jinja2 import TemplateError
 
         if isinstance(error, TemplateError) and not isinstance(error, _undefined_errors()):
-            return Refused("messages", f"the chat template refuses this chat: {error}")
+            return Refused("messages", f"the chat template refuses this chat: {error} (data.on_error=skip leaves such "
+                           "rows out, counted, and trains the others)")
         message = f"{type(error).__name__}: {str(error)[:300]}"
         if tools is not None:
             try:  # the chat with definitions known to be well-formed instead of the row's

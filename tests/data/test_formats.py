@@ -293,3 +293,14 @@ def test_a_problem_of_every_row_is_one_line_naming_the_knob_before_any_row_is_to
     with pytest.raises(DataError, match=r"keys.jsonl:1: messages\[0\].role: missing \(the turn has speaker, text; a "
                                         r"turn is \{role, content\}, or ShareGPT's \{from, value\}\); the same in 2 more"):
         load_sft_datasets(DataSpec(train_file=str(bad), max_length=128), tokenizer)
+
+
+def test_a_functions_column_is_read_as_the_tool_definitions(tmp_path):
+    """OpenAI's older name for `tools`: ignored, the calls trained without their definitions."""
+    from sft.data.formats import RowFormat
+
+    definition = {"name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+           "functions": [definition]}
+    out = RowFormat()(row)
+    assert out["tools"] == [{"type": "function", "function": definition}] and "functions" not in out

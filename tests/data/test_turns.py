@@ -102,7 +102,8 @@ def test_a_chat_the_template_refuses_is_reported_with_its_line_or_skipped_and_co
     bad = {"messages": [TURNS[0], TURNS[2], TURNS[3]], "difficulty_score": 1.0}  # two user turns in a row
     path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [SYSTEM, *TURNS], "difficulty_score": 1.0}, bad])
     with pytest.raises(DataError, match=r"chats.jsonl:2: messages: the chat template refuses this chat: "
-                                        r"Conversation roles must alternate"):
+                                        r"Conversation roles must alternate.* \(data.on_error=skip leaves such rows "
+                                        r"out, counted, and trains the others\)"):
         load_sft_datasets(DataSpec(train_file=str(path), max_length=256), tokenizer)
     rejected = tmp_path / "rejected.jsonl"
     data = load_sft_datasets(DataSpec(train_file=str(path), max_length=256, on_error="skip"), tokenizer,
