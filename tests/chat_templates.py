@@ -168,6 +168,18 @@ IDS_ONCE_CONTINUED = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
+# Qwen3's with enable_thinking=false (and Hunyuan Hy3's by default): the generation prompt closes an empty
+# reasoning block, while an answer with reasoning renders it
+NO_THINK_PROMPT = (
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_start|>user{{ '\n' + m.content }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}"
+    "{% if m.reasoning_content is string %}<think>{{ '\n' + m.reasoning_content + '\n' }}</think>{{ '\n\n' }}"
+    "{% endif %}{{ m.content }}<|im_end|>{{ '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}"
+    "{% if enable_thinking is false %}<think>{{ '\n\n' }}</think>{{ '\n\n' }}{% endif %}{% endif %}"
+)
+
 FAMILIES = {
     "chatml": dict(template=CHATML_TEMPLATE, special=[], bos=None, eos="<|im_end|>",
                    answer="{a}<|im_end|>"),
@@ -342,6 +354,8 @@ QUIRKS = {
                        eos="<|im_end|>", answer="{a}<|im_end|>"),
     "no_definitions": dict(template=NO_DEFINITIONS, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
     "json_content": dict(template=JSON_CONTENT, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "no_think_prompt": dict(template=NO_THINK_PROMPT, special=[], added=["<think>", "</think>"], bos=None,
+                            eos="<|im_end|>", answer="{a}<|im_end|>"),
     "ids_once_continued": dict(template=IDS_ONCE_CONTINUED, special=[], bos=None, eos="<|im_end|>",
                                answer="{a}\n<|im_end|>"),
 }

@@ -454,3 +454,18 @@ def test_a_call_the_template_writes_otherwise_once_the_chat_goes_on_still_trains
     assert sorted(run for sequence in runs for run in sequence) == [
         '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_calls>\n<|im_end|>',
         "It is 18 C.\n<|im_end|>"]
+
+
+def test_an_answer_with_reasoning_after_a_no_thinking_prompt_is_refused_naming_that_cause():
+    """Qwen3 with enable_thinking=false, Hunyuan Hy3 by default: the refusal names the closed reasoning and the kwarg
+    that opens it (it said the template renders the chat differently, or to give the answer reasoning it had)."""
+    from sft.data.templates import configure_chat
+
+    tokenizer = configure_chat(family_tokenizer("no_think_prompt"), {"enable_thinking": False})
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]
+    with pytest.raises(Refused) as refused:
+        chat_views(tokenizer, chat, None)
+    reason = refused.value.reason
+    assert "This answer has reasoning, but the generation prompt closes the reasoning ('<think>\\n\\n</think>': the " \
+           "template's no-thinking prompt, with the kwargs enable_thinking=False)" in reason
+    assert "+tokenizer.chat_template_kwargs.enable_thinking=true" in reason and "Give the answer" not in reason
