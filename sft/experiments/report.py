@@ -286,11 +286,13 @@ def verdict_lines(rows: list[dict]) -> list[str]:
         if row["baseline"]:
             continue
         judged: dict[str, list[str]] = {"better": [], "worse": [], "not resolved": []}
+        seeds = int(row["seeds"].split("/")[0])
         for metric in metrics:
             diff = row.get(f"diff_{metric}")
             if not isinstance(diff, Interval):
                 continue
-            if diff.low is None or diff.low == diff.high:  # one value (or a bootstrap over one row): no interval
+            # one value, or a bootstrap over one row, is no interval; seeds that all differ alike are one
+            if diff.low is None or (diff.low == diff.high and (seeds < 2 or diff.mean == 0)):
                 judged["not resolved"].append(f"{metric} ({diff.mean:+.3g}, no interval)")
                 continue
             shown = f"{metric} ({diff.mean:+.3g} [{diff.low:+.3g}, {diff.high:+.3g}])"
@@ -298,7 +300,6 @@ def verdict_lines(rows: list[dict]) -> list[str]:
                 judged["not resolved"].append(shown)
             else:
                 judged["better" if (diff.mean > 0) == higher_is_better(metric) else "worse"].append(shown)
-        seeds = int(row["seeds"].split("/")[0])
         parts = [f"**{kind}** on {', '.join(found)}" for kind, found in judged.items() if found]
         lines.append(f"- {name(row)} against {name(base)} ({seeds} seed{'s' * (seeds != 1)}, paired): "
                      f"{'; '.join(parts) or 'no metric'}.")
@@ -377,7 +378,8 @@ def plot(sweep_dir: Path, rows: list[dict], grouped: list[dict]) -> None:
                 continue
             sign = 1 if higher_is_better(metric[5:]) else -1  # drawn so that better is always to the right
             low, high = (diff.low, diff.high) if diff.low is not None else (diff.mean, diff.mean)
-            resolved = diff.excludes_zero and diff.low != diff.high  # (a bootstrap over one row is no interval)
+            seeds = int(row["seeds"].split("/")[0])  # (a bootstrap over one row is no interval; seeds alike are one)
+            resolved = diff.excludes_zero or (diff.low == diff.high and seeds >= 2 and diff.mean != 0)
             color = "tab:gray" if not resolved else ("tab:green" if sign * diff.mean > 0 else "tab:red")
             forest.errorbar([sign * diff.mean], [y], xerr=[[sign * diff.mean - min(sign * low, sign * high)],
                                                          [max(sign * low, sign * high) - sign * diff.mean]],
