@@ -223,4 +223,15 @@ FAMILIES.update({
         family="Nemotron-Nano-v2", special=["<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>"], added=THINK,
         eos="<SPECIAL_12>", stops=["<SPECIAL_12>"], answer="{a}\n<SPECIAL_12>", reasoning=None,
         tools_refuses="renders the chat before this turn differently"),
+    "LFM2.5-8B-A1B": dict(
+        family="LFM2.5", special=["<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_call_start|>",
+                                  "<|tool_call_end|>"], added=THINK,
+        bos="<|startoftext|>", eos="<|im_end|>", stops=["<|im_end|>"], answer="{a}<|im_end|>",
+        reasoning="<think>{r}</think>{a}<|im_end|>",
+        tools="<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|><|im_end|>"),
+    "Apriel-1.6-15b-Thinker-fixed": dict(
+        family="Apriel-1.6", special=["<|begin_system|>", "<|begin_user|>", "<|begin_assistant|>",
+                                      "<|begin_tool_result|>", "<|begin_content|>", "<|end|>"],
+        eos="<|end|>", stops=["<|end|>"], refuses="generation prompt ends with 'Here are my reasoning steps:\\n'",
+        prefill_after="{a}\n<|end|>"),
 })

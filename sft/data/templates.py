@@ -339,8 +339,11 @@ class TemplateProfile:
                 rendered = self.render([_PROBE_USER, _probe_call(arguments)], _PROBE_TOOLS)
             except Refused:
                 continue
-            # The value shown (the definitions hold the key), not as Python's repr nor escaped inside a JSON string
-            if "probe value" in rendered and "'probe value'" not in rendered and '\\"probe value\\"' not in rendered:
+            # The value shown in the call (after the question: the definitions, before it, may be any repr), not in
+            # Python's repr of the dict ({'probe_arg': ...}) nor escaped inside a JSON string; a Python-call form
+            # (LFM2.5's probe_tool(probe_arg='probe value')) reads it
+            call = rendered[rendered.rfind(_PROBE_USER["content"]):]
+            if "probe value" in call and "'probe_arg'" not in call and '\\"probe value\\"' not in call:
                 usable.append(form)
                 renderings.append(rendered)
         if len(renderings) == 2 and renderings[0] != renderings[1]:

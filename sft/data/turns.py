@@ -117,15 +117,14 @@ def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str
             text, start, own_text = placed, len(prompt), True
         elif prefill == "refuse":
             has_reasoning = bool(_reasoning(messages[i]))
+            advice = (_closed_reasoning(render, tail) if has_reasoning else
+                      "Give the answer what the prefill opens (its reasoning, as reasoning_content or a <think> block, "
+                      "where the template renders it), pass the template a kwarg that changes its generation prompt "
+                      "(tokenizer.chat_template_kwargs, e.g. enable_thinking or thinking), or set ")
             raise Refused(f"messages[{i}]", f"the chat template's generation prompt ends with {tail!r}, which this "
                           f"answer does not begin with as the template renders it ({through[k:k + 30]!r}): the model "
-                          "answers after it at inference. "
-                          + (_closed_reasoning(render, tail) if has_reasoning else
-                             "Give the answer what the prefill opens (its reasoning, as reasoning_content or a <think> "
-                             "block, where the template renders it), pass the template a kwarg that changes its "
-                             "generation prompt (tokenizer.chat_template_kwargs, e.g. enable_thinking or thinking), ")
-                          + "or set data.prefill=after (train the answer after the prefill, as the model answers) or "
-                          "data.prefill=drop (as the template renders it)")
+                          f"answers after it at inference. {advice}data.prefill=after (train the answer after the "
+                          "prefill, as the model answers) or data.prefill=drop (as the template renders it)")
         elif prefill == "after":  # what the prefill already wrote is not written twice (DeepSeek-V3.2's </think>)
             rest = through[k:]
             overlap = next((n for n in range(len(tail), 0, -1) if rest.startswith(tail[-n:])), 0)
@@ -164,7 +163,7 @@ def _after_own_prompt(render: ChatRenderer, messages: list[dict], i: int, tools,
             # the cause: a generation prompt that opens or closes the reasoning otherwise than this answer's rendering
             raise Refused(f"messages[{i}]", f"the chat template's generation prompt ({header.strip()!r}) is not where "
                           "this answer, rendered with its reasoning, begins. " + _closed_reasoning(render, header)
-                          + "or set tokenizer.chat_template to one that renders it")
+                          + "tokenizer.chat_template to one that renders it")
         raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently once the "
                       f"turn is added ({_divergence(prompt, through)}), so the turn cannot be located"
                       + ("" if at < 0 else "; data.rewritten_turns=split trains it after its own prompt")
@@ -186,11 +185,12 @@ def _closed_reasoning(render: ChatRenderer, prefill: str) -> str:
     kwargs = render.settings.kwargs
     given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "none: its default"
     closes = any(tag in prefill for tag in THINK_TAGS if "/" in tag or "end" in tag)
-    return ((f"This answer has reasoning, but the generation prompt closes the reasoning ({prefill.strip()!r}: the "
-             f"template's no-thinking prompt, with the kwargs {given}): " if closes else
-             "This answer has reasoning, which the template does not render where its generation prompt expects it: ")
-            + "turn thinking on with a template kwarg (+tokenizer.chat_template_kwargs.enable_thinking=true, or "
-            "reasoning_effort=high, thinking=true: as the template names it), drop the rows' reasoning, ")
+    if not closes:  # it renders the reasoning, only not after what the prompt already wrote (Apriel's preamble)
+        return "The answer's reasoning is rendered, without what the prefill wrote before it: set "
+    return (f"This answer has reasoning, but the generation prompt closes the reasoning ({prefill.strip()!r}: the "
+            f"template's no-thinking prompt, with the kwargs {given}): turn thinking on with a template kwarg "
+            "(+tokenizer.chat_template_kwargs.enable_thinking=true, or reasoning_effort=high, thinking=true: as the "
+            "template names it), drop the rows' reasoning, or set ")
 
 
 def _reasoning(message: dict) -> str:

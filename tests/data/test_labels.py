@@ -158,6 +158,9 @@ def as_lists(columns: dict) -> dict:
 def assert_same_rows(ours: dict, theirs: dict) -> None:
     """The baseline's columns, equal; and ours' counts of each sequence's trained (and reweighted) tokens."""
     ours, theirs = as_lists(ours), as_lists(theirs)
+    # a refusal: the baseline's reason, which ours follows with its advice
+    assert all(mine.startswith(reason) and bool(mine) == bool(reason)
+               for mine, reason in zip(ours["refused"], theirs.pop("refused"), strict=True))
     assert {k: ours[k] for k in theirs} == theirs
     trained = [sum(label != -100 for label in labels[1:]) for labels in ours["labels"]]
     assert ours["trained_tokens"] == trained
@@ -198,7 +201,7 @@ def outcome(render, *args, **kwargs) -> str:
     try:
         return render(*args, **kwargs)
     except (TemplateError, Refused) as e:
-        return f"refused: {str(e).rsplit('refuses this chat: ', 1)[-1]}"
+        return f"refused: {str(e).rsplit('refuses this chat: ', 1)[-1].split(' (data.on_error=skip', 1)[0]}"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
