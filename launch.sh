@@ -89,6 +89,7 @@ if [ "$NPROC" -eq 1 ] && [ "$NNODES" -eq 1 ]; then
   # with its own status while the training saves; the training itself is the process to wait for.
   run_in_group python -m sft.train "$@"
 fi
-# Several processes: the config checked once here (each would print the same error, then the launcher's traceback).
-python -m sft.train --check "$@" >/dev/null || exit $?
+# Several processes: the config checked once here (each would print the same error, then the launcher's traceback),
+# with the world size the processes will have (sp.size must divide it).
+WORLD_SIZE=$((NPROC * NNODES)) python -m sft.train --check "$@" >/dev/null || exit $?
 run_in_group accelerate launch "${args[@]}" -m sft.train "$@"

@@ -154,6 +154,16 @@ def _run_cli(out: str, err: str, overrides: list[str], env: dict, patch: str | N
         os._exit(code)
 
 
+def fast_loop(values, fast, ids=None) -> list:
+    """A test's parameters where the fast loop (-m 'not slow') runs the representative ones, `fast`, and the whole
+    suite runs every one: the others are marked slow.
+
+    fast_loop(["ce", "focal", "dft"], {"ce"}) -> [param("ce"), param("focal", marks=slow), param("dft", marks=slow)]"""
+    ids = ids or [str(v) for v in values]
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), id=i, marks=() if i in fast else pytest.mark.slow)
+            for v, i in zip(values, ids)]
+
+
 def free_port() -> int:
     import socket
 

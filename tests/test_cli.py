@@ -24,6 +24,7 @@ def test_sft_help_lists_every_command_and_an_unknown_one_is_refused():
     assert proc.returncode == 2 and proc.stderr.startswith("error: sft has no command 'tran'\nusage: sft <command>")
 
 
+@pytest.mark.slow
 def test_each_command_answers_its_own_help():
     for command in ("inspect", "merge", "recipe", "report", "compare"):
         proc = sft(command, "--help")

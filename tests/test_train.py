@@ -58,6 +58,7 @@ def test_wandb_offline_logging(tmp_path):
     assert list(Path(tmp_path).glob("wandb/offline-run-*/run-*.wandb"))
 
 
+@pytest.mark.slow
 def test_a_cold_and_a_warm_data_cache_give_the_same_initial_adapter(tmp_path):
     """Tokenising (the first run of a data config) draws random numbers, loading the cache does not: the model
     and its LoRA adapters are initialised after a fresh seed, so both runs start from the same weights."""

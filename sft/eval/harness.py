@@ -48,9 +48,6 @@ def sample_task(name: str) -> dict:
     return task
 
 
-
-
-
 @config_schema("eval_harness", "eval_harness")
 @dataclass(eq=False, kw_only=True)
 class EvalHarness(Schema):

@@ -224,7 +224,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     from transformers import TrainingArguments
 
     from sft.training.distributed import process_fields
-    from sft.training.engines import fsdp_fields
+    from sft.training.engines import announce_deepspeed_comm_build, fsdp_fields
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
@@ -246,6 +246,8 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     if fields.get("hub_token"):  # the Hub client reads HF_TOKEN; TrainingArguments is pickled into every checkpoint
         os.environ["HF_TOKEN"] = fields["hub_token"]
         fields["hub_token"] = None
+    if cfg.deepspeed:  # accelerate starts deepspeed.comm with the arguments
+        announce_deepspeed_comm_build()
     try:
         return TrainingArguments(
             **fields,

@@ -369,9 +369,8 @@ def check_resume_config(checkpoint: str, current: dict, force: bool) -> list[tup
 
 
 def check_resume_processes(checkpoint: str, state: dict, force: bool) -> None:
-    """What a resume cannot see in the config: the number of processes (the global batch is per-device batch x
-    accumulation x processes, so another number is another run), and a checkpoint saved without its optimizer and
-    schedule (`trainer.save_only_model`: Trainer would restart both without a word). Refused unless forced."""
+    """What a resume cannot see in the config, refused unless forced: another number of processes (another global
+    batch), and a checkpoint saved without optimizer and schedule (`trainer.save_only_model`: restarted silently)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     saved_world = state.get("world_size")
     problems = []

@@ -6,11 +6,14 @@ line sets a key of an engine that is off."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
 from sft.config.schema import ConfigError, Schema, config_schema, cuda_available, knob
+
+log = logging.getLogger("sft")
 
 # The engine groups (and sequence parallelism), which are off (null) by default, and the options that turn each on
 ENGINE_OPTIONS = {"fsdp": "fsdp=full_shard or fsdp=full_shard_offload",
@@ -130,3 +133,35 @@ def check_deepspeed(cfg) -> None:
     require("deepspeed.zero_optimization.offload_param", stage == 3 or "offload_param" not in zero,
             "parameter offload needs ZeRO stage 3")
     require("deepspeed", cfg.model.quantization is None, "DeepSpeed ZeRO does not shard a 4-bit base model")
+
+
+# DeepSpeed's collectives on a CPU (`deepspeed.comm`: ZeRO, and sp=ulysses' all-to-all) build this C++ op on first use
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def announce_deepspeed_comm_build() -> None:
+    """Say before it starts what DeepSpeed does in silence: on a machine without a GPU, starting `deepspeed.comm`
+    JIT-compiles its shared-memory all-reduce (`deepspeed_shm_comm`, torch.utils.cpp_extension) into torch's
+    extensions dir: 37 s on a 2-core machine (2026-12-04), minutes on a loaded one, once; later runs load it."""
+    import glob
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+    from deepspeed.git_version_info import installed_ops
+
+    if not deepspeed.ops.__compatible_ops__.get(SHM_COMM_OP) or installed_ops.get(SHM_COMM_OP):
+        return  # not built at all here, or built when DeepSpeed was installed
+    try:  # the dir torch's `load` builds it in, and looks for it in: $TORCH_EXTENSIONS_DIR/<name> or the user's cache
+        from torch.utils.cpp_extension import _get_build_directory
+
+        build = _get_build_directory(SHM_COMM_OP, verbose=False)
+    except (ImportError, OSError):
+        return
+    if not glob.glob(os.path.join(glob.escape(build), "*.so")):
+        log.warning("DeepSpeed compiles its CPU collectives (the C++ op %s) before the run starts, into %s: under a "
+                    "minute to a few on a small machine, once (later runs load it; TORCH_EXTENSIONS_DIR moves it)", SHM_COMM_OP,
+                    build)

@@ -224,8 +224,9 @@ def claim_sweep_dir(sweep_dir: str, resume: bool) -> RunDirLock | None:
     is Hydra's to name (`${now:...}`: a new one every time)."""
     if "${" in sweep_dir:
         return None
-    jobs = sorted(p.name for p in Path(sweep_dir).glob("[0-9]*") if p.is_dir() and p.name.isdigit()
-                  and any((p / name).exists() for name in ("sweep_job.json", "results.json", ".hydra")))
+    jobs = sorted(p.name for p in Path(sweep_dir).glob("[0-9]*") if p.is_dir() and p.name.isdigit() and any(
+        (p / name).is_file() and not (p / name).is_symlink()  # a planted link is no job's record (it is removed)
+        for name in ("sweep_job.json", "results.json", ".hydra/config.yaml")))
     if jobs and not resume:
         raise ConfigError("hydra.sweep.dir", sweep_dir, f"holds another sweep's jobs ({len(jobs)}: {', '.join(jobs[:5])}"
                           f"{' ...' if len(jobs) > 5 else ''}): sweep.resume=true continues that sweep; another "

@@ -209,6 +209,9 @@ def _start_deepspeed_comm() -> None:
     import torch.distributed as dist
 
     if not deepspeed.comm.is_initialized():
+        from sft.training.engines import announce_deepspeed_comm_build
+
+        announce_deepspeed_comm_build()
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
 
 

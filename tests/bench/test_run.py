@@ -8,6 +8,9 @@ import pytest
 from conftest import REPO
 
 
+TRAINING = ("raw", "hf", "ce_naive", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "trl_padding_free_mask")
+
+
 @pytest.mark.slow
 def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
     out = tmp_path / "bench.json"
@@ -27,10 +30,9 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
                                      "lean_vs_naive_loss_time", "preprocess_cached_speedup", "tokenize_vs_baseline",
                                      "tokenizer_alone_vs_baseline", "scale_peak_rss_gb", "scale_cached_load_s",
                                      "startup_cfg_job_s", "startup_help_s", "startup_help_group_s",
-                                     "startup_first_step_s"}
+                                     "startup_first_step_s", *(f"hw_limit_{case}" for case in TRAINING)}
     assert all(v > 0 for v in report["ratios"].values())
-    for case in ("raw", "hf", "ce_naive", "ce", "hard_sample", "packing", "trl", "trl_padding_free",
-                 "trl_padding_free_mask"):
+    for case in TRAINING:
         run = report["raw"][case][0]
         assert run["tokens_per_second"] > 0 and run["peak_memory_gb"] > 0 and run["timed_steps"] == 3
         assert run["cpu_seconds"] > 0 and 0 < run["cpu_share"] and run["threads"] >= 1
@@ -39,6 +41,8 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
     raw, cases = report["raw"], report["cases"]
     expected = raw["ce_naive"][0]["tokens_per_second"] / raw["raw"][0]["tokens_per_second"]
     assert report["ratios"]["sft_vs_raw"] == expected and report["spread"]["sft_vs_raw"] == [expected, expected]
+    # The hardware-limit ratio: a case's achieved FLOP/s over the matmul rate measured in the same round.
+    assert report["ratios"]["hw_limit_ce"] == (raw["ce"][0]["achieved_gflops"] / raw["matmul"][0]["gflops"])
     assert report["ratios"]["packing_vs_trl_padding_free"] == (cases["packing"]["tokens_per_second"]
                                                                / cases["trl_padding_free"]["tokens_per_second"])
     assert [(r["round"], r["attempt"], r["loaded"]) for r in report["rounds"]] == [(1, 1, False)]
@@ -146,12 +150,17 @@ def test_the_matmul_case_times_the_models_own_linear_layers(overrides):
 
     import torch
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from sft.bench.matmul import model_matmul_shapes
     from sft.bench.config import compose
 
     cfg = compose(overrides + ["model.dtype=float32"])
-    with torch.device("meta" if overrides else "cpu"):  # Qwen2.5-7B's shape: no weights, its layers only
+    if cfg.model.random_init:  # Qwen2.5-7B's shape: built on the meta device, its layers without weights
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**OmegaConf.to_container(cfg.model.random_init)))
+    else:
         model = instantiate(cfg.model)
     linear = Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert model_matmul_shapes(cfg) == dict(linear)

@@ -138,3 +138,17 @@ def test_check_only_composes_and_checks_without_training(capsys):
     assert check_only(["trainer.max_stepz=3"]) == 2
     assert capsys.readouterr().err.startswith("error: config: trainer.max_stepz: not a knob of trainer (did you mean "
                                               "trainer.max_steps?)")
+
+
+@pytest.mark.slow
+def test_launch_checks_the_config_with_the_world_size_its_processes_will_have():
+    """./launch.sh --nproc N checks the config once before it starts N processes, as each of them will see it: sp.size=2
+    for 3 processes is refused there, naming 3 (a check that saw 1 process refused every sp run)."""
+    import subprocess
+
+    from conftest import REPO
+
+    proc = subprocess.run([str(REPO / "launch.sh"), "--nproc", "3", "sp=ulysses"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr == ("error: config: sp.size=2: splits each sequence over 2 processes, "
+                                                    "and this run has 3: launch a multiple of 2 (./launch.sh --nproc 2 ...)\n")

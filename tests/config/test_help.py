@@ -1,8 +1,10 @@
 """`python -m sft.train --help [GROUP]` (`sft.config.help`): the groups and the composed config; a group's knobs with
 their type, default and help."""
 
+import pytest
 
 
+@pytest.mark.slow
 def test_help_lists_the_choices_and_the_composed_config_and_falls_back_to_hydra(tmp_path):
     import subprocess
     import sys

@@ -94,6 +94,7 @@ def test_a_huge_row_is_tokenised_in_part_with_the_same_result(tokenizer, monkeyp
     assert all(len(ids) == 64 for ids in in_part["input_ids"])
 
 
+@pytest.mark.slow
 def test_a_50_mb_row_costs_memory_of_max_length_not_of_the_row():
     script = """
 import resource

@@ -5,14 +5,15 @@ parallelism, which splits what such layers must see whole, is refused by name.""
 import pytest
 import torch
 from architectures import HYBRID, MORE_HYBRIDS, tiny
-from conftest import ROWS, run_train, train_steps
+from conftest import ROWS, fast_loop, run_train, train_steps
 
 from sft.loss.builtin import CrossEntropyLoss
 
 VOCAB = 768  # the tiny tokenizer's ids fit
 
 
-@pytest.mark.parametrize("arch", sorted(HYBRID) + sorted(MORE_HYBRIDS))
+@pytest.mark.parametrize("arch", fast_loop(sorted(HYBRID) + sorted(MORE_HYBRIDS),
+                                           {"falcon_h1", "qwen3_next", "lfm2"}))  # Mamba-2, gated delta rule, conv
 def test_a_step_on_packed_rows_is_the_step_on_padded_rows(tmp_path, tokenizer, arch):
     """The same 8 rows, one micro-batch, one SGD step: the same loss and the same weights after it, whether the rows
     are padded or packed into one (where transformers' PyTorch kernels would carry one sample's state into the next,

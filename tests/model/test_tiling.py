@@ -33,7 +33,8 @@ def test_a_tiled_mlp_gives_the_untiled_loss_and_gradients(lora, checkpointing):
         model.train()
         results.append(loss_and_grads(model, ids))
     (loss, grads), (tiled_loss, tiled_grads) = results
-    assert tiled_loss == pytest.approx(loss, abs=1e-6)
+    # a mean of 140 fp32 terms, summed in another order by the tiles and by torch's threads: a few ulps apart
+    assert tiled_loss == pytest.approx(loss, rel=1e-6)
     assert grads.keys() == tiled_grads.keys() and any("mlp" in name for name in grads)
     for name in grads:
         torch.testing.assert_close(tiled_grads[name], grads[name], atol=1e-6, rtol=1e-5, msg=name)
@@ -59,7 +60,7 @@ def test_dropout_in_a_tiled_mlp_has_the_forwards_masks_in_the_backward():
         results.append(loss_and_grads(model, ids))
         results[-1] += (torch.rand(1).item(),)  # the RNG after the step: the recompute leaves it as it found it
     (loss, grads, after), (tiled_loss, tiled_grads, tiled_after) = results
-    assert tiled_loss == pytest.approx(loss, abs=1e-6) and tiled_after == after
+    assert tiled_loss == pytest.approx(loss, rel=1e-6) and tiled_after == after
     for name in grads:
         torch.testing.assert_close(tiled_grads[name], grads[name], atol=1e-6, rtol=1e-5, msg=name)
 

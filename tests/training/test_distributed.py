@@ -96,6 +96,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_reusing_freed_memory_spares_the_page_faults_of_every_step():
     """glibc by default gives a step's freed blocks back to the system and faults them in again at the next step."""

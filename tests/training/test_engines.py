@@ -1,5 +1,7 @@
 """The two engines' config (`sft.training.engines`): DeepSpeed's JSON file and rules, FSDP2's plugin fields and its
-resume rule."""
+resume rule; the word before DeepSpeed's silent build of its CPU collectives."""
+
+from pathlib import Path
 
 import pytest
 from conftest import assert_cli_refuses, composed
@@ -86,3 +88,24 @@ def test_the_fsdp_group_becomes_accelerates_fsdp2_plugin_with_fsdps_own_activati
                                 **fsdp_fields(composed("fsdp=full_shard").fsdp, False)).fsdp_plugin_args
     assert default["reshard_after_forward"] and not default.get("cpu_offload")
     assert "transformer_cls_names_to_wrap" not in default  # the model's own _no_split_modules
+
+
+def test_deepspeeds_silent_build_of_its_cpu_collectives_is_announced_until_it_is_built(tmp_path, monkeypatch, caplog):
+    """On a machine without a GPU, `deepspeed.comm` JIT-compiles a C++ op on first use (minutes, with no output):
+    the run says so before it starts, and stops saying it once torch's extensions dir holds the built op."""
+    import logging
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from sft.training.engines import SHM_COMM_OP, announce_deepspeed_comm_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        announce_deepspeed_comm_build()
+    assert f"the C++ op {SHM_COMM_OP}" in caplog.text and str(tmp_path) in caplog.text
+    caplog.clear()
+    built = Path(_get_build_directory(SHM_COMM_OP, verbose=False)) / f"{SHM_COMM_OP}.so"  # where torch's load puts it
+    built.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        announce_deepspeed_comm_build()
+    assert SHM_COMM_OP not in caplog.text

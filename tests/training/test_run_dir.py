@@ -54,6 +54,7 @@ except ConfigError as refused:
 """
 
 
+@pytest.mark.slow
 def test_runs_starting_at_the_same_moment_one_takes_the_lock_the_others_are_told_who(tmp_path):
     for attempt in range(3):
         run_dir = tmp_path / str(attempt)
