@@ -145,6 +145,20 @@ NO_DEFINITIONS = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
+# Apertus's: each tool definition read bare (`tool.name`, `tool.parameters`), its parameters written TypeScript-style;
+# OpenAI's form ({type, function: {...}}) renders as a nameless tool
+BARE_DEFINITIONS = (
+    "{%- if tools %}{{- '<|im_start|>system\nTools:' }}"
+    "{%- for t in tools %}{{- '\ntype ' + (t.name or '') + ' = (_: {' }}"
+    "{%- for p in (t.parameters or {}).get('properties', {}) %}{{- p + ': any, ' }}{%- endfor %}{{- '}) => any;' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}{{- '<tool_call>' + c.function.name + ' ' + "
+    "c.function.arguments | tojson + '</tool_call>' }}{%- endfor %}"
+    "{%- else %}{{- m.content }}{%- endif %}{{- '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
 # LFM2's: a call-only turn's content written as JSON (`| tojson`: null for a null content)
 JSON_CONTENT = (
     "{%- if tools %}{{- '<|im_start|>system\nTools: ' + tools | tojson + '<|im_end|>\n' }}{%- endif %}"
@@ -353,6 +367,8 @@ QUIRKS = {
     "strict_ids": dict(template=STRICT_IDS, special=["[AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[ARGS]"], bos=None,
                        eos="<|im_end|>", answer="{a}<|im_end|>"),
     "no_definitions": dict(template=NO_DEFINITIONS, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "bare_definitions": dict(template=BARE_DEFINITIONS, special=[], bos=None, eos="<|im_end|>",
+                             answer="{a}<|im_end|>"),
     "json_content": dict(template=JSON_CONTENT, special=[], bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
     "no_think_prompt": dict(template=NO_THINK_PROMPT, special=[], added=["<think>", "</think>"], bos=None,
                             eos="<|im_end|>", answer="{a}<|im_end|>"),

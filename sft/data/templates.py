@@ -197,6 +197,12 @@ class ChatRenderer:
             out.append(message)
         return out
 
+    def prepare_tools(self, tools: list[dict] | None) -> list[dict] | None:
+        """A row's tool definitions in a form the template shows (`TemplateProfile.definitions`), each as it is where
+        its form is shown: [{"type": "function", "function": {"name": "f", ...}}] -> [{"name": "f", ...}] (Apertus)"""
+        shown = self.profile.definitions if tools else ()
+        return [_definition(t, shown) for t in tools] if shown else tools
+
     def _call(self, call: dict) -> dict:
         arguments = call["function"].get("arguments")
         form = "text" if isinstance(arguments, str) else "object"
@@ -227,7 +233,7 @@ def prompt_text(tokenizer, messages: list[dict], tools: list[dict] | None = None
     """The generation prompt for a chat's stored messages (`sft.data`'s rows), as the labelling renders it: the
     chat with the template's kwargs and the generation prompt (a prefill included: the model answers after it)."""
     render = ChatRenderer(tokenizer)
-    return render(render.prepare(messages), tools, add_generation_prompt=True)
+    return render(render.prepare(messages), render.prepare_tools(tools), add_generation_prompt=True)
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -355,6 +361,20 @@ class TemplateProfile:
         return json.dumps(PROBE_ARGUMENTS) if self.arguments == ("text",) else PROBE_ARGUMENTS
 
     @cached_property
+    def definitions(self) -> tuple[str, ...]:
+        """The forms of tool definitions the template shows in the prompt (their name and parameters): `openai`
+        ({type: function, function: {name, description, parameters}}) and/or `bare` ({name, ...}: Apertus's)."""
+        shown = []
+        for form, tools in (("openai", _PROBE_TOOLS), ("bare", [t["function"] for t in _PROBE_TOOLS])):
+            try:
+                prompt = self.render([_PROBE_USER], tools, add_generation_prompt=True)
+            except Refused:
+                continue
+            if "probe_tool" in prompt and "probe_arg" in prompt:
+                shown.append(form)
+        return tuple(shown)
+
+    @cached_property
     def null_content(self) -> bool:
         """Whether the template renders a tool-calling turn whose `content` is null (OpenAI's form): some test for
         it (DeepSeek's `is none`), others would add the null to text and fail, or write it out."""
@@ -370,19 +390,11 @@ class TemplateProfile:
 
 # The probe chats: a question, an answer, the next question; a call of a tool and its result.
 _PROBE_USER = {"role": "user", "content": "Probe question?"}
-
-
 _PROBE_ANSWER = {"role": "assistant", "content": PROBE_ANSWER}
-
-
 _PROBE_NEXT = {"role": "user", "content": "Next question?"}
-
-
 # The probe call's id: 9 letters and digits, the one form every template takes (Mistral's refuse any other)
 PROBE_ID = "call00000"
 _PROBE_RESULT = {"role": "tool", "content": "Probe result.", "tool_call_id": PROBE_ID, "name": "probe_tool"}
-
-
 _PROBE_TOOLS = [{"type": "function", "function": {"name": "probe_tool", "description": "A probe.", "parameters": {
     "type": "object", "properties": {"probe_arg": {"type": "string"}}}}}]
 
@@ -472,6 +484,14 @@ def _stop_at(text: str, stops) -> str:
     """The stop token `text` begins with, after white space (with that white space), or ""."""
     gap = len(text) - len(text.lstrip())
     return next((text[:gap + len(t)] for t in stops if text.startswith(t, gap)), "")
+
+
+def _definition(tool: dict, shown: tuple[str, ...]) -> dict:
+    """One tool definition in a form of `shown` (`openai` or `bare`), left as it is where its own is shown."""
+    inner = tool["function"] if tool.get("type") == "function" and isinstance(tool.get("function"), dict) else None
+    if (inner is not None and "openai" in shown) or (inner is None and "bare" in shown):
+        return tool
+    return inner if inner is not None else {"type": "function", "function": tool}
 
 
 def _tool_name(tool: dict) -> str | None:

@@ -62,7 +62,7 @@ def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None,
     render = render or ChatRenderer(tokenizer)
     rewritten_turns, prefill = labelling.rewritten_turns, labelling.prefill
     weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
-    messages = render.prepare(messages)
+    messages, tools = render.prepare(messages), render.prepare_tools(tools)
     full = render(messages, tools=tools)
     if tools and not definitions_shown(render, messages, tools):
         name = next((n for n in map(_tool_name, tools) if n), "?")

@@ -437,6 +437,26 @@ def test_calls_are_refused_where_the_template_never_shows_the_tool_definitions()
     assert refused.value.field == "tools" and "does not render the tool definitions" in refused.value.reason
 
 
+def test_definitions_in_openais_form_reach_a_template_that_reads_them_bare_as_it_reads_them():
+    """Apertus: a template that reads each definition bare (`tool.name`) shows OpenAI's wrapped form as a nameless
+    tool; the row's definitions go to it unwrapped, the prompt shows the tool and its parameters, and the call trains
+    (it was refused, blaming the chat). A template that reads OpenAI's form gets the row's definitions unchanged."""
+    from sft.data.templates import prompt_text
+
+    tokenizer = family_tokenizer("bare_definitions")
+    assert ChatRenderer(tokenizer).profile.definitions == ("bare",)
+    assert TOOLS[0]["type"] == "function" and "function" in TOOLS[0]  # the row's definitions: OpenAI's form
+    prompt = prompt_text(tokenizer, AGENT[:1], TOOLS)
+    assert "type get_weather = (_: {city: any, }) => any;" in prompt and "type  =" not in prompt
+    runs = labelled(tokenizer, AGENT, tools=TOOLS)
+    assert runs[0] == ['<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>', "It is 18 C.<|im_end|>"], runs
+    as_json = ChatRenderer(family_tokenizer("json_content"))
+    assert as_json.profile.definitions == ("openai", "bare")  # `tools | tojson`: either form is shown, as it is
+    bare = [TOOLS[0]["function"]]
+    assert as_json.prepare_tools(TOOLS) == TOOLS and as_json.prepare_tools(bare) == bare
+    assert ChatRenderer(family_tokenizer("no_definitions")).prepare_tools(TOOLS) == TOOLS  # none shown: as it is
+
+
 def test_a_call_only_turns_null_content_written_as_json_is_not_trained():
     """LFM2: `content | tojson` writes a null content as `null`, which would train after the call."""
     tokenizer = family_tokenizer("json_content")
