@@ -1,7 +1,9 @@
 """Shared fixtures: a private sft cache per test session, the tiny tokenizer, small data files."""
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -10,8 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# Every test (and subprocess) builds the tiny model and data caches in a fresh place, never in ~/.cache.
-os.environ.setdefault("SFT_CACHE", tempfile.mkdtemp(prefix="sft-test-cache-"))
+# Every test (and subprocess) builds the tiny model and data caches in a fresh place, never in ~/.cache; the
+# session that made it removes it (the real model's conversion alone is 0.5 GB).
+if "SFT_CACHE" not in os.environ:
+    os.environ["SFT_CACHE"] = tempfile.mkdtemp(prefix="sft-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SFT_CACHE"], ignore_errors=True)
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

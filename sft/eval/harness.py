@@ -93,6 +93,7 @@ class EvalHarness(Schema):
 
     def __post_init__(self):
         self.evaluations = 0
+        self.task_manager = None
 
     def due(self) -> bool:
         """Counts an evaluation; whether the harness runs at this one."""
@@ -115,7 +116,8 @@ class EvalHarness(Schema):
         lm = HFLM(pretrained=base, tokenizer=tokenizer, batch_size=self.batch_size, device=str(base.device),
                   chat_template_args=dict(kwargs) or None)
         files = [Path(t) for t in self.tasks if t.endswith((".yaml", ".yml"))]
-        manager = TaskManager(include_path=sorted({str(f.parent.resolve()) for f in files}) or None)
+        if self.task_manager is None:  # it indexes every task of the harness: seconds, once a run
+            self.task_manager = TaskManager(include_path=sorted({str(f.parent.resolve()) for f in files}) or None)
         tasks = [sample_task(t) if t in SAMPLE_TASKS else _task_name(Path(t)) if t.endswith((".yaml", ".yml"))
                  else t for t in self.tasks]
         # lm-eval records the machine through torch's collect_env, subprocesses (`pip list`, which asks PyPI for a
@@ -123,7 +125,8 @@ class EvalHarness(Schema):
         try:
             with mock.patch("lm_eval.evaluator.add_env_info", lambda results: None):
                 out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=self.num_fewshot, limit=self.limit,
-                                              task_manager=manager, apply_chat_template=self.apply_chat_template,
+                                              task_manager=self.task_manager,
+                                              apply_chat_template=self.apply_chat_template,
                                               system_instruction=self.system_instruction, log_samples=False,
                                               random_seed=self.seed, numpy_random_seed=self.seed,
                                               torch_random_seed=self.seed, fewshot_random_seed=self.seed)

@@ -159,7 +159,8 @@ def test_the_matmul_case_times_the_models_own_linear_layers(overrides):
     cfg = compose(overrides + ["model.dtype=float32"])
     if cfg.model.random_init:  # Qwen2.5-7B's shape: built on the meta device, its layers without weights
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**OmegaConf.to_container(cfg.model.random_init)))
+            config = AutoConfig.for_model(**OmegaConf.to_container(cfg.model.random_init))
+            model = AutoModelForCausalLM.from_config(config)
     else:
         model = instantiate(cfg.model)
     linear = Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))

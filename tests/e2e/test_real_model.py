@@ -213,6 +213,7 @@ def test_the_real_model_experiment_runs_and_reports_at_toy_size(real, tmp_path):
     rows = [json.loads(line) for line in (REPO / "sft/sample_data/validation.jsonl").read_text().splitlines()[:48]]
     evaluation = write_jsonl(tmp_path / "eval.jsonl", rows)
     proc = run_train("-m", "+experiment=real_hard_sample", "trainer.max_steps=2", "exact_match.max_rows=3",
+                     "trainer.per_device_train_batch_size=4", "exact_match.max_new_tokens=12",
                      "trainer.seed=1", f"data.eval_file={evaluation}", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "sweep" / "sweep_summary.csv") as f:

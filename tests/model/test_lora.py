@@ -12,8 +12,9 @@ PEFT_MISSES = {"qwen3_next", "deepseek_v3"}
 MAMBA_OUT_PROJ = {"falcon_h1", "nemotron_h"}  # PEFT refuses LoRA on their mixers' out_proj (peft's mamba check)
 
 
-@pytest.mark.parametrize("arch, tie", fast_loop(CASES, {"qwen2-untied", "phi3-untied", "qwen3_next-tied", "falcon_h1-untied",
-                                                       "gpt_oss-untied", "deepseek_v3-untied", "mixtral-tied"}, IDS))
+@pytest.mark.parametrize("arch, tie", fast_loop(CASES, {"qwen2-untied", "phi3-untied", "qwen3_next-tied",
+                                                       "falcon_h1-untied", "gpt_oss-untied", "deepseek_v3-untied",
+                                                       "mixtral-tied"}, IDS))
 def test_lora_default_wraps_every_linear_layer_but_the_output_and_one_step_moves_only_adapters(arch, tie, caplog):
     from sft.config import ConfigError, compose
     from sft.model.lora import apply_lora

@@ -90,8 +90,8 @@ def test_logged_ce_and_weight_mean_describe_the_step(tmp_path, tokenizer):
     assert log["ce"] > 0 and log["ce"] != pytest.approx(log["loss"], abs=1e-4)
 
 
-@pytest.mark.parametrize("name", fast_loop(["hard_sample", "hard_sample-sample", "hard_sample-token", "keywords", "focal",
-                                            "dft"], {"hard_sample", "focal"}))
+@pytest.mark.parametrize("name", fast_loop(["hard_sample", "hard_sample-sample", "hard_sample-token", "keywords",
+                                            "focal", "dft"], {"hard_sample", "focal"}))
 def test_chunked_loss_trains_exactly_as_the_naive_one(tmp_path, tokenizer, name):
     naive = dataclasses.replace(BUILT_IN[name], impl="naive")
     chunked = dataclasses.replace(BUILT_IN[name], impl="chunked", chunk_tokens=7)
@@ -102,7 +102,8 @@ def test_chunked_loss_trains_exactly_as_the_naive_one(tmp_path, tokenizer, name)
     torch.testing.assert_close(params_c, params_n, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", fast_loop(["hard_sample", "hard_sample-sample", "keywords", "length"], {"hard_sample-sample"}))
+@pytest.mark.parametrize("name", fast_loop(["hard_sample", "hard_sample-sample", "keywords", "length"],
+                                           {"hard_sample-sample"}))
 def test_packing_trains_exactly_as_padding(tmp_path, tokenizer, name):
     loss = BUILT_IN[name]
     losses_pad, params_pad, _ = train_steps(tmp_path, tokenizer, loss, 4, 1)
