@@ -142,13 +142,13 @@ SHM_COMM_OP = "deepspeed_shm_comm"
 def announce_deepspeed_comm_build() -> None:
     """Say before it starts what DeepSpeed does in silence: on a machine without a GPU, starting `deepspeed.comm`
     JIT-compiles its shared-memory all-reduce (`deepspeed_shm_comm`, torch.utils.cpp_extension) into torch's
-    extensions dir: 37 s on a 2-core machine (2026-12-04), minutes on a loaded one, once; later runs load it."""
+    extensions dir (37 s on this project's 2-core machine, minutes on a loaded one), once; later runs load it."""
     import glob
     import os
 
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or os.environ.get("LOCAL_RANK", "0") != "0":  # one line a machine: one rank builds it
         return
     import deepspeed.ops
     from deepspeed.git_version_info import installed_ops
@@ -163,5 +163,5 @@ def announce_deepspeed_comm_build() -> None:
         return
     if not glob.glob(os.path.join(glob.escape(build), "*.so")):
         log.warning("DeepSpeed compiles its CPU collectives (the C++ op %s) before the run starts, into %s: under a "
-                    "minute to a few on a small machine, once (later runs load it; TORCH_EXTENSIONS_DIR moves it)", SHM_COMM_OP,
-                    build)
+                    "minute to a few on a small machine, once (later runs load it; TORCH_EXTENSIONS_DIR moves it)",
+                    SHM_COMM_OP, build)

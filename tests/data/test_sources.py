@@ -99,8 +99,17 @@ def test_cli_a_source_that_cannot_be_read_is_one_line(tmp_path, spec, message):
 
 @pytest.mark.slow
 def test_cli_an_unreachable_hub_dataset_is_one_line_naming_it_and_hf_hub_offline(tmp_path):
-    proc = run_train("data=jsonl", "data.train_file=hub:nobody/no-such-chats", "trainer.max_steps=1",
-                     f"hydra.run.dir={tmp_path}/run", env={"HF_HUB_OFFLINE": "1"})
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    # A fresh interpreter: the hub's libraries read HF_HUB_OFFLINE when imported (run_train's children inherit
+    # imports made without it, and would wait on the network first)
+    proc = subprocess.run([sys.executable, "-m", "sft.train", "data=jsonl", "data.train_file=hub:nobody/no-such-chats",
+                           "trainer.max_steps=1", f"hydra.run.dir={tmp_path}/run"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = next(line for line in proc.stderr.splitlines() if "hub:nobody/no-such-chats" in line)
     assert "the hub dataset cannot be loaded" in line and "HF_HUB_OFFLINE is set" in line

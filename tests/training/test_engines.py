@@ -100,6 +100,11 @@ def test_deepspeeds_silent_build_of_its_cpu_collectives_is_announced_until_it_is
     from sft.training.engines import SHM_COMM_OP, announce_deepspeed_comm_build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the other processes of a machine: silent (one of them builds it)
+    with caplog.at_level(logging.WARNING, logger="sft"):
+        announce_deepspeed_comm_build()
+    assert SHM_COMM_OP not in caplog.text
+    monkeypatch.setenv("LOCAL_RANK", "0")
     with caplog.at_level(logging.WARNING, logger="sft"):
         announce_deepspeed_comm_build()
     assert f"the C++ op {SHM_COMM_OP}" in caplog.text and str(tmp_path) in caplog.text
