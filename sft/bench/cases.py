@@ -5,8 +5,10 @@ JSON line (`RESULT`)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -32,6 +34,13 @@ EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a
 RESULT = "BENCH_RESULT "
 
 
+
+
+def scratch_dir(case: str) -> str:
+    """The output dir of a case's Trainer (nothing is kept there), removed when the case's process exits."""
+    path = tempfile.mkdtemp(prefix=f"sft-bench-{case}-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def timed_training_overrides(cfg) -> list[str]:
@@ -129,7 +138,7 @@ def run_training_case(case: str, cfg) -> dict:
     from sft.data.split import column
     from sft.training.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
 
-    trainer = case_trainer(case, cfg, tempfile.mkdtemp(prefix=f"sft-bench-{case}-"))
+    trainer = case_trainer(case, cfg, scratch_dir(case))
     collator = trainer.data_collator = CountingCollator(trainer.data_collator)
     clock = step_clock()
     if case == "raw":
@@ -184,7 +193,7 @@ def run_long_rows_case(case: str, cfg) -> dict:
             if state.global_step == 1:
                 self.baseline = memory_reset(device)
 
-    trainer = build(cfg, tempfile.mkdtemp(prefix="sft-bench-long-rows-")).trainer
+    trainer = build(cfg, scratch_dir("long-rows")).trainer
     collator = trainer.data_collator = CountingCollator(trainer.data_collator)
     clock, first = step_clock(), AfterTheFirstStep()
     trainer.add_callback(first)
@@ -245,7 +254,7 @@ def raw_loop(trainer, clock) -> list[float]:
 def run_eval_case(case: str, cfg) -> dict:
     """`trainer.evaluate()` on the eval rows, a plain Trainer's (`eval_hf`) or this project's (`eval_sft`):
     seconds per 1,000 rows, the best of `bench.eval_repeats` after one untimed evaluation."""
-    trainer = case_trainer(case, cfg, tempfile.mkdtemp(prefix=f"sft-bench-{case}-"))
+    trainer = case_trainer(case, cfg, scratch_dir(case))
     trainer.evaluate()  # warms up: first batches, lazy initialisation
     best = float("inf")
     for _ in range(cfg.bench.eval_repeats):
