@@ -267,6 +267,21 @@ def comparable(metric: str) -> bool:
             and not metric.endswith("seconds"))
 
 
+def seed_count(row: dict) -> int:
+    """The seeds a setting's row holds (its `seeds` column: `3/3`)."""
+    return int(row["seeds"].split("/")[0])
+
+
+def resolved(diff: Interval, seeds: int) -> bool:
+    """Whether a paired difference over `seeds` seeds is resolved: its interval excludes 0. One value, or a
+    bootstrap over one row (one seed's low == high), is no interval; seeds that all differ alike are one.
+
+        Interval(0.02, 0.02, 0.02), 3 seeds -> True; the same from 1 seed -> False; Interval(0.02) -> False"""
+    if diff.low is None or (diff.low == diff.high and seeds < 2):
+        return False
+    return diff.excludes_zero
+
+
 def verdict_lines(rows: list[dict]) -> list[str]:
     """A sentence per setting against the baseline: the comparable metrics on which its paired difference is better
     or worse (the interval excludes 0) and those it leaves unresolved; the best mean of `eval_ce`; and a warning
@@ -286,17 +301,16 @@ def verdict_lines(rows: list[dict]) -> list[str]:
         if row["baseline"]:
             continue
         judged: dict[str, list[str]] = {"better": [], "worse": [], "not resolved": []}
-        seeds = int(row["seeds"].split("/")[0])
+        seeds = seed_count(row)
         for metric in metrics:
             diff = row.get(f"diff_{metric}")
             if not isinstance(diff, Interval):
                 continue
-            # one value, or a bootstrap over one row, is no interval; seeds that all differ alike are one
-            if diff.low is None or (diff.low == diff.high and (seeds < 2 or diff.mean == 0)):
+            if diff.low is None or (diff.low == diff.high and not resolved(diff, seeds)):
                 judged["not resolved"].append(f"{metric} ({diff.mean:+.3g}, no interval)")
                 continue
             shown = f"{metric} ({diff.mean:+.3g} [{diff.low:+.3g}, {diff.high:+.3g}])"
-            if not diff.excludes_zero:
+            if not resolved(diff, seeds):
                 judged["not resolved"].append(shown)
             else:
                 judged["better" if (diff.mean > 0) == higher_is_better(metric) else "worse"].append(shown)
@@ -308,7 +322,7 @@ def verdict_lines(rows: list[dict]) -> list[str]:
         best = min(ce)
         lines.append(f"- Lowest mean eval_ce (unweighted cross entropy, comparable across losses): {best[1]} "
                      f"({best[0]:.4g}).")
-    fewest = min(int(r["seeds"].split("/")[0]) for r in rows)
+    fewest = min(seed_count(r) for r in rows)
     if fewest == 1:
         lines.append("- Warning: a setting has one seed: its intervals are bootstraps over the eval rows, which "
                      "measure the eval set's noise, not the seed's: run 3 or more seeds (trainer.seed=1,2,3).")
@@ -378,9 +392,7 @@ def plot(sweep_dir: Path, rows: list[dict], grouped: list[dict]) -> None:
                 continue
             sign = 1 if higher_is_better(metric[5:]) else -1  # drawn so that better is always to the right
             low, high = (diff.low, diff.high) if diff.low is not None else (diff.mean, diff.mean)
-            seeds = int(row["seeds"].split("/")[0])  # (a bootstrap over one row is no interval; seeds alike are one)
-            resolved = diff.excludes_zero or (diff.low == diff.high and seeds >= 2 and diff.mean != 0)
-            color = "tab:gray" if not resolved else ("tab:green" if sign * diff.mean > 0 else "tab:red")
+            color = "tab:gray" if not resolved(diff, seed_count(row)) else ("tab:green" if sign * diff.mean > 0 else "tab:red")
             forest.errorbar([sign * diff.mean], [y], xerr=[[sign * diff.mean - min(sign * low, sign * high)],
                                                          [max(sign * low, sign * high) - sign * diff.mean]],
                             fmt="o", color=color, capsize=3)

@@ -186,3 +186,15 @@ def test_each_metric_has_a_direction_and_only_those_alike_under_every_loss_are_j
     from sft.experiments.report import higher_is_better
 
     assert higher_is_better(metric) == higher and is_comparable(metric) == comparable
+
+
+def test_a_difference_is_resolved_only_by_an_interval_that_excludes_zero_from_more_than_one_seed():
+    """The verdict and the plot's colours read one rule: seeds that all differ by the same amount resolve it, one
+    seed's bootstrap over one row (low == high) or a single value does not, nor does an interval spanning 0."""
+    from sft.experiments.report import resolved
+    from sft.experiments.stats import Interval
+
+    assert resolved(Interval(0.02, 0.02, 0.02), seeds=3) and resolved(Interval(-0.1, -0.2, -0.01), seeds=3)
+    assert not resolved(Interval(0.02, 0.02, 0.02), seeds=1)
+    assert not resolved(Interval(0.0, 0.0, 0.0), seeds=3) and not resolved(Interval(0.02), seeds=3)
+    assert not resolved(Interval(0.02, -0.01, 0.05), seeds=3)
