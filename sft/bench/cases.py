@@ -82,11 +82,11 @@ class CountingCollator:
 
 
 def case_trainer(case: str, cfg, run_dir: str):
-    """The trainer `case` trains (or evaluates) with: this project's (`sft.train.build`), a plain `Trainer`
+    """The trainer `case` trains (or evaluates) with: this project's (`sft.run.build`), a plain `Trainer`
     (`hf`), or TRL's `SFTTrainer` (`trl`, `trl_padding_free`), the last two on `sft`'s own tokenised rows and
     labels, so every case sees the same tokens."""
     if case not in ("hf", *TRL_CASES, "eval_hf"):
-        from sft.train import build
+        from sft.run.build import build
 
         return build(cfg, run_dir).trainer
     from hydra.utils import instantiate
@@ -94,7 +94,7 @@ def case_trainer(case: str, cfg, run_dir: str):
 
     from sft.data.load import load_sft_datasets
     from sft.loss.base import build_loss
-    from sft.train import build_model
+    from sft.run.build import build_model
     from sft.training.arguments import TrainerConfig
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -184,7 +184,7 @@ def run_long_rows_case(case: str, cfg) -> dict:
     row's tokens per second, and the memory of rank 0, the one that reports."""
     from transformers import TrainerCallback
 
-    from sft.train import build
+    from sft.run.build import build
 
     device = "cuda" if on_gpu() else "cpu"
 

@@ -1,4 +1,4 @@
-"""The `bench` node (`conf/bench.yaml`): which cases `python -m sft.bench` runs, how long, the loss-only case's
+"""The `bench` node (`sft/conf/bench.yaml`): which cases `python -m sft.bench` runs, how long, the loss-only case's
 shape. Training ignores it."""
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ class BenchConfig(Schema):
 
 
 def compose(overrides: list[str]):
-    """The training config with the bench's overrides (`conf/bench.yaml`), as `python -m sft.train` would compose
+    """The training config with the bench's overrides (`sft/conf/bench.yaml`), as `python -m sft.train` would compose
     it, plus the `bench` node."""
     register()
     return registry.compose("bench", overrides)
 
 
 def register() -> None:
-    """The training config's schemas, and the `bench` node's (`bench_schema`, which only conf/bench.yaml uses)."""
+    """The training config's schemas, and the `bench` node's (`bench_schema`, which only sft/conf/bench.yaml uses)."""
     from hydra.core.config_store import ConfigStore
 
     registry.register()

@@ -4,7 +4,7 @@ Trains the same model on the same rows in the same order for `bench.steps` optim
 - `raw`: a hand-written PyTorch loop on sft's own batches (the model's logits, the assistant tokens' cross
   entropy, clipping, AdamW, the same schedule): the limit no framework can beat by much;
 - `hf`: a plain `transformers.Trainer` with `DataCollatorForSeq2Seq` and the model's own loss;
-- `ce_naive`: this project (`sft.train.build`, guard and clip policy included) computing the same full logits and
+- `ce_naive`: this project (`sft.run.build`, guard and clip policy included) computing the same full logits and
   cross entropy as `raw` and `hf` (`loss.impl=naive`): the framework's own cost;
 - `ce`, `hard_sample`: this project with the lean loss `loss.impl=auto` picks (chunked on a CPU: only the
   assistant tokens are projected), and with the difficulty weights;
@@ -53,7 +53,7 @@ rather than taken from a data sheet. `bench.train_rows=multi_turn` trains every 
 (full fine-tuning; add `lora=default` for LoRA). `preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token vocabulary on the tiny
 model's body, where the output layer weighs as in real fine-tuning. `preset=gpu_7b` is the GPU check: LoRA on a
 randomly initialised model of Qwen2.5-7B's shape, bf16, packed rows of about 4k tokens, the lean loss, 20 steps
-(see conf/preset/gpu_7b.yaml).
+(see sft/conf/preset/gpu_7b.yaml).
 
 The overrides are the training config's (`loss.impl=naive`, `trainer.per_device_train_batch_size=8`,
 `model=...`), plus `bench.*`. Prints a table and writes the raw numbers and ratios to `--out`.

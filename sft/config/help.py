@@ -3,7 +3,7 @@ composed config; with GROUP (`--help loss`, `--help controllers`, `--help data.c
 chosen there, with its type, its default and its help (the `knob` metadata of the option's schema).
 
 Hydra's own `--help` takes seconds: it lists every group through the config store, copying each stored schema once
-per group. This answers from `conf/` and the schemas, without torch, in well under a second.
+per group. This answers from `sft/conf/` and the schemas, without torch, in well under a second.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def help_text(overrides: list[str]) -> str | None:
 
 
 def group_options(cfg: DictConfig) -> dict[str, set[str]] | None:
-    """group -> its options, from the YAML files of `conf/` and of the config's `hydra.searchpath` (None where a
+    """group -> its options, from the YAML files of `sft/conf/` and of the config's `hydra.searchpath` (None where a
     search path is not a folder: `pkg://`)."""
     roots = [CONF_DIR] + [str(p) for p in cfg.hydra.searchpath]
     if any(not root.startswith(("/", "file://")) for root in roots):

@@ -1,9 +1,9 @@
 """The composition root: the primary schema (`TrainConfig`, one field per config group), every stage's schemas
 gathered into Hydra's config store, and `compose`. A stage's schemas live beside the classes they configure
 (`sft.data.spec`, `sft.loss.builtin`, `sft.training.clipping`, `sft.training.controllers.*` ...) and register
-themselves with `config_schema`; importing them here is what makes `conf/`'s `<name>_schema` entries resolve.
+themselves with `config_schema`; importing them here is what makes `sft/conf/`'s `<name>_schema` entries resolve.
 
-Each default is stated once, in those schemas: the YAML options of `conf/` carry only what differs, and the
+Each default is stated once, in those schemas: the YAML options of `sft/conf/` carry only what differs, and the
 classes built from a node are the schemas themselves (or extend them), so `ZClip()` has ZClip's defaults and
 checks. Nothing here imports torch or transformers, so that `--cfg job` and `--help` answer at once.
 """
@@ -35,7 +35,7 @@ from sft.training.engines import FsdpConfig, check_deepspeed, load_deepspeed_fil
 from sft.training.sequence_parallel import SequenceParallelConfig  # noqa: F401 - registers sp_schema
 from sft.training.throughput import ThroughputMeter
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the repo's conf/ (editable install)
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # sft/conf/: the config groups, shipped in the package
 
 class CheckpointChecksums(Choice):
     small = "small"
@@ -47,16 +47,16 @@ class CheckpointChecksums(Choice):
 class TrainConfig(Schema):
     """The primary config: one field per group plus the few top-level switches."""
 
-    model: Any = knob(MISSING, "the model group: conf/model/")
-    data: Any = knob(MISSING, "the data group: conf/data/")
-    loss: Any = knob(MISSING, "the loss group: conf/loss/")
+    model: Any = knob(MISSING, "the model group: sft/conf/model/")
+    data: Any = knob(MISSING, "the data group: sft/conf/data/")
+    loss: Any = knob(MISSING, "the loss group: sft/conf/loss/")
     lora: Any = knob(None, "the lora group (null: full fine-tuning)")
     deepspeed: Any = knob(None, "the deepspeed group: DeepSpeed's JSON as a dict (null: off)")
     fsdp: Any = knob(None, "the fsdp group (null: off)")
     sp: Any = knob(None, "the sp group: sequence parallelism (null: off)")
     trainer: Any = knob(MISSING, "the trainer group: TrainingArguments' fields")  # typed by trainer_schema
     clip: Any = knob(MISSING, "the clip group: the gradient clipping policy")
-    controllers: Dict[str, Any] = knob(help="name -> a controller node (`_target_` + its knobs): conf/controllers/, "
+    controllers: Dict[str, Any] = knob(help="name -> a controller node (`_target_` + its knobs): sft/conf/controllers/, "
                                        "+controllers=<name>, ~controllers.<name>", factory=dict)
     tokenizer: TokenizerConfig = knob(help="the tokenizer and chat template", factory=TokenizerConfig)
     collator: CollatorConfig = knob(help="the batch collator", factory=CollatorConfig)
@@ -67,7 +67,7 @@ class TrainConfig(Schema):
     eval_harness: Any = knob(None, "eval_harness=sample (or your tasks): lm-evaluation-harness after training")
     sweep: SweepConfig = knob(help="how a multirun goes", factory=SweepConfig)
     throughput: ThroughputMeter = knob(help="the throughput and MFU figures", factory=ThroughputMeter)
-    bench: Any = knob(None, "python -m sft.bench only: conf/bench.yaml (sft.bench.config)")
+    bench: Any = knob(None, "python -m sft.bench only: sft/conf/bench.yaml (sft.bench.config)")
     resume: Optional[str] = knob(None, "null (a fresh run), auto (the newest complete checkpoint in the run dir) "
                                  "or a checkpoint directory")
     resume_force: bool = knob(False, "resume even if the data or a fixed setting changed, or verification fails")
@@ -105,7 +105,7 @@ def register() -> None:
 
 
 def compose(config_name: str = "train", overrides: list[str] = (), return_hydra_config: bool = False) -> DictConfig:
-    """A config of `conf/` composed as `python -m sft.train overrides...` would compose it."""
+    """A config of `sft/conf/` composed as `python -m sft.train overrides...` would compose it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 

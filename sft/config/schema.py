@@ -15,7 +15,7 @@ import enum
 from dataclasses import MISSING, field, fields, is_dataclass
 from typing import Any
 
-# (group, name) -> the schema of `conf/<group>/<name>.yaml` (its `defaults` name `<name>_schema`)
+# (group, name) -> the schema of `sft/conf/<group>/<name>.yaml` (its `defaults` name `<name>_schema`)
 SCHEMAS: dict[tuple[str | None, str], type] = {}
 # config path ("loss", "controllers.*") -> the class that a `_target_` there must be or extend (`target_base`)
 TARGET_BASES: dict[str, type] = {}

@@ -25,7 +25,8 @@ from sft.data.rows import DataError, Rejected, _log_format, _table, _without_nul
 from sft.data.sources import Source
 from sft.data.spec import Labelling
 from sft.data.split import column
-from sft.data.templates import ChatRenderer, chat_settings
+from sft.data.templates import ChatRenderer
+from sft.data.chat_settings import chat_settings
 from sft.data.turns import LABELLING
 from sft.data.weights import missing_score_reason
 

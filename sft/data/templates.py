@@ -1,19 +1,21 @@
 """The model's chat template as the labelling reads it: `ChatRenderer` renders chats through the template compiled
 once (as `apply_chat_template` does, with the tokenizer's `chat_template_kwargs`); `TemplateProfile` probes what
 the template does around an answer (its stop tokens, a generation prompt's prefill, the form it reads tool-call
-arguments in, notes for the user); `configure_chat` sets the stop tokens (the model's generation config and eos,
-or `tokenizer.stop_tokens`) and kwargs on a tokenizer. A chat the template cannot label is `Refused`, naming the
-field and why. Where each trained answer lies in the renderings: `sft.data.turns`."""
+arguments in, notes for the user). A chat the template cannot label is `Refused`, naming the field and why. The
+kwargs and stop tokens a tokenizer is given: `sft.data.chat_settings`; the string work on renderings:
+`sft.data.chat_text`; where each trained answer lies in them: `sft.data.turns`."""
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from functools import cached_property
 
-log = logging.getLogger(__name__)
+from sft.data.chat_settings import chat_settings
+from sft.data.chat_text import (added_tokens, common_prefix, first_stop, first_stop_with_space, listed, special_tokens,
+                                token_boundary, token_start)
 
+log = logging.getLogger(__name__)
 
 
 # A plain answer text for the probes (`TemplateProfile`): no template rewrites it.
@@ -29,77 +31,6 @@ class Refused(ValueError):
     def __init__(self, field: str, reason: str):
         super().__init__(f"{field}: {reason}")
         self.field, self.reason = field, reason
-
-
-@dataclass(frozen=True)
-class ChatSettings:
-    """What training needs beside the template: the keyword arguments it is rendered with
-    (`tokenizer.chat_template_kwargs`, e.g. `enable_thinking`) and the model's stop tokens, with where they came
-    from (for messages)."""
-
-    kwargs: dict = field(default_factory=dict)
-    stop_tokens: tuple[str, ...] = ()
-    stops_from: str = "the tokenizer's eos_token"
-    template_name: str = "the chat template"
-
-    def identity(self) -> dict:
-        """What of these settings decides the labels (part of the data hash)."""
-        from sft.config.secrets import masked  # a secret of the template's (api_key) is in no hash nor record
-
-        return {"chat_template_kwargs": masked(dict(sorted(self.kwargs.items()))), "stop_tokens": list(self.stop_tokens)}
-
-
-def chat_settings(tokenizer) -> ChatSettings:
-    """The settings `configure_chat` gave the tokenizer; for one it did not (a tokenizer made by hand), no kwargs
-    and its `eos_token` as the only stop token."""
-    settings = getattr(tokenizer, "sft_chat", None)
-    if settings is None:
-        settings = ChatSettings(stop_tokens=(tokenizer.eos_token,) if tokenizer.eos_token else ())
-    return settings
-
-
-def configure_chat(tokenizer, kwargs: dict | None = None, stop_tokens: list[str] | None = None,
-                   model_dir: str | None = None, template_name: str | None = None):
-    """Give the tokenizer its `ChatSettings` (as `tokenizer.sft_chat`, read by `chat_settings`): the template
-    kwargs, and the stop tokens: `stop_tokens` where given, else the eos ids of the model's
-    `generation_config.json` (in `model_dir`, where there is one) and the tokenizer's `eos_token`. A stop token
-    must be one token of the vocabulary. Returns the tokenizer."""
-    if stop_tokens:
-        stops, source = list(stop_tokens), "tokenizer.stop_tokens"
-        for token in stops:
-            ids = tokenizer.encode(token, add_special_tokens=False)
-            if len(ids) != 1 or tokenizer.convert_ids_to_tokens(ids[0]) != token:
-                raise ValueError(f"tokenizer.stop_tokens: {token!r} is not one token of the vocabulary (it encodes as "
-                                 f"{len(ids)} tokens); a stop token is a special token such as the template's "
-                                 "end-of-turn token")
-    else:
-        stops, sources = [], []
-        for token_id in _generation_eos_ids(model_dir):
-            token = tokenizer.convert_ids_to_tokens(token_id) if 0 <= token_id < len(tokenizer) else None
-            if token is not None and token not in stops:
-                stops.append(token)
-        if stops:
-            sources.append("generation_config.json's eos_token_id")
-        if tokenizer.eos_token and tokenizer.eos_token not in stops:
-            stops.append(tokenizer.eos_token)
-            sources.append("the tokenizer's eos_token")
-        source = " and ".join(sources) or "none (no generation_config.json eos_token_id, no eos_token)"
-    tokenizer.sft_chat = ChatSettings(dict(kwargs or {}), tuple(stops), source,
-                                      template_name or "the chat template")
-    return tokenizer
-
-
-def _generation_eos_ids(model_dir: str | None) -> list[int]:
-    """The eos ids of a model's generation config (one id or a list), where the model has one on disk."""
-    if model_dir is None:
-        return []
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except (OSError, ValueError):  # no generation_config.json (a local folder without one, or a hub id offline)
-        return []
-    return [eos] if isinstance(eos, int) else [int(e) for e in eos or []]
 
 
 class ChatRenderer:
@@ -289,12 +220,12 @@ class TemplateProfile:
                 except Refused:
                     continue
                 k = token_boundary(final, common_prefix(final, going_on), added_tokens(self.render.tokenizer))
-                if _first_stop(final[k:], self.stops) is None:
+                if first_stop(final[k:], self.stops) is None:
                     # the first stop token before the next message, with the white space before it: right after the
                     # turn, or after what the template adds to it once the chat goes on (Apriel's call ids)
                     rest = going_on[k:]
                     nxt = rest.find(more["content"])
-                    out[kind] = _first_stop_with_space(rest[:nxt] if nxt >= 0 else rest, self.stops)
+                    out[kind] = first_stop_with_space(rest[:nxt] if nxt >= 0 else rest, self.stops)
                 break
         return out
 
@@ -314,7 +245,7 @@ class TemplateProfile:
             self.prefill = prompt[token_start(render.tokenizer, prompt, k):]
         specials = special_tokens(render.tokenizer)
         shared = self.final_end[:common_prefix(self.final_end, self.chat_end)]
-        if _first_stop(self.final_end, self.model_stops) or any(self.chat_end.lstrip().startswith(t)
+        if first_stop(self.final_end, self.model_stops) or any(self.chat_end.lstrip().startswith(t)
                                                                  for t in self.model_stops):
             return
         # No stop token of the model after an answer: the template's own end-of-turn token, the first special token
@@ -323,14 +254,14 @@ class TemplateProfile:
         if own is not None:
             self.end_of_turn = own
             self.notes.append(f"{name} ends an answer with {own!r}, which is not among the model's stop tokens "
-                              f"({_listed(self.model_stops)}: {render.settings.stops_from}): {own!r} is trained as the "
+                              f"({listed(self.model_stops)}: {render.settings.stops_from}): {own!r} is trained as the "
                               "end of every answer, and a server must stop at it (add its id to "
                               "generation_config.json's eos_token_id, or set tokenizer.stop_tokens)")
         else:
             self.no_end = True
             self.notes.append(f"{name} writes no token after an answer that the model could learn to stop at (after "
                               f"an answer: {self.final_end[:40]!r}; the model's stop tokens: "
-                              f"{_listed(self.model_stops)}): the model will not learn to stop; set "
+                              f"{listed(self.model_stops)}): the model will not learn to stop; set "
                               "tokenizer.chat_template to a template that ends turns with an end-of-turn token, or "
                               "tokenizer.stop_tokens")
 
@@ -404,88 +335,6 @@ def _probe_call(arguments) -> dict:
         {"id": PROBE_ID, "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}]}
 
 
-def _listed(tokens) -> str:
-    return ", ".join(map(repr, tokens)) or "none"
-
-
-def special_tokens(tokenizer) -> list[str]:
-    """The tokenizer's special tokens (its added tokens marked special, the named ones)."""
-    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-    return list(dict.fromkeys(added + list(tokenizer.all_special_tokens)))
-
-
-def added_tokens(tokenizer) -> list[str]:
-    """Every added token of the tokenizer (special or not: `<think>` of Qwen3 is not), which text never splits."""
-    return [t.content for t in tokenizer.added_tokens_decoder.values()]
-
-
-def common_prefix(a: str, b: str) -> int:
-    """The length of the longest common prefix of two texts."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # bisect on the first difference: a[:low] == b[:low], a[:high] != b[:high]
-    while high - low > 1:
-        mid = (low + high) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid
-    return low
-
-
-def token_boundary(text: str, k: int, tokens: list[str]) -> int:
-    """`k`, moved back to the start of an added token of `text` that it falls inside (the common prefix of
-    `<|START_THINKING|>` and `<|START_RESPONSE|>` is `<|START_`, not a place between tokens)."""
-    moved = True
-    while moved:
-        moved = False
-        for t in tokens:
-            j = text.find(t, max(0, k - len(t) + 1), k + len(t) - 1)
-            if j != -1 and j < k < j + len(t):
-                k, moved = j, True
-    return k
-
-
-def token_start(tokenizer, text: str, k: int) -> int:
-    """`k`, moved back to the start of the token of `text`'s encoding that it falls inside."""
-    for start, end in tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).offsets:
-        if start < k < end:
-            return start
-    return k
-
-
-def _first_stop(text: str, stops) -> tuple[int, str] | None:
-    """The first stop token in `text`: (where it ends, the token)."""
-    found = [(at, t) for t in stops if (at := text.find(t)) != -1]
-    if not found:
-        return None
-    at, token = min(found)
-    return at + len(token), token
-
-
-def _divergence(a: str, b: str) -> str:
-    """Where two renderings part: a few characters of each from the first difference."""
-    i = common_prefix(a, b)
-    return f"{a[max(0, i - 20):i + 30]!r} vs {b[max(0, i - 20):i + 30]!r}"
-
-
-def _first_stop_with_space(text: str, stops) -> str:
-    """The first stop token in `text` with the white space right before it (`"\n<|end|>"`), or ""."""
-    found = _first_stop(text, stops)
-    if found is None:
-        return ""
-    end, token = found
-    before = text[:end - len(token)]
-    return text[len(before.rstrip()):end]
-
-
-def _stop_at(text: str, stops) -> str:
-    """The stop token `text` begins with, after white space (with that white space), or ""."""
-    gap = len(text) - len(text.lstrip())
-    return next((text[:gap + len(t)] for t in stops if text.startswith(t, gap)), "")
-
-
 def _definition(tool: dict, shown: tuple[str, ...]) -> dict:
     """One tool definition in a form of `shown` (`openai` or `bare`), left as it is where its own is shown."""
     inner = tool["function"] if tool.get("type") == "function" and isinstance(tool.get("function"), dict) else None
@@ -494,7 +343,3 @@ def _definition(tool: dict, shown: tuple[str, ...]) -> dict:
     return inner if inner is not None else {"type": "function", "function": tool}
 
 
-def _tool_name(tool: dict) -> str | None:
-    """A tool definition's name: OpenAI's {"type": "function", "function": {"name"}} or a bare {"name"}."""
-    function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-    return function.get("name") if isinstance(function.get("name"), str) else None

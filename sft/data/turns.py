@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sft.data.spec import Labelling
-from sft.data.templates import ChatRenderer, Refused, _divergence, _first_stop, _stop_at, _tool_name, common_prefix
+from sft.data.templates import ChatRenderer, Refused
+from sft.data.chat_text import divergence, first_stop, stop_at, tool_name, common_prefix
 
 LABELLING = Labelling()  # the defaults
 
@@ -65,7 +66,7 @@ def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None,
     messages, tools = render.prepare(messages), render.prepare_tools(tools)
     full = render(messages, tools=tools)
     if tools and not definitions_shown(render, messages, tools):
-        name = next((n for n in map(_tool_name, tools) if n), "?")
+        name = next((n for n in map(tool_name, tools) if n), "?")
         raise Refused("tools", f"the chat template does not render the tool definitions ({name!r} ...): the prompt "
                       "of the chat's first answer is the same with them as without, so the model would learn to call "
                       "tools it is never shown; set tokenizer.chat_template to one that renders tools")
@@ -92,7 +93,7 @@ def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None,
             whole_chat.append((turn.start, turn.end, weights[i]))
         elif rewritten_turns == "refuse" and not turn.own_text:
             raise Refused(f"messages[{i}]", "the chat template renders this turn differently once later turns "
-                          f"follow ({_divergence(turn.text[:turn.end], full)}); data.rewritten_turns=split trains it "
+                          f"follow ({divergence(turn.text[:turn.end], full)}); data.rewritten_turns=split trains it "
                           "from its own rendering, skip leaves it untrained")
         elif rewritten_turns == "split" or turn.own_text:
             own_texts.append((turn.text, [(turn.start, turn.end, weights[i])]))
@@ -132,7 +133,7 @@ def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str
         else:
             start = k
     profile = render.profile
-    stop = _first_stop(text[start:], profile.stops)
+    stop = first_stop(text[start:], profile.stops)
     if stop is not None:
         return _Turn(text, start, start + stop[0], own_text)
     # No stop token in the turn as the template renders it: the one that follows once the chat goes on (in the
@@ -141,7 +142,7 @@ def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str
     end = start + len(text[start:].rstrip())
     if end <= start:
         raise Refused(f"messages[{i}]", "the chat template renders this turn as no text")
-    following = _stop_at(full[end:], profile.stops) if not last and full.startswith(text[:end]) else None
+    following = stop_at(full[end:], profile.stops) if not last and full.startswith(text[:end]) else None
     following = following or profile.following["call" if messages[i].get("tool_calls") else "answer"]
     if following:
         return _Turn(text[:end] + following, start, end + len(following), own_text)
@@ -165,7 +166,7 @@ def _after_own_prompt(render: ChatRenderer, messages: list[dict], i: int, tools,
                           "this answer, rendered with its reasoning, begins. " + _closed_reasoning(render, header)
                           + "tokenizer.chat_template to one that renders it")
         raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently once the "
-                      f"turn is added ({_divergence(prompt, through)}), so the turn cannot be located"
+                      f"turn is added ({divergence(prompt, through)}), so the turn cannot be located"
                       + ("" if at < 0 else "; data.rewritten_turns=split trains it after its own prompt")
                       + "; set tokenizer.chat_template to a template that keeps earlier text unchanged")
     if rewritten_turns == "skip":

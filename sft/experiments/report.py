@@ -1,7 +1,7 @@
 """Sweep report: settings compared over seeds, with 95% intervals and paired differences, and one row
 per job. As CSV, Markdown and a plot.
 
-    python -m sft.report <sweep dir> [--baseline "loss.alpha=0"]   # rebuild from disk (also mid-sweep)
+    sft report <sweep dir> [--baseline "loss.alpha=0"]   # rebuild from disk (also mid-sweep)
 
 Jobs that differ only in `trainer.seed`/`trainer.data_seed` are one *setting*. Per setting: its seeds
 (`3/3`: ok of all; a failed or interrupted seed is never averaged in silently), and for each metric the
@@ -440,7 +440,7 @@ class SweepReport(Callback):
             return
         except OSError as e:  # a full disk: the sweep's jobs are done, its report is not, and the exit code says so
             print(f"error: the sweep's report cannot be written into {sweep_dir}: {e.strerror} ({e.filename}); "
-                  f"python -m sft.report {sweep_dir} writes it once there is room", file=sys.stderr)
+                  f"sft report {sweep_dir} writes it once there is room", file=sys.stderr)
             sys.exit(1)
         if rows:
             from sft.experiments.tracking import log_sweep_report

@@ -1,4 +1,4 @@
-"""The built-in losses: each one class, its knobs and hooks, and one YAML (`conf/loss/<name>.yaml`, whose `defaults`
+"""The built-in losses: each one class, its knobs and hooks, and one YAML (`sft/conf/loss/<name>.yaml`, whose `defaults`
 name `<name>_schema`). A new built-in loss is a class here, decorated with `config_schema("loss", <name>)`, and its
 YAML."""
 

@@ -262,13 +262,13 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_re
                    gguf_file: str | None = None):
     """Load a tokenizer for training: right padding, a pad token, a chat template (`chat_template`: its Jinja text,
     or the path of a `.jinja` file holding it, as llama.cpp keeps them), and the settings the labelling reads
-    (`sft.data.templates.configure_chat`): the template's kwargs and the model's stop tokens (those of its
+    (`sft.data.chat_settings.configure_chat`): the template's kwargs and the model's stop tokens (those of its
     `generation_config.json` and the tokenizer's eos; `stop_tokens` replaces them). `gguf_file`: the tokenizer of
     that GGUF file (`resolve`)."""
     from transformers import AutoTokenizer
 
     from sft.config.schema import ConfigError
-    from sft.data.templates import configure_chat
+    from sft.data.chat_settings import configure_chat
 
     path = resolve(name_or_path, gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

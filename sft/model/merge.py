@@ -1,6 +1,6 @@
 """Merge a LoRA adapter into its base model for deployment.
 
-    python -m sft.merge checkpoint=<run dir or checkpoint dir> output=<dir> [dtype=bfloat16]
+    sft merge checkpoint=<run dir or checkpoint dir> output=<dir> [dtype=bfloat16]
 
 The base model is the one named in the run's saved config (`.hydra/config.yaml`: `model.name_or_path`,
 `tiny` included, or `model.gguf_file`), or `base=<hub id or dir>` (or `gguf_file=<file>`) to override. The output holds safetensors weights, the

@@ -71,7 +71,7 @@ def chat_defaults_saved(tokenizer):
     """While a model is saved: the tokenizer's chat template with the run's `chat_template_kwargs` as its defaults
     (`template_with_defaults`), so that the saved tokenizer renders prompts as training did; the template in memory
     is put back after. Nothing changes where there are no kwargs."""
-    from sft.data.templates import chat_settings
+    from sft.data.chat_settings import chat_settings
 
     from sft.config.secrets import is_secret
 

@@ -6,7 +6,7 @@ under DeepSpeed, where the engine clips inside its own step and the threshold is
 history alone. After the step the trainer reports the pre-clip norm with `observe`. Every policy's
 state is a plain dict, saved in each checkpoint's `sft_state.json` and restored on resume.
 
-A policy is one class here, its knobs its fields, and one YAML (`conf/clip/<name>.yaml`). A policy of your own
+A policy is one class here, its knobs its fields, and one YAML (`sft/conf/clip/<name>.yaml`). A policy of your own
 subclasses `GradClipPolicy` (see docs/control.md).
 """
 

@@ -179,7 +179,7 @@ def test_inspect_data_shows_a_turns_weight_and_leaves_an_untrained_turn_unmarked
     f = write_jsonl(tmp_path / "w.jsonl", [{"messages": [
         {"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "3", "train": False},
         {"role": "user", "content": "Wrong. 1 + 1?"}, {"role": "assistant", "content": "2", "weight": 2.0}]}])
-    proc = subprocess.run([sys.executable, "-m", "sft.inspect_data", "data=jsonl", f"data.train_file={f}", "loss=ce"],
+    proc = subprocess.run([sys.executable, "-m", "sft", "inspect", "data=jsonl", f"data.train_file={f}", "loss=ce"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\u27e62<|im_end|>\u27e7\u00d72" in proc.stdout and "\u27e63" not in proc.stdout

@@ -105,7 +105,7 @@ def test_epochs_repeat_a_source_and_a_fraction_takes_part_of_it(tokenizer, sourc
 
 
 def test_the_data_hash_covers_the_mixture_and_a_change_is_named(tokenizer, sources):
-    from sft.training.checkpoints import data_changes
+    from sft.training.resume import data_changes
 
     base = load(tokenizer, mixture(sources, {"ratio": 1}, {"ratio": 1}))
     changed = {"ratio": load(tokenizer, mixture(sources, {"ratio": 1}, {"ratio": 3})),
@@ -217,7 +217,7 @@ def test_a_mixture_run_reports_each_task_as_the_models_own_loss_and_a_changed_mi
 
 
 def test_inspect_data_names_each_row_by_its_own_source_and_shows_its_tasks_weight(sources):
-    from sft.inspect_data import inspect
+    from sft.commands.inspect import inspect
 
     mix = mixture(sources, {"epochs": 1}, {"epochs": 1, "loss_weight": 3})
     report = inspect(["data=mixture", "data.mixture=" + override(mix), "loss=ce"], rows=12, split="train")

@@ -63,7 +63,7 @@ def test_a_labelling_that_misses_the_stop_token_is_refused_at_start_naming_the_t
 
     from sft.config.schema import ConfigError
     from sft.data import templates
-    from sft.data.templates import configure_chat
+    from sft.data.chat_settings import configure_chat
 
     tokenizer = family_tokenizer("llama3")  # its answers end <|eot_id|>
     configure_chat(tokenizer, template_name="the llama3 fixture")

@@ -13,7 +13,8 @@ import pytest
 from real_templates import FAMILIES, template_tokens
 
 from sft.data.spec import Labelling
-from sft.data.templates import ChatRenderer, Refused, configure_chat
+from sft.data.templates import ChatRenderer, Refused
+from sft.data.chat_settings import configure_chat
 from sft.data.turns import chat_views
 
 TEMPLATES = Path(os.environ.get("SFT_REAL_TEMPLATES", "/nonexistent"))
@@ -132,7 +133,7 @@ def test_a_tool_call_trains_with_its_turn_and_the_arguments_reach_the_template_a
 
 
 def test_the_profile_names_each_familys_stops_and_prefill():
-    """The template's own account (what `sft.inspect_data` and the data log show): the model's stop tokens, and a
+    """The template's own account (what `sft.commands.inspect` and the data log show): the model's stop tokens, and a
     generation prompt's prefill where the family has one."""
     for name, spec in FAMILIES.items():
         if not (TEMPLATES / f"{name}.jinja").exists():

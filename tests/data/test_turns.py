@@ -268,7 +268,7 @@ def test_a_prefilled_generation_prompt_is_refused_naming_it_or_trained_after_it_
 
 
 def test_template_kwargs_reach_the_template_and_the_reasoning_it_then_drops_is_counted(tmp_path):
-    from sft.data.templates import configure_chat
+    from sft.data.chat_settings import configure_chat
 
     reasoned = [PLAIN[0], {**PLAIN[1], "reasoning_content": "2 and 2."}]
     thinking = family_tokenizer("thinking_switch")
@@ -316,7 +316,7 @@ def test_a_template_that_does_not_compile_is_one_config_error(tmp_path):
 
 @pytest.mark.slow
 def test_cli_a_template_that_fails_on_some_rows_refuses_them_in_one_line_or_skips_and_counts_them(tmp_path):
-    """sft.inspect_data and sft.train with a template (a .jinja file, as llama.cpp keeps them) that raises a Python
+    """sft.commands.inspect and sft.train with a template (a .jinja file, as llama.cpp keeps them) that raises a Python
     error on chats without tools: the row named, no traceback; data.on_error=skip trains the others."""
     import subprocess
     import sys
@@ -331,7 +331,7 @@ def test_cli_a_template_that_fails_on_some_rows_refuses_them_in_one_line_or_skip
              "difficulty_score": 1.0, **({"tools": [tool]} if a % 4 else {})} for a in range(24)]
     f = write_jsonl(tmp_path / "rows.jsonl", rows)
     common = ["data=jsonl", f"data.train_file={f}", f"tokenizer.chat_template={template}", "loss=ce"]
-    proc = subprocess.run([sys.executable, "-m", "sft.inspect_data", *common], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sft", "inspect", *common], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"{f}:1: messages: the chat template fails on this chat (TypeError: 'NoneType' object is not iterable)" \
@@ -350,7 +350,7 @@ def test_the_stop_tokens_are_the_models_own_unless_named_and_a_template_may_be_a
     import shutil
 
     from sft.config import ConfigError
-    from sft.data.templates import chat_settings
+    from sft.data.chat_settings import chat_settings
     from sft.model.loading import load_tokenizer, tiny_model_dir
 
     tiny = load_tokenizer("tiny")
@@ -479,7 +479,7 @@ def test_a_call_the_template_writes_otherwise_once_the_chat_goes_on_still_trains
 def test_an_answer_with_reasoning_after_a_no_thinking_prompt_is_refused_naming_that_cause():
     """Qwen3 with enable_thinking=false, Hunyuan Hy3 by default: the refusal names the closed reasoning and the kwarg
     that opens it (it said the template renders the chat differently, or to give the answer reasoning it had)."""
-    from sft.data.templates import configure_chat
+    from sft.data.chat_settings import configure_chat
 
     tokenizer = configure_chat(family_tokenizer("no_think_prompt"), {"enable_thinking": False})
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]

@@ -185,7 +185,7 @@ def test_zero3_lora_two_processes_save_a_full_adapter_that_reloads_and_resumes(t
     """ZeRO-3 from a DeepSpeed JSON file of the user's (`deepspeed=file`): the zero3 preset, written as JSON."""
     run = tmp_path / "run"
     ds_json = tmp_path / "ds_config.json"
-    ds_json.write_text(json.dumps(OmegaConf.to_container(OmegaConf.load(REPO / "conf/deepspeed/zero3.yaml")), indent=2))
+    ds_json.write_text(json.dumps(OmegaConf.to_container(OmegaConf.load(REPO / "sft/conf/deepspeed/zero3.yaml")), indent=2))
     common = ["deepspeed=file", f"deepspeed.path={ds_json}", "lora=default", "trainer.learning_rate=1e-2", "trainer.save_steps=4",
               f"data.eval_file={SMALL_EVAL}",
               "trainer.eval_steps=100", "trainer.logging_steps=1", f"hydra.run.dir={run}"]
@@ -345,7 +345,7 @@ print("file equals zero3:", final["file"] == final["zero3"])
 """
     # A user's DeepSpeed JSON with the zero3 preset's content, "auto" values included, becomes the same config.
     ds_json = tmp_path / "ds.json"
-    ds_json.write_text(json.dumps(OmegaConf.to_container(OmegaConf.load(REPO / "conf/deepspeed/zero3.yaml"))))
+    ds_json.write_text(json.dumps(OmegaConf.to_container(OmegaConf.load(REPO / "sft/conf/deepspeed/zero3.yaml"))))
     proc = subprocess.run([sys.executable, "-c", script, str(ds_json)], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

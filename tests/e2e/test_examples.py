@@ -110,7 +110,7 @@ def check_optuna(proc, out):
 
 
 def check_identity(proc, out):
-    """The real model learned the identity on held-out phrasings, and stops: through sft.compare, and through plain
+    """The real model learned the identity on held-out phrasings, and stops: through sft.commands.compare, and through plain
     `generate` on the merged model, as a server would run it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

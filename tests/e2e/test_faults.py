@@ -289,14 +289,14 @@ def test_sigterm_to_an_in_process_sweep_stops_the_sweep_with_75(tmp_path):
 
 SIGTERM_IN_THE_FIRST_JOBS_START_UP = """
 import os, signal
-import sft.train
-_build_model = sft.train.build_model
+import sft.run.build
+_build_model = sft.run.build.build_model
 def build_model(cfg, *args, **kwargs):
     from hydra.core.hydra_config import HydraConfig
     if HydraConfig.get().runtime.output_dir.endswith("/0"):
         os.kill(os.getpid(), signal.SIGTERM)  # while the model is built: nothing trained yet
     return _build_model(cfg, *args, **kwargs)
-sft.train.build_model = build_model
+sft.run.build.build_model = build_model
 """
 
 SIGTERM_AFTER_THE_FIRST_JOBS_TRAINING = SIGTERM_WHILE_SAVING_THE_MODEL.replace(

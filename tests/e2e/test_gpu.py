@@ -1,5 +1,5 @@
 """The GPU pack: what only a CUDA GPU can check. Every test here is marked `gpu` and skipped without CUDA (or
-without the kernel it checks); `python -m sft.gpu_pack` runs them with the `preset=gpu_7b` bench and writes the
+without the kernel it checks); `sft gpu-pack` runs them with the `preset=gpu_7b` bench and writes the
 figures (README: "The GPU pack").
 
 - `cce` (cut-cross-entropy) and Liger's fused linear cross entropy with per-token losses equal the chunked loss:
@@ -170,7 +170,7 @@ def test_qlora_trains_on_a_4bit_base_and_its_adapter_merges(tmp_path):
     assert PeftConfig.from_pretrained(run / "model").peft_type.value == "LORA"
     history = json.loads((run / "results.json").read_text())
     assert history["global_step"] == 6
-    merged = subprocess.run([sys.executable, "-m", "sft.merge", f"checkpoint={run}", f"output={tmp_path / 'merged'}",
+    merged = subprocess.run([sys.executable, "-m", "sft", "merge", f"checkpoint={run}", f"output={tmp_path / 'merged'}",
                              "dtype=float32"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert merged.returncode == 0, merged.stderr[-3000:]
     from peft import PeftModel

@@ -135,8 +135,8 @@ def test_the_training_loss_on_the_real_weights_is_the_models_own_loss(real, real
 @pytest.fixture(scope="module")
 def lora_run(real, tmp_path_factory):
     """Twelve LoRA steps on the real model's additions, lm-evaluation-harness's bundled likelihood tasks before and
-    after (48 eval rows), its adapter merged by `python -m sft.merge`."""
-    from sft.merge import main as merge_main
+    after (48 eval rows), its adapter merged by `sft merge`."""
+    from sft.commands.merge import main as merge_main
 
     tmp = tmp_path_factory.mktemp("real-lora")
     rows = write_jsonl(tmp / "rows.jsonl", sample_rows(48))

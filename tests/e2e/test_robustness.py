@@ -93,7 +93,7 @@ def test_three_bad_steps_in_a_row_stop_with_a_checkpoint_that_resumes(tmp_path):
 @pytest.mark.slow
 def test_a_nan_on_one_rank_skips_the_step_on_both(tmp_path):
     script = tmp_path / "poisoned_train.py"
-    script.write_text("import os, sys\n" + POISON + "from sft.train import cli\ncli()\n")
+    script.write_text("import os, sys\n" + POISON + "from sft.commands.train import cli\ncli()\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(script), *ORDERED, "trainer.per_device_train_batch_size=1", "trainer.max_steps=4",
            f"hydra.run.dir={tmp_path / 'run'}"]
@@ -132,7 +132,7 @@ WeightedLossTrainer.compute_loss = compute_loss
 @pytest.mark.slow
 def test_a_stalled_rank_makes_both_exit_with_its_stack_dumped(tmp_path):
     script = tmp_path / "stalled_train.py"
-    script.write_text("import sys\n" + STALL_RANK_1 + "from sft.train import cli\ncli()\n")
+    script.write_text("import sys\n" + STALL_RANK_1 + "from sft.commands.train import cli\ncli()\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), str(script), "trainer.max_steps=6", "trainer.eval_steps=100", "trainer.save_steps=100",
            "controllers.watchdog.timeout_s=10", f"data.eval_file={SMALL_EVAL}", f"hydra.run.dir={tmp_path / 'run'}"]

@@ -12,7 +12,7 @@ from scipy import stats
 
 from sft.experiments.report import ReportError, write_report
 from sft.experiments.results import RunResults, write_eval_rows
-from sft.report import main
+from sft.commands.report import main
 
 
 def job(sweep, number, overrides, eval_ce=None, status="ok", rows=None):

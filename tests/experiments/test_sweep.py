@@ -55,11 +55,11 @@ def test_a_2x2_sweep_writes_job_dirs_and_a_report_that_rebuilds_from_disk(tmp_pa
     before = (tmp_path / "sweep_summary.csv").read_text()
     for name in ("sweep_summary.csv", "sweep_jobs.csv", "sweep_summary.md", "sweep_summary.png"):
         (tmp_path / name).unlink()
-    proc = subprocess.run([sys.executable, "-m", "sft.report", str(tmp_path)], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sft", "report", str(tmp_path)], cwd=REPO, capture_output=True,
                           text=True)
     assert proc.returncode == 0 and (tmp_path / "sweep_summary.csv").read_text() == before
     (tmp_path / "1" / "results.json").unlink()  # as if the sweep had been killed during job 1
-    subprocess.run([sys.executable, "-m", "sft.report", str(tmp_path)], cwd=REPO, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "sft", "report", str(tmp_path)], cwd=REPO, check=True, capture_output=True)
     assert [r["status"] for r in summary(tmp_path)] == ["ok", "interrupted", "ok", "ok"]
 
 
@@ -254,7 +254,7 @@ def test_the_loss_zoo_sweeps_each_loss_of_its_group_over_three_seeds():
     from hydra.utils import get_class
 
     from sft.config import compose
-    from sft.sweep import expand
+    from sft.commands.sweep import expand
 
     jobs = [sorted(o for o in job if not o.startswith("+experiment=")) for job in expand(["+experiment=loss_zoo"])]
     zoo = {"ce": "CrossEntropyLoss", "hard_sample": "HardSampleLoss", "keywords": "KeywordLoss", "focal": "FocalLoss",

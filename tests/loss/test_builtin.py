@@ -47,7 +47,7 @@ def test_a_phrases_file_is_part_of_the_cache_key_and_a_phrase_that_matches_nothi
 
 
 def test_inspect_data_shows_the_keyword_stretches_and_their_count(tmp_path):
-    from sft.inspect_data import inspect
+    from sft.commands.inspect import inspect
 
     path = write_jsonl(tmp_path / "t.jsonl", SAFETY[:1])
     report = inspect([f"data.train_file={path}", "data.eval_file=null", "loss=keywords", "loss.phrases=[password]",

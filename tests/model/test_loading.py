@@ -47,7 +47,7 @@ def test_a_model_neither_on_disk_nor_reachable_is_one_line_at_once_saying_how_to
     from conftest import REPO
 
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "sft.inspect_data", "model=qwen2_5_7b", "--rows", "1"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "sft", "inspect", "model=qwen2_5_7b", "--rows", "1"], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HOME": str(tmp_path / "hf"), **env})
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

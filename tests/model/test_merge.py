@@ -1,4 +1,4 @@
-"""`python -m sft.merge`: the merged model gives the adapter model's logits; bad inputs get clear errors."""
+"""`sft merge`: the merged model gives the adapter model's logits; bad inputs get clear errors."""
 
 import json
 import subprocess
@@ -46,7 +46,7 @@ def test_a_lora_run_saves_an_adapter_that_merges_to_the_logits_of_base_plus_adap
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "model" / "adapter_model.safetensors").exists() and not (run / "model" / "model.safetensors").exists()
     assert json.loads((run / "results.json").read_text())["global_step"] == 3
-    merged = subprocess.run([sys.executable, "-m", "sft.merge", f"checkpoint={run}", f"output={tmp_path / 'merged'}"],
+    merged = subprocess.run([sys.executable, "-m", "sft", "merge", f"checkpoint={run}", f"output={tmp_path / 'merged'}"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert merged.returncode == 0, merged.stderr[-3000:]
 
@@ -98,7 +98,7 @@ def assert_server_layouts(adapter, merged, tok):
     (["checkpoint={lora}"], "Missing mandatory value: output"),
 ])
 def test_merge_errors_are_clear(tmp_path, capsys, args, message):
-    from sft.merge import main
+    from sft.commands.merge import main
 
     full, lora = tmp_path / "full", tmp_path / "lora"
     (full / "model").mkdir(parents=True)
@@ -106,6 +106,6 @@ def test_merge_errors_are_clear(tmp_path, capsys, args, message):
     lora.mkdir()
     (lora / "adapter_config.json").write_text("{}")
     argv = [a.format(full=full, lora=lora, out=tmp_path / "out") for a in args]
-    with pytest.raises(SystemExit) as e:  # python -m sft.merge's main, in this process
+    with pytest.raises(SystemExit) as e:  # sft merge's main, in this process
         main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -34,14 +34,14 @@ def test_a_run_dir_on_a_full_disk_is_refused_before_hydra_writes(tmp_path, monke
 
 
 def test_a_report_the_disk_cannot_hold_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
-    import sft.report
+    import sft.commands.report
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "sweep_summary.png"))
 
-    monkeypatch.setattr(sft.report, "write_report", full)
+    monkeypatch.setattr(sft.commands.report, "write_report", full)
     with pytest.raises(SystemExit) as exited:
-        sft.report.main([str(tmp_path)])
+        sft.commands.report.main([str(tmp_path)])
     assert exited.value.code == 1
     assert capsys.readouterr().err == (f"error: the report cannot be written into {tmp_path}: No space left on device "
                                        f"({tmp_path / 'sweep_summary.png'})\n")

@@ -249,22 +249,3 @@ def test_a_finished_run_resumed_stays_finished(tmp_path, uninterrupted):
     assert not list(run.glob("checkpoint-1[3-9]"))
     ours, theirs = load_file(run / "model" / "model.safetensors"), load_file(uninterrupted / "model" / "model.safetensors")
     assert all(ours[k].equal(theirs[k]) for k in theirs)
-
-
-def test_a_resume_with_another_number_of_processes_or_from_a_weights_only_checkpoint_is_refused(monkeypatch):
-    from sft.config import ConfigError
-    from sft.training.checkpoints import check_resume_processes
-
-    trainer = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "save_only_model": False}
-    state = {"world_size": 1, "config": {"trainer": trainer}}
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"^resume='ck': was saved by 1 process\(es\), this run has 2: the global "
-                                          r"batch would go from 8 to 16 rows a step. Resume with 1 process\(es\) "
-                                          r"\(./launch.sh --nproc 1\), or resume_force=true"):
-        check_resume_processes("ck", state, force=False)
-    check_resume_processes("ck", state, force=True)  # forced: said in the log, and resumed
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    check_resume_processes("ck", state, force=False)
-    with pytest.raises(ConfigError, match="was saved with trainer.save_only_model=true: no optimizer state or "
-                                          "schedule to continue"):
-        check_resume_processes("ck", {**state, "config": {"trainer": {**trainer, "save_only_model": True}}}, False)

@@ -12,8 +12,7 @@ import time
 import pytest
 
 from sft.config import ConfigError
-from sft.training.checkpoints import (STATE_FILE, config_changes, find_checkpoint, fixed_on_resume, manifest,
-                                      write_json_atomic)
+from sft.training.checkpoints import STATE_FILE, find_checkpoint, manifest, write_json_atomic
 from sft.training.run_dir import LOCK_FILE, RunDirLock, claim
 
 
@@ -138,18 +137,6 @@ def test_rotation_deletes_only_this_runs_checkpoints(tmp_path):
         checkpoint(tmp_path / f"checkpoint-{step}", run_id="mine")
     CheckpointState({"run_id": "mine", "data_hash": ""}, {}, keep=1, resumed_from=None).rotate(str(tmp_path), None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-8"]
-
-
-def test_config_changes_list_every_differing_leaf_and_which_a_resume_refuses():
-    saved = {"trainer": {"learning_rate": 2e-4, "seed": 42}, "lora": None, "model": {"name": "tiny"},
-             "clip": {"max_norm": 1.0}, "resume": None}
-    current = {"trainer": {"learning_rate": 1e-4, "seed": 42}, "lora": {"r": 16}, "model": {"name": "tiny"},
-               "clip": {"max_norm": 0.01}, "resume": "auto"}
-    assert config_changes(saved, current) == [("clip.max_norm", 1.0, 0.01), ("lora", None, "<absent>"),
-                                              ("lora.r", "<absent>", 16), ("trainer.learning_rate", 2e-4, 1e-4)]
-    assert [key for key, _, _ in config_changes(saved, current) if fixed_on_resume(key)] == ["lora", "lora.r"]
-    assert not fixed_on_resume("model.attn_implementation") and fixed_on_resume("model.pretrained_model_name_or_path")
-    assert fixed_on_resume("deepspeed") and not fixed_on_resume("deepspeed.gradient_clipping")
 
 
 def test_a_lock_that_cannot_be_written_is_one_config_error_naming_the_knob(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """The controller protocol: a Trainer callback whose decisions survive a crash, its knobs its fields.
 
-A controller is an entry of the `controllers` config node (`conf/controllers/<name>.yaml`, switched on
+A controller is an entry of the `controllers` config node (`sft/conf/controllers/<name>.yaml`, switched on
 with `+controllers=<name>`), built by `build_controllers` and added to the Trainer's callbacks. Besides
 Trainer's events (`on_evaluate`, `on_step_end` ...) the trainer and the recipe reach it only through:
 
@@ -17,7 +17,7 @@ Trainer's events (`on_evaluate`, `on_step_end` ...) the trainer and the recipe r
 - `failure`: why the run must end as failed once training stopped (exit code 1), or None.
 
 A controller is one class (a dataclass subclass of `Controller`, its knobs its fields, `knob(...)` with their help)
-and one YAML file (`conf/controllers/<name>.yaml`); a built-in one is also decorated with
+and one YAML file (`sft/conf/controllers/<name>.yaml`); a built-in one is also decorated with
 `config_schema("controllers", <name>)`. See docs/control.md.
 """
 

@@ -1,10 +1,10 @@
-"""`python -m sft.inspect_data`: the rows as the model sees them, trained tokens marked, and the totals,
+"""`sft inspect`: the rows as the model sees them, trained tokens marked, and the totals,
 from the training config, without building the model."""
 
 import pytest
 from conftest import chat, write_jsonl
 
-from sft.inspect_data import inspect, main
+from sft.commands.inspect import inspect, main
 
 ROWS = [chat("What is 1 + 1?", "2", 2.0), chat("Add 3 and 4.", "3 + 4 = 7", 1.0)]
 
@@ -52,7 +52,7 @@ def test_a_bad_file_is_a_one_line_error_naming_the_line(tmp_path, capsys, no_mod
 def test_rows_the_loss_would_refuse_are_shown_and_the_refusal_said():
     """Rows without a difficulty_score under the default hard-sample loss: inspect shows them (it refused to), and
     says what training will refuse and how to train them."""
-    from sft.inspect_data import inspect
+    from sft.commands.inspect import inspect
 
     report = inspect(["data=jsonl", "data.train_file=examples/data/chats.jsonl", "data.eval_file=null"], rows=1)
     assert report.startswith("-- examples/data/chats.jsonl:1 · ")

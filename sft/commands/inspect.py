@@ -1,4 +1,4 @@
-"""Show what the model is trained on: `python -m sft.inspect_data [--rows N] [--split train|eval] [overrides]`.
+"""Show what the model is trained on: `sft inspect [--rows N] [--split train|eval] [overrides]`.
 
 The config and overrides are `sft.train`'s (`model=...`, `data.train_file=...`, `tokenizer.chat_template=...`);
 the tokenizer and the data are built as training builds them (validation, chat template, labels,
@@ -114,7 +114,8 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
 
 def template(tokenizer, prefill: str) -> str:
     """What the chat template does around an answer (`sft.data.templates.TemplateProfile`), in one paragraph."""
-    from sft.data.templates import ChatRenderer, chat_settings
+    from sft.data.templates import ChatRenderer
+    from sft.data.chat_settings import chat_settings
 
     settings, profile = chat_settings(tokenizer), ChatRenderer(tokenizer).profile
     own = ", and the template's own end of turn" if profile.end_of_turn else ""
@@ -135,9 +136,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from sft.config.schema import ConfigError
     from sft.data.rows import DataError
-    from sft.train import fail
+    from sft.commands.train import fail
 
-    parser = argparse.ArgumentParser(prog="python -m sft.inspect_data", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="sft inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=3, help="sequences to show (default 3)")
     parser.add_argument("--split", choices=("train", "eval"), default="train")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")

@@ -1,4 +1,4 @@
-"""`python -m sft.sweep -m [sweep overrides]` (what `./launch.sh -m` runs): each job of a sweep in turn through
+"""`sft sweep -m [sweep overrides]` (what `./launch.sh -m` runs): each job of a sweep in turn through
 `accelerate launch`, one run dir per job, then the sweep's report (`sft.experiments.sweep`, `sft.experiments.report`)."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except OSError as e:  # a full disk: the jobs are done, the report is not
         print(f"error: the sweep's report cannot be written into {sweep_dir}: {e.strerror} ({e.filename}); "
-              f"python -m sft.report {sweep_dir} writes it once there is room", file=sys.stderr)
+              f"sft report {sweep_dir} writes it once there is room", file=sys.stderr)
         sys.exit(1)
     log_sweep_report(sweep_dir, cfg.trainer.report_to)
     print((Path(sweep_dir) / "sweep_summary.md").read_text())

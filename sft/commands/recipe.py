@@ -1,14 +1,14 @@
-"""A run as a recipe file: `python -m sft.recipe <run dir> [-o recipe.yaml]` (or `sft recipe ...`).
+"""A run as a recipe file: `sft recipe <run dir> [-o recipe.yaml]`.
 
-The recipe is a Hydra primary config that composes exactly the run's config: the training config (`train`), the
-run's choice in each config group (`override model: smollm2_135m`, from `.hydra/hydra.yaml`; its controllers, from
-the composed config) and the values its command line set (`.hydra/overrides.yaml`), as YAML:
+The recipe is a Hydra primary config that composes exactly the run's config, and holds only what differs from the
+defaults: the training config (`train`), the run's choice in each config group where it is not the default one
+(`override model: smollm2_135m`, from `.hydra/hydra.yaml`; its controllers where they are not [guard, watchdog],
+from the composed config) and the values its command line set (`.hydra/overrides.yaml`), as YAML:
 
     defaults:
       - train
       - override model: smollm2_135m
       - override lora: default
-      - override controllers: [guard, watchdog]
       - _self_
     trainer:
       max_steps: 30
@@ -35,6 +35,8 @@ def recipe(run_dir: str | Path) -> str:
     """The recipe file's text for the run in `run_dir` (see the module docstring)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from sft.config.registry import compose
+
     saved = Path(run_dir) / ".hydra"
     try:
         hydra = yaml.safe_load((saved / "hydra.yaml").read_text())["hydra"]
@@ -45,8 +47,18 @@ def recipe(run_dir: str | Path) -> str:
                           f"are its record): {e}") from None
     choices = {group: choice for group, choice in hydra["runtime"]["choices"].items()
                if not group.startswith("hydra/") and group != "controllers"}  # (a list group: from the config)
-    defaults: list = ["train", *({f"override {group}": choice} for group, choice in choices.items())]
-    defaults += [{"override controllers": list(config.get("controllers") or {})}, "_self_"]
+    default = compose("train", return_hydra_config=True)  # what `- train` alone composes: left out of the recipe
+    default_choices = default.hydra.runtime.choices
+    defaults: list = ["train"]
+    for group, choice in choices.items():
+        if group not in default_choices:  # a group train does not choose (+experiment=...): added, not overridden
+            defaults.append({group: choice})
+        elif choice != default_choices[group]:
+            defaults.append({f"override {group}": choice})
+    controllers = list(config.get("controllers") or {})
+    if controllers != list(default.controllers):
+        defaults.append({"override controllers": controllers})
+    defaults.append("_self_")
     values: dict = {}
     for override in OverridesParser.create().parse_overrides(overrides):
         key = override.key_or_group
@@ -60,12 +72,12 @@ def recipe(run_dir: str | Path) -> str:
             node = node.setdefault(part, {})
         node[last] = override.value()
     text = yaml.safe_dump({"defaults": defaults, **values}, sort_keys=False, width=120)
-    return (f"# The recipe of the run in {run_dir} (python -m sft.recipe): sft train --config-dir <this file's dir> "
+    return (f"# The recipe of the run in {run_dir} (sft recipe): sft train --config-dir <this file's dir> "
             f"--config-name <its name, without .yaml> [overrides]\n{text}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sft.recipe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="sft recipe", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run dir of sft.train (it holds .hydra/)")
     parser.add_argument("-o", "--output", help="write the recipe here (default: print it)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

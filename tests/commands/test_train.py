@@ -82,7 +82,7 @@ def test_a_policy_that_does_not_clip_hands_trainer_no_threshold(tmp_path):
     stand-in threshold; the steps still reach step control (`_get_grad_norm`)."""
     from conftest import composed
 
-    from sft.train import build
+    from sft.run.build import build
 
     none = build(composed("clip=none", "data.eval_file=null"), str(tmp_path / "a")).trainer
     static = build(composed("clip.max_norm=0.5", "data.eval_file=null"), str(tmp_path / "b")).trainer

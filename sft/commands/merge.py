@@ -1,4 +1,4 @@
-"""`python -m sft.merge checkpoint=<run dir or checkpoint dir> output=<dir> [base=...] [gguf_file=...] [dtype=...]`: a LoRA adapter
+"""`sft merge checkpoint=<run dir or checkpoint dir> output=<dir> [base=...] [gguf_file=...] [dtype=...]`: a LoRA adapter
 merged into its base model (`sft.model.merge`), saved as a model any server that loads Hugging Face checkpoints loads."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
         out = merge(cfg.checkpoint, cfg.output, cfg.base, cfg.dtype, cfg.gguf_file)
     except (MergeError, OmegaConfBaseException) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
-        print("usage: python -m sft.merge checkpoint=<run dir or checkpoint dir> output=<dir> [base=...] [gguf_file=...] "
+        print("usage: sft merge checkpoint=<run dir or checkpoint dir> output=<dir> [base=...] [gguf_file=...] "
               "[dtype=...]",
               file=sys.stderr)
         sys.exit(2)

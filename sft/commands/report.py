@@ -1,4 +1,4 @@
-"""`python -m sft.report <sweep dir> [--baseline SETTING]`: a sweep's report rebuilt (`sft.experiments.report`)."""
+"""`sft report <sweep dir> [--baseline SETTING]`: a sweep's report rebuilt (`sft.experiments.report`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from sft.experiments.report import ReportError, write_report
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m sft.report", description="Rebuild a sweep's report.")
+    parser = argparse.ArgumentParser(prog="sft report", description="Rebuild a sweep's report.")
     parser.add_argument("sweep_dir")
     parser.add_argument("--baseline", default=None, help='the setting to compare with, e.g. "loss.alpha=0"')
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

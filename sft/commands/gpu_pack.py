@@ -1,4 +1,4 @@
-"""`python -m sft.gpu_pack [--out gpu_pack] [--no-readme]`: every check that needs a CUDA GPU, in one command.
+"""`sft gpu-pack [--out gpu_pack] [--no-readme]`: every check that needs a CUDA GPU, in one command.
 
 1. `pytest -m gpu` (tests/e2e/test_gpu.py: cut-cross-entropy and Liger per-token losses against the chunked loss,
    flash attention varlen packing against padded logits, QLoRA trains and merges, bf16 follows fp32, long rows
@@ -15,7 +15,7 @@ Without a CUDA GPU it says so in one line and exits 2, running nothing. Needs th
 CUDA build of torch (`pip install -e '.[gpu]'`; flash-attn and bitsandbytes separately, as their builds
 need the machine's CUDA); a kernel that is not installed skips its test, and the figures say so.
 
-`python -m sft.gpu_pack --check` runs nothing: it lists what the pack needs, what this machine has (a GPU or
+`sft gpu-pack --check` runs nothing: it lists what the pack needs, what this machine has (a GPU or
 not included) and how to install what is missing, and exits 0 (it reports; `ready: no` says the pack would
 not run). Run it first on a fresh GPU image.
 """
@@ -154,7 +154,7 @@ def figures_markdown(report: dict) -> str:
     kernels = ", ".join(f"{k} {v}" if v else f"{k} not installed" for k, v in m["versions"].items() if k in KERNELS)
     lines = [f"Measured {m['date']} on {m['gpus']} x {m['gpu']} ({m['memory_gib']} GiB), torch "
              f"{m['versions']['torch']}, CUDA {m['cuda']}, transformers {m['versions']['transformers']}; {kernels}. "
-             "Command: `python -m sft.gpu_pack`.", "", "| GPU test | outcome |", "|---|---|"]
+             "Command: `sft gpu-pack`.", "", "| GPU test | outcome |", "|---|---|"]
     for t in report["tests"]:
         lines.append(f"| `{t['test']}` | {t['outcome']}{': ' + t['detail'] if t['detail'] else ''} |")
     if not report["tests"]:
@@ -188,7 +188,7 @@ def put_into_readme(readme: Path, figures: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sft.gpu_pack", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="sft gpu-pack", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(REPO / "gpu_pack"), help="where the figures and logs go")
     parser.add_argument("--tests-timeout", type=int, default=240)
     parser.add_argument("--bench-timeout", type=int, default=330)

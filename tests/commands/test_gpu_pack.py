@@ -13,7 +13,7 @@ needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks th
 
 @needs_cpu_only
 def test_the_pack_refuses_in_one_line_without_a_gpu_and_writes_nothing(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sft.gpu_pack", "--out", str(tmp_path / "pack")], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "sft", "gpu-pack", "--out", str(tmp_path / "pack")], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -29,7 +29,7 @@ def test_every_gpu_test_is_collected_and_skipped_without_cuda(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/", "-q", "-p", "no:cacheprovider",
                            f"--junitxml={junit}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    from sft.gpu_pack import test_outcomes
+    from sft.commands.gpu_pack import test_outcomes
 
     outcomes = test_outcomes(junit)
     import ast
@@ -43,7 +43,7 @@ def test_every_gpu_test_is_collected_and_skipped_without_cuda(tmp_path):
 def test_figures_say_what_each_test_did_and_replace_only_the_readme_block(tmp_path):
     """From a JUnit report pytest itself wrote (a pass, a failure, a skip) and a bench report, the figures name
     each outcome, the bench's throughput and targets; the README keeps everything outside its markers."""
-    from sft.gpu_pack import README_BEGIN, README_END, figures_markdown, put_into_readme, test_outcomes
+    from sft.commands.gpu_pack import README_BEGIN, README_END, figures_markdown, put_into_readme, test_outcomes
 
     (tmp_path / "test_three.py").write_text(
         "import pytest\n"
@@ -82,10 +82,10 @@ def test_figures_say_what_each_test_did_and_replace_only_the_readme_block(tmp_pa
 
 def test_check_lists_what_the_pack_needs_and_how_to_install_it_without_running_anything(monkeypatch):
     # On a fresh GPU image the pack met missing installs one at a time (issue 32): --check names them all at once.
-    proc = subprocess.run([sys.executable, "-m", "sft.gpu_pack", "--check"], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sft", "gpu-pack", "--check"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    from sft.gpu_pack import REQUIREMENTS, check_machine
+    from sft.commands.gpu_pack import REQUIREMENTS, check_machine
 
     out = proc.stdout
     assert all(f" {distribution} " in out for _, distribution, _, _ in REQUIREMENTS) and " CUDA GPU " in out

@@ -1,8 +1,8 @@
-"""Before and after, side by side: `python -m sft.compare run=<run dir> rows=<chats.jsonl> [merged=<dir>] [out=<file>]`.
+"""Before and after, side by side: `sft compare run=<run dir> rows=<chats.jsonl> [merged=<dir>] [out=<file>]`.
 
 Each row's chat up to its last answer is the prompt; the base model (the one the run's saved config names:
 `model.name_or_path`, `model.gguf_file`) and the trained one (the run's `model/`: an adapter over that base, or a
-full model; or `merged=<dir>`, a model `python -m sft.merge` wrote) answer it greedily, prompted as training
+full model; or `merged=<dir>`, a model `sft merge` wrote) answer it greedily, prompted as training
 rendered chats (`sft.eval.generation`). Prints a table of the answers beside the reference, and the exact match of
 each model (stripped answer equal to the reference) and how many of its answers ended at a stop token rather than
 at `max_new_tokens`; `out=` also writes the table as Markdown:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         rows, before, after = compare(cfg.run, cfg.rows, cfg.merged, cfg.max_new_tokens)
     except (ValueError, OSError, OmegaConfBaseException, DataError, ConfigError) as e:
         print(f"error: {e}".splitlines()[0], file=sys.stderr)
-        print("usage: python -m sft.compare run=<run dir> rows=<chats.jsonl> [merged=<dir>] [max_new_tokens=64] "
+        print("usage: sft compare run=<run dir> rows=<chats.jsonl> [merged=<dir>] [max_new_tokens=64] "
               "[out=<file.md>]", file=sys.stderr)
         sys.exit(2)
     text = table(rows, before, after)

@@ -1,0 +1,131 @@
+"""`sft train [group=option] [key=value ...]` (also `python -m sft.train`): the command line of a training run.
+
+`cli` settles what Hydra cannot (the answer to `--help GROUP`, secrets out of the command line, refusals before
+Hydra writes the run dir, the run dir shared by every rank, a sweep's start), then Hydra composes the config
+(`sft/conf/train.yaml`) and `main` checks it and runs it (`sft.run.train`), turning a refusal into one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from sft.config.registry import CONF_DIR, register
+from sft.config.schema import ConfigError
+from sft.config.secrets import mask_saved_config, secrets_to_environment
+from sft.config.validate import check
+from sft.experiments.results import RunResults
+from sft.experiments.tracking import in_sweep, job_overrides
+from sft.run.train import train
+from sft.training.advice import TrainingStopped
+from sft.training.distributed import exit_without_teardown, rank_overrides, refuse_multirun_in_launch, share_run_dir
+
+log = logging.getLogger("sft")
+register()
+
+
+def fail(message: str, code: int = 2) -> None:
+    """From an `except` block: stop with the reason and `code` (a traceback with HYDRA_FULL_ERROR=1)."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from hydra.errors import InstantiationException
+
+    from sft.data.rows import DataError
+    from sft.training.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+    started = time.time()
+    if os.environ.get("RANK", "0") == "0":
+        mask_saved_config(HydraConfig.get().runtime.output_dir)
+    finished = start_sweep_job(cfg) if in_sweep() else None
+    if finished is not None:
+        return finished.eval_ce
+    try:
+        check(cfg)
+        results = train(cfg)
+    except Exception as e:
+        # instantiate wraps what the built function raised; the user needs that reason, not the wrapper.
+        reason = e.__cause__ if isinstance(e, InstantiationException) else e
+        if isinstance(reason, Preempted):  # also inside a sweep: the machine is going away, so is the sweep
+            print(f"preempted: {reason}", file=sys.stderr)
+            sys.exit(PREEMPTED_EXIT_CODE)
+        if in_sweep() and cfg.sweep.continue_on_error:
+            RunResults.failed(reason, time.time() - started).record(HydraConfig.get().runtime.output_dir)
+            return None
+        if isinstance(reason, ConfigError):
+            fail(f"config: {reason}")
+        if isinstance(reason, DataError):
+            fail(str(reason))
+        if isinstance(reason, TrainingStopped):
+            fail(str(reason), code=1)
+        raise
+    if os.environ.get("RANK", "0") == "0":
+        print(f"run dir: {HydraConfig.get().runtime.output_dir}")
+    return results.eval_ce  # the objective of sweeps: comparable across loss weights, unlike eval_loss
+
+
+def start_sweep_job(cfg: DictConfig) -> RunResults | None:
+    """A job of a multirun records its overrides in its dir; with `sweep.resume`, a job that finished before
+    returns its results (it is not run again) and the others resume from their newest complete checkpoint."""
+    from sft.experiments.sweep import start_job
+
+    hydra_cfg = HydraConfig.get()
+    try:
+        finished = start_job(hydra_cfg.runtime.output_dir, hydra_cfg.job.num, job_overrides(), cfg.sweep.resume)
+    except ConfigError as e:  # the sweep dir is another sweep's: no job of this one may write into it
+        fail(f"config: {e}")
+    if finished is not None:
+        log.info("sweep.resume: this job finished before (results.json ok): skipped")
+    elif cfg.sweep.resume:
+        cfg.resume = "auto"
+    return finished
+
+
+def cli() -> None:
+    """The `python -m sft.train` entry point: settle the multi-process details, then run `main`."""
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        from sft.config.help import help_answer
+
+        try:
+            text = help_answer(sys.argv[1:])
+        except ConfigError as e:
+            fail(f"config: {e}")
+        if text is not None:  # else Hydra's own --help (a pkg:// search path, or an error to report)
+            print(text, end="")
+            return
+    from sft.config.argv import check_only, refused_override
+    from sft.training.run_dir import unlink_planted, unwritable_dir
+
+    sys.argv[1:] = secrets_to_environment(sys.argv[1:])  # before Hydra writes or W&B records the command line
+    if "--check" in sys.argv[1:]:  # compose and check only (./launch.sh, before several processes)
+        sys.exit(check_only([a for a in sys.argv[1:] if a != "--check"]))
+
+    # before Hydra, whose errors would not name the knob, and which writes into the run dir first
+    if refused := refused_override(sys.argv[1:]) or unwritable_dir(sys.argv[1:]):
+        print(f"error: config: {refused}", file=sys.stderr)
+        sys.exit(2)
+    unlink_planted(sys.argv[1:])
+    refuse_multirun_in_launch(sys.argv[1:])
+    if {"-m", "--multirun"} & set(sys.argv[1:]):
+        from sft.commands.sweep import start_multirun
+
+        start_multirun(sys.argv[1:])
+    share_run_dir()
+    sys.argv.extend(rank_overrides())
+    main()
+
+
+if __name__ == "__main__":
+    cli()
+    exit_without_teardown()  # not in `cli`: tests call that in their own process

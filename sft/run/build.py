@@ -1,0 +1,136 @@
+"""What a run is made of: `build(cfg, run_dir)` makes the training arguments (before the model, as DeepSpeed ZeRO-3
+requires), tokenizer, loss, controllers, model (+ LoRA), data, collator and trainer, as a `Recipe`. The bench's
+cases build through it too, so that what they time is what a run trains."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
+
+from sft.config.schema import ConfigError
+from sft.training.arguments import evaluates, training_arguments
+from sft.training.engines import check_fsdp_layers
+from sft.training.sequence_parallel import sequence_parallel_size
+
+if TYPE_CHECKING:
+    from sft.data.load import SFTData
+    from sft.training.trainer import WeightedLossTrainer
+
+log = logging.getLogger("sft")
+
+# Names a controller of yours cannot take: what every run puts under them in each checkpoint's state.
+RESERVED_NAMES = {"preemption": "the controller every run has (SIGTERM: save and stop; signal_grace_s)",
+                  "clip": "the clip policy's state in every checkpoint", "trainer": "Trainer's state in every checkpoint"}
+
+
+@dataclass
+class Recipe:
+    """What `build` makes from a config: the trainer and the parts the rest of the run needs."""
+
+    trainer: WeightedLossTrainer
+    data: SFTData
+    tokenizer: object
+    clip_policy: object
+    controllers: dict
+
+
+def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preemption=None) -> Recipe:
+    """Training arguments (before the model: ZeRO-3), tokenizer, loss, controllers, model, data, collator, trainer."""
+    from hydra.utils import instantiate
+    from transformers import set_seed
+
+    from sft.data.load import load_sft_datasets
+    from sft.data.weights import scores_used_by
+    from sft.loss.base import build_loss
+    from sft.training.controllers import build_controllers
+    from sft.training.preemption import Preemption
+    from sft.training.trainer import WeightedLossTrainer
+
+    clip_policy = instantiate(cfg.clip)
+    # 0 for a policy that does not clip (at first): Trainer then calls no clipping, and the step still goes to
+    # WeightedLossTrainer._get_grad_norm (sft.training.step_control)
+    args = training_arguments(cfg, run_dir, resuming=checkpoint is not None,
+                              max_grad_norm=clip_policy.initial_threshold())
+    set_seed(args.seed)
+
+    tokenizer = instantiate(cfg.tokenizer)
+    loss = build_loss(cfg.loss)
+    controllers = build_controllers(cfg.controllers)
+    for name in RESERVED_NAMES.keys() & controllers.keys():  # each is a key of the checkpoints' state
+        raise ConfigError(f"controllers.{name}", None, f"is the name of {RESERVED_NAMES[name]}: name yours otherwise")
+    # The model before the data: what it refuses (packed rows it cannot keep apart, sft.model.packing) is refused
+    # before any data is read. Seeded again: building a cached artefact (the tiny model, on first use) draws random
+    # numbers, which would give the adapters (or a random-init model) other initial weights on the next run.
+    set_seed(args.seed)
+    model = build_model(cfg, args.activation_checkpointing)
+    check_fsdp_layers(cfg.fsdp, model)
+    spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
+    with args.main_process_first(desc="preprocessing"):
+        data = load_sft_datasets(spec, tokenizer, loss, scores_needed_by=scores_used_by(loss, controllers),
+                                 rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0
+                                 else None)
+    controllers["preemption"] = preemption or Preemption(grace_s=cfg.signal_grace_s)
+    log.info("data %s: %s", data.data_hash, data.counts())
+
+    sequence_parallel = sequence_parallel_size(cfg)
+    trainer = WeightedLossTrainer(
+        model=model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        data_collator=instantiate(cfg.collator, tokenizer=tokenizer, sequence_parallel=sequence_parallel),
+        processing_class=tokenizer,
+        loss=loss,
+        clip_policy=clip_policy,
+        controllers=controllers,
+        eval_buckets=cfg.eval_buckets,
+        sources=[str(part.train) for part in data.parts],
+        tasks=data.tasks,
+        throughput=instantiate(cfg.throughput),
+        eval_generation=eval_generation(cfg, data),
+        eval_harness=instantiate(cfg.eval_harness, _convert_="all") if cfg.eval_harness is not None else None,
+        sequence_parallel=sequence_parallel,
+    )
+    return Recipe(trainer, data, tokenizer, clip_policy, controllers)
+
+
+def build_model(cfg: DictConfig, activation_checkpointing: bool):
+    """The model (+ LoRA) of the `model` and `lora` groups, with the attention packed batches need."""
+    from hydra.utils import instantiate
+
+    from sft.model.lora import apply_lora
+    from sft.model.packing import check_packing
+
+    attn = cfg.model.attn_implementation
+    if cfg.data.packing and attn == "sdpa":  # sdpa would attend across the whole packed row, under a mask
+        attn = "sdpa_varlen"
+        log.info("data.packing: attention sdpa_varlen (sdpa per sample of the packed row)")
+    model = instantiate(cfg.model, attn_implementation=attn, sequence_parallel=sequence_parallel_size(cfg))
+    if cfg.data.packing:
+        check_packing(model)
+    if cfg.lora is not None:
+        from peft import prepare_model_for_kbit_training
+
+        if cfg.model.quantization:
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=activation_checkpointing)
+        model = apply_lora(model, cfg.lora)
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3 shards
+    total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
+    log.info("model: %d parameters, %d trainable (%.2f%%)", total, trainable, 100 * trainable / total)
+    return model
+
+
+def eval_generation(cfg: DictConfig, data: SFTData):
+    """`sft.eval.samples.EvalGeneration` with its prompts chosen, where `eval_generation` is set and the run
+    evaluates; else None."""
+    from hydra.utils import instantiate
+
+    if cfg.eval_generation is None or not evaluates(cfg):
+        return None
+    samples = instantiate(cfg.eval_generation, _convert_="all")
+    samples.choose(data.eval_rows(), list(cfg.eval_buckets))
+    return samples

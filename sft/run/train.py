@@ -1,0 +1,157 @@
+"""A run of the recipe, top to bottom (`train`): find the checkpoint to resume from; build the run (`sft.run.build`);
+restore the checkpoint's state; train (evaluating before, during and after); save the model and `results.json`
+in the run dir (`sft.run.finish`). A signal stops it with a checkpoint and a record of where to continue."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from sft.experiments.results import RunResults
+from sft.experiments.tracking import finish_mlflow, finish_trackers, in_sweep, log_hparams, name_the_run, start_mlflow
+from sft.run.build import Recipe, build
+from sft.run.finish import benchmark_after_training, collect_results, evaluate_and_save
+from sft.training.advice import raise_if_failed, train_with_advice
+from sft.training.distributed import end_process_group, set_cpu_threads, slurm_distributed_env
+from sft.training.engines import check_fsdp_resume
+from sft.training.run_dir import lock_run_dirs
+
+log = logging.getLogger("sft")
+
+
+def train(cfg: DictConfig) -> RunResults:
+    """Run the recipe for a checked config; return the results written to `results.json`."""
+    from sft.training.checkpoints import find_checkpoint, step_of
+    from sft.training.preemption import Preempted, Preemption
+    from sft.training.step_log import no_bars_without_a_terminal
+
+    started = time.time()
+    no_bars_without_a_terminal()
+    slurm_distributed_env()
+    set_cpu_threads(log)
+    name_the_run()
+    run_dir = HydraConfig.get().runtime.output_dir
+    output_dir = cfg.trainer.output_dir or run_dir
+    locks = lock_run_dirs(run_dir, output_dir)  # one run in a dir at a time
+    preemption = Preemption(grace_s=cfg.signal_grace_s)
+    preemption.install()  # a signal now stops the start-up; in training, after a checkpoint; after it, once finished
+    try:
+        checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force, cfg.trust_checkpoint)
+        check_fsdp_resume(cfg, checkpoint)
+        changes = continue_or_claim(cfg, output_dir, checkpoint)
+        recipe = build(cfg, run_dir, checkpoint, preemption)
+        track_checkpoints(recipe, cfg, checkpoint, changes)
+        start_mlflow(cfg, run_dir)
+        preemption.on_exit = lambda: record_preempted(recipe.trainer, run_dir, started)
+        train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
+        if checkpoint and recipe.trainer.state.global_step == step_of(checkpoint):  # (then nothing trained)
+            log.info("resume: %s holds every step of the run (%d): nothing trained; the final evaluation and "
+                     "model/ again", checkpoint, recipe.trainer.state.global_step)
+        preemption.training_done = True
+        if preemption.stopped_at is not None:
+            stop_preempted(recipe.trainer, preemption, run_dir, started)
+        raise_if_failed(recipe.controllers)
+        final_eval = evaluate_and_save(recipe, cfg, run_dir)
+        final_eval.update(benchmark_after_training(recipe, cfg, run_dir, final_eval))
+        results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
+        log_hparams(cfg, run_dir, results.to_json(), recipe.trainer.args)
+        finish_trackers()
+        if recipe.trainer.is_world_process_zero():
+            results.write(run_dir)
+        finish_mlflow(run_dir, "FINISHED")
+    except BaseException as e:
+        if isinstance(e, Preempted) and e.at_start:  # nothing trained: results.json says so, with what to resume
+            record_preempted(None, run_dir, started, output_dir)
+        with contextlib.suppress(Exception):  # the run's own error is the one to report
+            finish_mlflow(run_dir, "KILLED" if isinstance(e, Preempted) else "FAILED")
+        raise
+    finally:
+        preemption.uninstall()
+        for lock in locks:
+            lock.release()
+    end_process_group()
+    if preemption.signal is not None and in_sweep():  # a signal after training: this job finished, the sweep stops
+        raise Preempted(f"{preemption.signal} after training: this job finished ({run_dir}); the sweep stops here "
+                        "(the same command with sweep.resume=true goes on)", None)
+    return results
+
+
+def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) -> list:
+    """A resume continues the checkpoint's run: the settings that differ from its config are logged, and
+    refused where the checkpoint cannot follow them (`check_resume_config`); returns them. A new run may not
+    start over another run's outputs (`sft.training.run_dir.claim`, `overwrite=true`)."""
+    from sft.training.checkpoints import inside
+    from sft.training.resume import check_resume_config
+    from sft.training.run_dir import claim
+
+    if cfg.resume != "auto" and not inside(checkpoint, output_dir):
+        claim(output_dir, cfg.overwrite, sweep_job=in_sweep())
+    if checkpoint is None:
+        return []
+    return check_resume_config(checkpoint, saved_config(cfg), cfg.resume_force)
+
+
+def saved_config(cfg: DictConfig) -> dict:
+    """The config as checkpoints keep it: resolved, its secrets masked (`sft.config.secrets`)."""
+    from sft.config.secrets import masked
+
+    return masked(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+
+
+def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, changes: list) -> None:
+    """Every checkpoint gets `sft_state.json` (run info, each stateful part's state); on resume that state
+    comes back, once the data is checked to be the checkpoint's, and a new learning rate takes effect."""
+    import uuid
+
+    from sft import version
+    from sft.training.checkpoints import CheckpointState, git_commit
+    from sft.training.resume import LearningRateChange, check_resume_data
+
+    trainer, data = recipe.trainer, recipe.data
+    stateful = {"clip": recipe.clip_policy, "trainer": trainer, **recipe.controllers}  # build refuses those names
+    saved = check_resume_data(checkpoint, data.identity, cfg.resume_force) if checkpoint else None
+    run_info = {"config": saved_config(cfg), "data_hash": data.data_hash, "world_size": trainer.args.world_size,
+                "data": data.identity, "sft_version": version(), "git_commit": git_commit(),
+                # a resume goes on with the run it resumes: rotation deletes only that run's checkpoints
+                "run_id": saved.get("run_id") if saved is not None else uuid.uuid4().hex[:12]}
+    trainer.add_callback(CheckpointState(run_info, stateful, cfg.trainer.save_total_limit, checkpoint,
+                                         checksum_all=cfg.checkpoint_checksums == "all"))
+    for name, state in (saved or {}).get("controllers", {}).items():
+        if name in stateful:
+            stateful[name].load_state_dict(state)
+    for key, old, new in changes:
+        if key == "trainer.learning_rate" and old:
+            trainer.add_callback(LearningRateChange(old, new))
+
+
+def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
+    """After a signal (`sft.training.preemption`): `results.json` says preempted and where the checkpoint is; raise
+    `Preempted`."""
+    from sft.training.preemption import Preempted
+
+    checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{preemption.stopped_at}")
+    if trainer.is_world_process_zero():
+        RunResults(status="preempted", checkpoint=checkpoint, global_step=preemption.stopped_at,
+                   resumed_from=None, wall_time_s=round(time.time() - started, 1)).write(run_dir)
+    finish_trackers()
+    end_process_group()
+    raise Preempted(f"{preemption.signal} at step {preemption.stopped_at}: saved {checkpoint}; continue with "
+                    f"the same command plus resume=auto hydra.run.dir={run_dir}", checkpoint)
+
+
+def record_preempted(trainer, run_dir: str, started: float, output_dir: str | None = None) -> None:
+    """A run that exits at a signal without finishing (in its start-up, `trainer` None; a second signal, or past
+    `signal_grace_s`; also after training): `results.json` says preempted, with the newest complete checkpoint to
+    continue from."""
+    from sft.training.checkpoints import latest_complete, step_of
+
+    if os.environ.get("RANK", "0") == "0":
+        last = latest_complete(output_dir or trainer.args.output_dir)
+        step = trainer.state.global_step if trainer is not None else (step_of(last) if last else 0)
+        RunResults(status="preempted", checkpoint=str(last) if last else None, global_step=step,
+                   resumed_from=None, wall_time_s=round(time.time() - started, 1)).write(run_dir)
