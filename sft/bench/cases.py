@@ -22,14 +22,22 @@ from sft.bench.device import memory_peak, memory_reset, on_gpu, sync
 # Each training case and what it trains with. `raw`, `hf`, `ce_naive` and `trl` compute the same full logits and
 # cross entropy (the framework's cost alone); `ce` and `packing` the lean loss that `loss.impl=auto` picks; the
 # packed cases all run the sdpa_varlen kernel but `trl_padding_free_mask` (TRL's own: a block-diagonal mask).
+# `ce_bf16` is `ce` under bf16 autocast, `ce_lora` `ce` with LoRA (`ce_lora_naive` with the model's own logits); `ce_spread` and `packing_spread` train on chats of a
+# published dataset's length spread (`SPREAD_CASES`, `sft.bench.rows.spread_rows`).
 CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": ["loss=ce", "loss.impl=naive"],
-                  "ce": ["loss=ce"], "hard_sample": ["loss=hard_sample"], "packing": ["loss=ce", "data.packing=true"],
+                  "ce": ["loss=ce"], "ce_bf16": ["loss=ce", "trainer.bf16=true"], "ce_lora": ["loss=ce", "lora=default"],
+                  "ce_lora_naive": ["loss=ce", "lora=default", "loss.impl=naive"],
+                  "hard_sample": ["loss=hard_sample"], "packing": ["loss=ce", "data.packing=true"],
+                  "ce_spread": ["loss=ce"], "packing_spread": ["loss=ce", "data.packing=true"],
                   "trl": ["loss=ce"], "trl_padding_free": ["loss=ce", "model.attn_implementation=sdpa_varlen"],
                   "trl_padding_free_mask": ["loss=ce"]}
 TRAINING_CASES = tuple(CASE_OVERRIDES)
+SPREAD_CASES = ("ce_spread", "packing_spread")
 TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped
 LOSS_CASES = ("loss_naive", "loss_lean")
-MATMUL = "matmul"  # the machine's matrix-product rate at the model's shapes: the hardware limit of the training cases
+# The machine's matrix-product rate at the model's shapes, in the model's dtype and in bf16: the hardware limit of the
+# training cases that train in that dtype (`sft.bench.matmul`)
+MATMUL_CASES = {"matmul": None, "matmul_bf16": "bfloat16"}
 EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
 RESULT = "BENCH_RESULT "
 
@@ -44,8 +52,9 @@ def scratch_dir(case: str) -> str:
 
 
 def timed_training_overrides(cfg) -> list[str]:
-    """Train `bench.steps` steps, log once at the end; no evaluation, checkpoints or trackers."""
-    steps = cfg.bench.steps
+    """Train `bench.steps` steps (and `bench.profile_steps` more, profiled after the timed ones), log once at the end;
+    no evaluation, checkpoints or trackers."""
+    steps = cfg.bench.steps + cfg.bench.profile_steps
     return [f"trainer.max_steps={steps}", "trainer.eval_strategy=no", "trainer.save_strategy=no",
             "trainer.report_to=[]", f"trainer.logging_steps={steps}", "trainer.logging_first_step=false",
             "trainer.disable_tqdm=true", "data.eval_file=null"]
@@ -135,32 +144,46 @@ def run_training_case(case: str, cfg) -> dict:
     threads' wall time (below 1: other work took cores), peak memory, MFU where known."""
     import torch
 
-    from sft.data.split import column
-    from sft.training.throughput import device_peak_tflops, flops_per_token, peak_memory_gb
+    from sft.data.split import assistant_tokens, column
+    from sft.training.throughput import device_peak_tflops, flops_per_token, model_flops_per_token, peak_memory_gb
+
+    from sft.bench.profile import step_profiler
 
     trainer = case_trainer(case, cfg, scratch_dir(case))
     collator = trainer.data_collator = CountingCollator(trainer.data_collator)
-    clock = step_clock()
+    clock, steps = step_clock(), cfg.bench.steps
+    profiler = step_profiler(steps, cfg.bench.profile_steps) if cfg.bench.profile_steps else None
     if case == "raw":
         losses = raw_loop(trainer, clock)
     else:
         trainer.add_callback(clock)
+        if profiler is not None:  # after the timed steps: its own cost is not timed
+            trainer.add_callback(profiler)
         trainer.train()
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
     accumulation, warmup = trainer.args.gradient_accumulation_steps, cfg.bench.warmup_steps
-    timed_batches = collator.tokens[warmup * accumulation: len(clock.times) * accumulation]
-    seconds = clock.times[-1] - clock.times[warmup - 1]
-    cpu_seconds = clock.cpu[-1] - clock.cpu[warmup - 1]
+    timed_batches = collator.tokens[warmup * accumulation: steps * accumulation]
+    seconds = clock.times[steps - 1] - clock.times[warmup - 1]
+    cpu_seconds = clock.cpu[steps - 1] - clock.cpu[warmup - 1]
     tokens_per_second = sum(timed_batches) / seconds
     result = {"tokens_per_second": tokens_per_second, "peak_memory_gb": peak_memory_gb(),
-              "timed_steps": len(clock.times) - warmup, "seconds": seconds, "cpu_seconds": cpu_seconds,
+              "timed_steps": steps - warmup, "seconds": seconds, "cpu_seconds": cpu_seconds,
               "threads": torch.get_num_threads(), "losses": losses}
     if not on_gpu():  # the threads' CPU time over their wall time: 1 on a quiet machine
         result["cpu_share"] = cpu_seconds / (seconds * torch.get_num_threads())
+    if profiler is not None and profiler.result is not None:
+        result["breakdown"] = profiler.result
     lengths = [len(ids) for ids in column(trainer.train_dataset, "input_ids")]
-    flops = flops_per_token(trainer.model, sum(lengths) / len(lengths)) * tokens_per_second
-    result["achieved_gflops"] = flops / 1e9  # the training FLOP/s the step's work amounts to (matmul: their limit)
+    mean_length = sum(lengths) / len(lengths)
+    # A lean loss kernel projects only the trained positions (their share of the input tokens); the model's own
+    # logits, every position
+    lean = getattr(trainer, "loss_impl", "naive") != "naive"
+    trained = int(assistant_tokens(trainer.train_dataset).sum())
+    flops = flops_per_token(trainer.model, mean_length, trained / sum(lengths) if lean else 1.0) * tokens_per_second
+    result["exec_gflops"] = flops / 1e9  # the FLOP/s of the products the step ran (matmul: their limit)
+    result["model_gflops"] = model_flops_per_token(trainer.model, mean_length) * tokens_per_second / 1e9  # 6N: MFU's
+    result["dtype"] = "bfloat16" if trainer.args.bf16 else str(cfg.model.dtype)  # the limit it is held to
     peak = cfg.throughput.peak_tflops or device_peak_tflops()
     if peak:
         result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
@@ -465,7 +488,7 @@ def run_case(case: str, cfg) -> dict:
         result = run_checksums_case(case, cfg)
     elif case == "long_rows":
         result = run_long_rows_case(case, cfg)
-    elif case == MATMUL:
+    elif case in MATMUL_CASES:
         from sft.bench.matmul import run_matmul_case
 
         result = run_matmul_case(case, cfg)

@@ -9,8 +9,9 @@ from typing import List, Optional
 from sft.config import registry
 from sft.config.schema import Schema, knob
 
-CASES = ["raw", "hf", "ce_naive", "ce", "hard_sample", "packing", "trl", "trl_padding_free", "trl_padding_free_mask",
-         "matmul", "eval_hf", "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
+CASES = ["raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_lora", "ce_lora_naive", "hard_sample", "packing", "ce_spread",
+         "packing_spread", "trl", "trl_padding_free", "trl_padding_free_mask", "matmul", "matmul_bf16", "eval_hf", "eval_sft",
+         "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
 LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequence_parallel")  # cases.LONG_ROW_VARIANTS
 ON_REQUEST = ["checksums", "long_rows"]  # a 15 GB checkpoint; rows of up to 16k tokens: only when named in bench.cases
 
@@ -30,6 +31,8 @@ class BenchConfig(Schema):
     train_row_count: int = knob(512, "how many multi_turn rows")
     matmul_tokens: int = knob(1024, "matmul: the rows of each timed product (a micro-batch's tokens)")
     warmup_steps: int = knob(5, "steps not timed")
+    profile_steps: int = knob(0, "steps profiled after the timed ones in each training case (raw aside): where a "
+                              "step's time goes, by category (sft.bench.profile); 0: none")
     repeats: int = knob(3, "rounds over all cases, interleaved; each ratio is the median of its per-round ratios")
     threads: Optional[int] = knob(None, "torch threads of every case on a CPU (null: one per core)")
     min_cpu_share: float = knob(0.8, "a round in which a training case got less of its threads' wall time as CPU "
@@ -68,6 +71,7 @@ class BenchConfig(Schema):
         self.require("train_rows", self.train_rows in (None, "multi_turn"), "must be null or multi_turn")
         self.require("train_row_count", self.train_row_count >= 1, "must be >= 1")
         self.require("matmul_tokens", self.matmul_tokens >= 1, "must be >= 1")
+        self.require("profile_steps", self.profile_steps >= 0, "must be >= 0")
         self.require("long_row_variants", set(self.long_row_variants) <= set(LONG_ROW_VARIANT_NAMES),
                      f"each must be one of {', '.join(LONG_ROW_VARIANT_NAMES)}")
         self.require("cases", not unknown, f"no such case: {', '.join(unknown)} (cases: "

@@ -39,12 +39,16 @@ def model_matmul_shapes(cfg) -> dict[tuple[int, int], int]:
 
 def run_matmul_case(case: str, cfg) -> dict:
     """The rate of `torch.mm` over the model's own products (`model_matmul_shapes`, `bench.matmul_tokens` rows each,
-    in the model's dtype, the cases' threads): each shape's best of 5 timings after one untimed, weighted by how often
-    the model has it. What a training step of this model could reach if it were nothing but its matrix products."""
+    in the model's dtype, or in bf16 for `matmul_bf16`, the cases' threads): each shape's best of 5 timings after one
+    untimed, weighted by how often the model has it. What a training step of this model could reach if it were
+    nothing but its matrix products."""
     import torch
 
+    from sft.bench.cases import MATMUL_CASES
+
     device = "cuda" if on_gpu() else "cpu"
-    dtype = getattr(torch, str(cfg.model.dtype))
+    dtype_name = MATMUL_CASES[case] or str(cfg.model.dtype)  # matmul_bf16: bf16, else the model's weights' dtype
+    dtype = getattr(torch, dtype_name)
     tokens = cfg.bench.matmul_tokens
     flops = seconds = 0.0
     for (n_in, n_out), count in model_matmul_shapes(cfg).items():
@@ -61,4 +65,4 @@ def run_matmul_case(case: str, cfg) -> dict:
                 best = min(best, time.perf_counter() - started)
         flops += count * 2.0 * tokens * n_in * n_out
         seconds += count * best
-    return {"gflops": flops / seconds / 1e9, "tokens": tokens, "threads": torch.get_num_threads()}
+    return {"gflops": flops / seconds / 1e9, "tokens": tokens, "threads": torch.get_num_threads(), "dtype": dtype_name}

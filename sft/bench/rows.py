@@ -1,5 +1,6 @@
-"""The rows the bench's data cases read: one-turn additions (`synthetic_rows`) and multi-turn chats with worked
-additions (`multi_turn_rows`), generated one by one (a million rows take no memory to make)."""
+"""The rows the bench's data cases read: one-turn additions (`synthetic_rows`), multi-turn chats with worked
+additions (`multi_turn_rows`) and chats with a published dataset's length spread (`spread_rows`), generated one by
+one (a million rows take no memory to make)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,28 @@ def multi_turn_rows(path: Path, rows: int, turns: int = 2) -> None:
                 messages += [{"role": "user", "content": f"Add {a} and {b}, column by column."},
                              {"role": "assistant", "content": worked(a, b)}]
             f.write(json.dumps({"messages": messages, "difficulty_score": 1.0 + i % 4}) + "\n")
+
+
+# The length spread of a published SFT dataset: LLaMA-Factory's data/alpaca_en_demo.json (999 rows; its commit
+# ff6d4d12e, read 2026-12-04), each row's prompt (instruction and input) and answer in SmolLM2-135M-Instruct's tokens,
+# the rows sorted by their sum and cut into 32 equal groups: each group's median (prompt, answer). Its chats are 47
+# to 750 tokens as SmolLM2's template renders them (median 162, mean 201): what packing is for.
+ALPACA_EN_DEMO_TOKENS = [
+    (12, 7), (15, 8), (19, 8), (18, 13), (18, 15), (22, 14), (20, 20), (18, 28), (23, 24), (23, 31), (24, 37),
+    (19, 56), (15, 70), (16, 82), (19, 90), (14, 107), (14, 120), (14, 133), (12, 150), (13, 165), (13, 184),
+    (11, 202), (14, 220), (11, 250), (11, 270), (12, 290), (12, 309), (12, 330), (11, 357), (12, 379), (12, 407),
+    (15, 492)]
+WORDS = "the cat sat on a mat and then it ran to see what was there in the big old house by the sea".split()
+
+
+def spread_rows(path: Path, rows: int) -> None:
+    """`rows` one-turn chats whose prompt and answer lengths follow `ALPACA_EN_DEMO_TOKENS` (each of its 32 groups
+    in turn, shuffled by a fixed stride), in words that are one token each in SmolLM2's vocabulary (more in the tiny
+    model's): chats of a real length spread, where padding to the longest row of a batch wastes what packing saves."""
+    with open(path, "w") as f:
+        for i in range(rows):
+            prompt, answer = ALPACA_EN_DEMO_TOKENS[(i * 13) % len(ALPACA_EN_DEMO_TOKENS)]
+            words = [WORDS[(7 * i + k) % len(WORDS)] for k in range(prompt + answer)]
+            f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(words[:prompt]).capitalize() + "?"},
+                                             {"role": "assistant", "content": " ".join(words[prompt:]) + "."}],
+                                "difficulty_score": 1.0 + i % 4}) + "\n")

@@ -8,7 +8,10 @@ Trains the same model on the same rows in the same order for `bench.steps` optim
   cross entropy as `raw` and `hf` (`loss.impl=naive`): the framework's own cost;
 - `ce`, `hard_sample`: this project with the lean loss `loss.impl=auto` picks (chunked on a CPU: only the
   assistant tokens are projected), and with the difficulty weights;
-- `packing`: `ce` with `data.packing=true` (the sdpa_varlen kernel);
+- `ce_bf16`: `ce` under bf16 autocast (`trainer.bf16=true`: fp32 master weights; on a CPU with bf16 instructions or
+  a GPU, else skipped with one line); `ce_lora`: `ce` with `lora=default` (`ce_lora_naive`: with `loss.impl=naive`);
+- `packing`: `ce` with `data.packing=true` (the sdpa_varlen kernel); `ce_spread` and `packing_spread`: both on chats
+  of a published dataset's length spread (LLaMA-Factory's alpaca_en_demo: 47 to 750 tokens, `sft.bench.rows`);
 - `trl`, `trl_padding_free`, `trl_padding_free_mask`: TRL's `SFTTrainer` padded, padding-free on the same
   sdpa_varlen kernel as `packing`, and padding-free on its own kernel (a block-diagonal mask), all on `sft`'s own
   tokenised rows and labels with the model's own loss (tested: the same step losses as `sft` with `loss=ce`);
@@ -21,7 +24,8 @@ full logits, then the cross entropy) and `loss_lean` (the kernel training picks:
 chunked on a CPU).
 
 The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same loss computation on both sides),
-`lean_loss_gain` (`ce` over `ce_naive`), `hard_sample_vs_ce`, `packing_gain` (`packing` over `ce`), `ce_vs_trl`,
+`lean_loss_gain` (`ce` over `ce_naive`; `lean_loss_gain_lora` the same with LoRA), `hard_sample_vs_ce`, `bf16_vs_fp32` (`ce_bf16` over `ce`), `lora_vs_full`
+(`ce_lora` over `ce`), `packing_gain` (`packing` over `ce`), `packing_gain_spread` (the same on the spread), `ce_vs_trl`,
 `packing_vs_trl_padding_free` (the same kernel) and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two
 kernels). Each case runs in a fresh process with the same torch threads (`bench.threads`) and, on a CPU, the same
 allocator settings (`sft.training.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the whole
@@ -44,13 +48,17 @@ each of `bench.long_row_lengths` tokens, plain, checkpointed, with tiled MLPs, (
 each row split over 2 processes (`sp=ulysses`): tokens/s and memory per token (docs/long_context.md).
 
 `matmul` times `torch.mm` over the model's own linear layers' shapes (`bench.matmul_tokens` rows each, the same
-threads): the rate a step made of nothing but its matrix products would reach here. With it, each training case gets
-`hw_limit_<case>`: its training FLOP/s (6N per token for full fine-tuning, about 4N with LoRA, plus attention:
-`sft.training.throughput.flops_per_token`) over that rate, round by round: the CPU's analogue of MFU, measured
-rather than taken from a data sheet. `bench.train_rows=multi_turn` trains every case on chats of about 300 tokens.
+threads) in the model's dtype, `matmul_bf16` in bf16: the rate a step made of nothing but its matrix products would
+reach here. Each round reads it anew; the limit is the best reading of the run (the machine's rate moves between
+rounds: its spread is reported). Each training case is held to the limit of the dtype it trains in:
+`hw_exec_<case>`, the FLOP/s of the products its step executes (`sft.training.throughput.flops_per_token`: the
+output layer only at the positions whose logits are computed, LoRA's own products, frozen weights without their
+gradient) over the limit, and `hw_model_<case>`, the MFU convention's 6N per token plus attention over the same
+limit (`model_flops_per_token`): the CPU's analogues of MFU, measured rather than taken from a data sheet.
+`bench.train_rows=multi_turn` trains every case on chats of about 300 tokens.
 
 `preset=smollm2` runs the training cases on the real model (SmolLM2-135M-Instruct) on such chats, with `matmul`
-(full fine-tuning; add `lora=default` for LoRA). `preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token vocabulary on the tiny
+and `matmul_bf16`. `preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token vocabulary on the tiny
 model's body, where the output layer weighs as in real fine-tuning. `preset=gpu_7b` is the GPU check: LoRA on a
 randomly initialised model of Qwen2.5-7B's shape, bf16, packed rows of about 4k tokens, the lean loss, 20 steps
 (see sft/conf/preset/gpu_7b.yaml).
@@ -73,10 +81,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, LOSS_CASES, MATMUL,
-                             RESULT, TRAINING_CASES, TRL_CASES, child, timed_training_overrides)
-from sft.bench.rows import multi_turn_rows, synthetic_rows
+from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, LOSS_CASES,
+                             MATMUL_CASES, RESULT, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
+                             timed_training_overrides)
 from sft.bench.config import compose
+from sft.bench.report import breakdowns, hardware_ratios, print_report
+from sft.bench.rows import multi_turn_rows, spread_rows, synthetic_rows
 from sft.config.schema import ConfigError
 from sft.config.validate import check
 
@@ -85,6 +95,11 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "overhead_vs_hf": (0.97, "min"),
     "hard_sample_vs_ce": (0.97, "min"),
     "packing_gain": (1.3, "min"),
+    "packing_gain_spread": (1.3, "min"),
+    "bf16_vs_fp32": (1.8, "min"),
+    "lora_vs_full": (1.25, "min"),
+    "hw_exec_ce": (0.80, "min"),
+    "hw_exec_ce_bf16": (0.60, "min"),
     "ce_vs_trl": (1.0, "min"),
     "packing_vs_trl_padding_free": (1.3, "min"),
     "lean_vs_naive_loss_memory": (0.3, "max"),
@@ -101,7 +116,9 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
 # name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL
 TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_naive", "hf"),
                    "lean_loss_gain": ("ce", "ce_naive"), "hard_sample_vs_ce": ("hard_sample", "ce"),
-                   "packing_gain": ("packing", "ce"), "ce_vs_trl": ("ce", "trl"),
+                   "packing_gain": ("packing", "ce"), "packing_gain_spread": ("packing_spread", "ce_spread"),
+                   "bf16_vs_fp32": ("ce_bf16", "ce"), "lora_vs_full": ("ce_lora", "ce"),
+                   "lean_loss_gain_lora": ("ce_lora", "ce_lora_naive"), "ce_vs_trl": ("ce", "trl"),
                    "packing_vs_trl_padding_free": ("packing", "trl_padding_free"),
                    "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask")}
 
@@ -167,6 +184,20 @@ def first_step_seconds(repeats: int = 5) -> float:
             if n:  # the first run warms the caches (tiny model, tokenised data)
                 times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+BF16_CASES = ("ce_bf16", "matmul_bf16")
+
+
+def bf16_missing() -> str | None:
+    """Why the bf16 cases cannot run here (no GPU, and a CPU without bf16 instructions), or None."""
+    import torch
+
+    from sft.training.precision import cpu_bf16_instructions
+
+    if torch.cuda.is_available() or cpu_bf16_instructions():
+        return None
+    return "no GPU, and this CPU has no bf16 instructions (sft.training.precision)"
 
 
 def trl_missing() -> str | None:
@@ -242,10 +273,11 @@ def run_all(overrides: list[str]) -> dict:
     report: dict = {"overrides": overrides, "raw": {}, "cases": {}, "ratios": {}, "spread": {}, "rounds": [],
                     "skipped": {}, "isolated": bool(base.bench.isolate)}
     wanted = list(b.cases)
-    if any(case in TRL_CASES for case in wanted) and (reason := trl_missing()):
-        print(f"skipping {', '.join(c for c in wanted if c in TRL_CASES)}: {reason}", file=sys.stderr)
-        report["skipped"].update({case: reason for case in wanted if case in TRL_CASES})
-        wanted = [case for case in wanted if case not in TRL_CASES]
+    for group, reason in ((TRL_CASES, trl_missing()), (BF16_CASES, bf16_missing())):
+        if reason and any(case in group for case in wanted):
+            print(f"skipping {', '.join(c for c in wanted if c in group)}: {reason}", file=sys.stderr)
+            report["skipped"].update({case: reason for case in wanted if case in group})
+            wanted = [case for case in wanted if case not in group]
     jobs = {}  # case id -> (case, config)
     batch_sizes = list(b.batch_sizes or [base.trainer.per_device_train_batch_size])
     rows_dir = tempfile.TemporaryDirectory(prefix="sft-bench-rows-")
@@ -253,15 +285,18 @@ def run_all(overrides: list[str]) -> dict:
     if b.train_rows == "multi_turn":  # chats of about 300 tokens, as real fine-tuning data has them
         multi_turn_rows(path := Path(rows_dir.name, "multi_turn.jsonl"), b.train_row_count)
         rows = [f"data.train_file={path}"]
+    if any(case in SPREAD_CASES for case in wanted):
+        spread_rows(spread := Path(rows_dir.name, "spread.jsonl"), b.train_row_count)
     for size in batch_sizes:
         for case in wanted:
             if case in TRAINING_CASES:
-                cfg = compose(overrides + rows + CASE_OVERRIDES[case] + timed_training_overrides(base)
+                case_rows = [f"data.train_file={spread}"] if case in SPREAD_CASES else rows
+                cfg = compose(overrides + case_rows + CASE_OVERRIDES[case] + timed_training_overrides(base)
                               + [f"trainer.per_device_train_batch_size={size}"])
                 jobs[case_id(case, size, batch_sizes[0])] = (case, cfg)
     evaluation = compose(overrides + ["loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"])
     jobs.update({case: (case, evaluation) for case in wanted if case in EVAL_CASES})
-    jobs.update({case: (case, base) for case in wanted if case in (*LOSS_CASES, MATMUL)})
+    jobs.update({case: (case, base) for case in wanted if case in (*LOSS_CASES, *MATMUL_CASES)})
     with rows_dir:
         rounds = run_rounds(jobs, b, report) if jobs else []
     for name in jobs:
@@ -272,12 +307,8 @@ def run_all(overrides: list[str]) -> dict:
     cases, per_round = report["cases"], {}
     for size in batch_sizes:
         per_round.update(training_ratios(rounds, case_id("", size, batch_sizes[0])))
-    if MATMUL in cases:  # each training case's FLOP/s over the model's matrix products' rate, round by round
-        for name in jobs:
-            if values := [r[name]["achieved_gflops"] / r[MATMUL]["gflops"] for r in rounds
-                          if "achieved_gflops" in r.get(name, {}) and MATMUL in r]:
-                per_round[f"hw_limit_{name}"] = values
-                cases[name]["hw_limit"] = statistics.median(values)
+    per_round.update(hardware_ratios(rounds, cases))
+    breakdowns(rounds, cases)
     if all(case in cases for case in EVAL_CASES):
         per_round["eval_vs_hf_time"] = paired(rounds, "eval_sft", "eval_hf", "seconds_per_1000_rows")
     if all(case in cases for case in LOSS_CASES):
@@ -376,87 +407,6 @@ def long_rows(overrides: list[str], base) -> dict:
                                            "trainer.train_sampling_strategy=sequential", *extra])
                 results[variant][str(length)] = spawn("long_rows", cfg, processes=LONG_ROW_PROCESSES.get(variant, 1))
     return results
-
-
-def print_report(report: dict) -> None:
-    cases = report["cases"]
-    gpu = any("cpu_share" not in c for c in cases.values() if "tokens_per_second" in c)
-    memory = "peak GiB" if gpu else "peak RSS"
-    print(f"\n{'case':<26}{'tokens/s':>12}{'vs hf':>8}{memory:>10}{'vs hf':>8}{'cpu s':>8}{'mfu':>8}{'GFLOP/s':>9}"
-          f"{'hw lim':>8}")
-    for name, c in cases.items():
-        if "tokens_per_second" not in c:
-            continue
-        suffix = name[len(name.rsplit("_b", 1)[0]):] if name.rsplit("_b", 1)[-1].isdigit() else ""
-        hf = cases.get("hf" + suffix, {})
-        print(f"{name:<26}{c['tokens_per_second']:>12.0f}"
-              f"{c['tokens_per_second'] / hf['tokens_per_second'] if hf else float('nan'):>8.2f}"
-              f"{c['peak_memory_gb']:>10.2f}"
-              f"{c['peak_memory_gb'] / hf['peak_memory_gb'] if hf else float('nan'):>8.2f}"
-              f"{c.get('cpu_seconds', float('nan')):>8.1f}{c['mfu'] if 'mfu' in c else float('nan'):>8.3f}"
-              f"{c.get('achieved_gflops', float('nan')):>9.1f}{c.get('hw_limit', float('nan')):>8.3f}")
-    if MATMUL in cases:
-        m = cases[MATMUL]
-        print(f"matmul: torch.mm over the model's products ({m['tokens']:.0f} rows each) at {m['gflops']:.1f} GFLOP/s "
-              "on this machine; hw lim: a case's training FLOP/s over that rate (GFLOP/s: its 6N (full) or ~4N "
-              "(LoRA) FLOPs per token plus attention, sft.training.throughput.flops_per_token)")
-    if not gpu and any("tokens_per_second" in c for c in cases.values()):
-        print("(memory on a CPU: each case's whole-process peak resident memory, imports and data included)"
-              if report.get("isolated", True) else "(bench.isolate=false: the cases shared one process, so memory "
-              "figures are that process's peak so far, not each case's own)")
-    for case in EVAL_CASES:
-        if case in cases:
-            c = cases[case]
-            print(f"{case:<22}{c['seconds_per_1000_rows']:>10.2f} s per 1,000 eval rows ({c['rows']} rows)")
-    for case in LOSS_CASES:
-        if case in cases:
-            c = cases[case]
-            impl = report["raw"][case][0]["impl"]
-            print(f"{case:<22}{c['tokens'] / c['seconds']:>12.0f}{'':>8}{c['peak_memory_gb']:>10.2f}   "
-                  f"({c['seconds']:.2f} s forward+backward, {impl})")
-    if "preprocess" in cases:
-        p = cases["preprocess"]
-        print(f"preprocess    {p['rows']} rows: first {p['first_s']:.1f} s, cached {p['cached_s']:.2f} s")
-    if "tokenize" in cases:
-        t = cases["tokenize"]
-        print(f"tokenize      {t['rows']} multi-turn rows, rows/s on one core: sft {t['sft_rows_per_second']:.0f} "
-              f"({t['sft_renders_per_row']:g} renders a row), sft 0.1 {t['baseline_rows_per_second']:.0f} "
-              f"({t['baseline_renders_per_row']:g}), the tokenizer alone {t['tokenizer_rows_per_second']:.0f}; "
-              "rounds (sft, tokenizer alone vs sft 0.1): "
-              + ", ".join(f"{ours:.2f}/{alone:.2f}" for ours, alone in t["round_ratios"]))
-    if "scale" in cases:
-        c = cases["scale"]
-        print(f"scale         {c['rows']} rows: {c['rows_per_second']:.0f} rows/s ({c['first_s']:.0f} s), peak RSS "
-              f"{c['peak_rss_gb']:.2f} GiB (largest worker {c['worker_peak_rss_gb']:.2f} GiB); cached load "
-              f"{c['cached_s']:.1f} s ({c['cached_peak_rss_gb']:.2f} GiB)")
-    if "checksums" in cases:
-        c = cases["checksums"]
-        disk = "not measured (cannot drop the page cache here)" if c["disk_s"] is None else f"{c['disk_s']:.1f} s"
-        print(f"checksums     a {c['gb']:.0f} GB checkpoint: {c['cached_s']:.1f} s from the page cache (a save), "
-              f"{disk} from the disk (a resume)")
-    if "long_rows" in cases:
-        print("long rows     one packed row a step: tokens/s, and memory per token of the row (the step's peak over "
-              "the built trainer's" + ("" if any(r["on_gpu"] for v in cases["long_rows"].values() for r in v.values())
-                                       else ", the resident set's on a CPU") + ")")
-        for variant, by_length in cases["long_rows"].items():
-            print(f"  {variant:<18}" + "  ".join(f"{n:>6}: {r['tokens_per_second']:>8.0f} tok/s "
-                                                 f"{r['bytes_per_token'] / 1024:>7.1f} KiB/token"
-                                                 for n, r in by_length.items()))
-    for case, reason in report.get("skipped", {}).items():
-        print(f"{case:<22}skipped: {reason}")
-    for info in report.get("rounds", []):
-        share = "" if info["min_cpu_share"] is None else f", least CPU share {info['min_cpu_share']:.0%}"
-        flag = "  LOADED: its ratios are not to be trusted" if info["loaded"] else ""
-        print(f"round {info['round']} (attempt {info['attempt']}): load average {info['load_before']:.1f} -> "
-              f"{info['load_after']:.1f}{share}{flag}")
-    print(f"\n{'ratio':<40}{'median':>8}  {'rounds (min-max)':<18}")
-    for key, value in report["ratios"].items():
-        target = report["targets"].get(key)
-        spread = report.get("spread", {}).get(key)
-        rounds = f"{spread[0]:.3f}-{spread[1]:.3f}" if spread else ""
-        mark = "" if target is None else (f"target {'>=' if target['kind'] == 'min' else '<='} {target['target']}: "
-                                          f"{'met' if target['met'] else 'NOT MET'}")
-        print(f"{key:<40}{value:>8.3f}  {rounds:<18}{mark}")
 
 
 def main(argv: list[str] | None = None) -> int:

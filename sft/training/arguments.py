@@ -78,7 +78,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     seed: int = knob(42, "seeds data order, dropout and adapter initialisation")
     data_seed: Optional[int] = knob(None, "seeds the data order alone (null: seed)")
     full_determinism: bool = knob(False, "transformers' deterministic algorithms (slower)")
-    bf16: bool = knob(False, "bf16 mixed precision (GPU)")
+    bf16: bool = knob(False, "bf16 mixed precision (autocast; fp32 master weights and optimizer state): on a GPU, or "
+                            "a CPU with bf16 instructions (AVX512-BF16, AMX, Arm BF16)")
     fp16: bool = knob(False, "fp16 mixed precision with a loss scaler (GPU)")
     activation_checkpointing: bool = knob(False, "recompute activations in the backward: less memory, ~30% slower")
     dataloader_pin_memory: bool = knob(True, "pinned host memory (on GPU only)")
@@ -135,6 +136,10 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         self.require("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1,
                      "must be >= 1 (or null to keep every checkpoint)")
         self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
+        if self.bf16 and (self.use_cpu or not cuda_available()):
+            from sft.training.precision import NO_BF16_CPU, cpu_bf16_instructions
+
+            self.require("bf16", cpu_bf16_instructions() is not None, NO_BF16_CPU)
         if self.activation_offloading:
             self.require("activation_offloading", self.activation_checkpointing,
                          "offloads the activation checkpoints: set trainer.activation_checkpointing=true too")
@@ -236,6 +241,8 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     if not has_eval:
         fields["eval_strategy"] = "no"
     fields.update(process_fields(deepspeed=bool(cfg.deepspeed), fsdp=cfg.fsdp is not None, on_gpu=on_gpu))
+    if fields["bf16"] and not on_gpu:  # transformers takes bf16 on a CPU only with use_cpu (checked: it has bf16)
+        fields["use_cpu"] = True
     if cfg.fsdp is not None:
         fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"]))
     if fields.get("disable_tqdm") is None:  # no bars where nobody watches them (sft.training.step_log)

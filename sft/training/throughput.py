@@ -52,21 +52,41 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def flops_per_token(model, mean_sequence_length: float) -> float:
-    """Training FLOPs per input token (see the module docstring) for `model` at a mean sequence length."""
+def flops_per_token(model, mean_sequence_length: float, logit_fraction: float = 1.0) -> float:
+    """Training FLOPs per input token (see the module docstring) for `model` at a mean sequence length: what a step
+    executes. `logit_fraction`: the share of positions whose logits the loss computes (1 for the model's own
+    logits; the trained positions' share for a lean kernel, which projects only those), which scales the output
+    layer's products."""
     import torch
 
-    linear = trainable = 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = trainable = 0.0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             n = getattr(module.weight, "ds_numel", module.weight.numel())  # ZeRO-3 shards
+            n *= logit_fraction if module is head else 1.0
             linear += n
             trainable += n if module.weight.requires_grad else 0
+    return 4 * linear + 2 * trainable + attention_flops_per_token(model, mean_sequence_length)
+
+
+def model_flops_per_token(model, mean_sequence_length: float) -> float:
+    """The MFU convention's FLOPs per token: 6N over the N weights of the model's own linear layers (every
+    position's logits, every weight's gradient, whether trained or frozen; adapters not counted) plus attention."""
+    import torch
+
+    adapters = {id(m) for name, m in model.named_modules() if any(p.startswith("lora_") for p in name.split("."))}
+    weights = sum(getattr(m.weight, "ds_numel", m.weight.numel()) for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and id(m) not in adapters)
+    return 6 * weights + attention_flops_per_token(model, mean_sequence_length)
+
+
+def attention_flops_per_token(model, mean_sequence_length: float) -> float:
+    """Causal attention's forward and backward per token: its two products over half the context on average."""
     config = model.config
     heads = config.num_attention_heads
     width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads)
-    attention = 6 * config.num_hidden_layers * width * mean_sequence_length
-    return 4 * linear + 2 * trainable + attention
+    return 6 * config.num_hidden_layers * width * mean_sequence_length
 
 
 @dataclass(eq=False)

@@ -365,13 +365,15 @@ class WeightedLossTrainer(Trainer):
                 outputs, hidden = self._forward_keeping_hidden(model, **inputs)
             else:
                 outputs, hidden = model(**inputs, use_cache=False), None
-            return outputs, self.loss.terms(labels, weights, logits=outputs.logits, position_ids=position_ids,
-                                            accuracy=accuracy, columns=columns), hidden
+            with torch.profiler.record_function("sft.loss"):  # a scope in a profile (sft.bench.profile)
+                terms = self.loss.terms(labels, weights, logits=outputs.logits, position_ids=position_ids,
+                                        accuracy=accuracy, columns=columns)
+            return outputs, terms, hidden
         no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
         outputs, hidden = self._forward_keeping_hidden(model, **inputs, logits_to_keep=no_logits)
         # cce computes no argmax: evaluation (no gradient) takes the chunked path, which gives the accuracy.
         impl = self.loss_impl if model.training else "chunked"
-        with self._gathered_lm_head():
+        with self._gathered_lm_head(), torch.profiler.record_function("sft.loss"):
             terms = self.loss.terms(labels, weights, hidden=hidden, lm_head=self._lm_head.weight,
                                     position_ids=position_ids, impl=impl, accuracy=accuracy,
                                     transform=self.logit_transform, columns=columns)

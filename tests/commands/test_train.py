@@ -97,3 +97,21 @@ def test_a_controller_named_as_a_key_of_the_checkpoint_state_is_refused(tmp_path
 
     assert_cli_refuses(tmp_path, f"error: config: controllers.{name}: is the name of ",
                        f"+controllers.{name}._target_=sft.training.controllers.EarlyStopping", "trainer.max_steps=1")
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_lora_on_packed_rows_with_the_lean_loss_as_eager_does(tmp_path):
+    """`trainer.torch_compile=true` (inductor, on this CPU) with LoRA, packing (sdpa_varlen) and the chunked loss:
+    the same step losses as the eager run."""
+    from conftest import step_losses
+
+    common = ["lora=default", "data.packing=true", "trainer.max_steps=2", "trainer.logging_steps=1",
+              "trainer.save_steps=2", "trainer.eval_strategy=no", "data.eval_file=null"]
+    losses = {}
+    for compiled in ("false", "true"):
+        run = tmp_path / compiled
+        proc = run_train(*common, f"trainer.torch_compile={compiled}", f"hydra.run.dir={run}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads((run / "results.json").read_text())["loss_impl"] == "chunked"
+        losses[compiled] = step_losses(run, 2)
+    assert len(losses["true"]) == 2 and losses["true"] == pytest.approx(losses["false"], rel=1e-4)

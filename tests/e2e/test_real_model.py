@@ -185,7 +185,9 @@ def test_the_merged_real_model_equals_peft_base_plus_adapter_and_carries_no_quan
     with torch.no_grad():
         ours, theirs = merged(ids).logits, reference(ids).logits
         untrained = AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits
-    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-5)
+    # fp32 rounding of W + s*BA against x@W + s*(x@A)@B through 30 layers: logits of about 10 differ by up to 1.4e-4
+    # (measured 2026-12-04); the adapter itself moves them by more than 1e-2
+    torch.testing.assert_close(ours, theirs, atol=5e-4, rtol=1e-4)
     assert (ours - untrained).abs().max() > 1e-2  # the adapter changed the model: the comparison can fail
 
 
@@ -222,3 +224,32 @@ def test_the_real_model_experiment_runs_and_reports_at_toy_size(real, tmp_path):
     assert all(0 <= float(settings["ce"][f"eval_exact/bucket_{k}"]) <= 1 for k in range(4))
     verdict = (tmp_path / "sweep" / "sweep_summary.md").read_text().split("## Verdict\n\n")[1]
     assert verdict.startswith("- loss=hard_sample against loss=ce (1 seed, paired): ")
+
+
+def test_bf16_step_losses_follow_fp32_over_20_real_steps(real, tmp_path):
+    """`trainer.bf16=true` on a CPU with bf16 instructions (sft.training.precision): twenty full fine-tuning steps of
+    the real model follow fp32's step losses to bf16's resolution, and both learn."""
+    from conftest import composed
+
+    from sft.run.build import build
+    from sft.training.precision import cpu_bf16_instructions
+
+    if cpu_bf16_instructions() is None or torch.cuda.is_available():
+        pytest.skip("needs a CPU with bf16 instructions and no GPU")
+    rows = write_jsonl(tmp_path / "rows.jsonl", sample_rows(40))
+    shared = ["model=smollm2_135m", "loss=ce", "data=jsonl", f"data.train_file={rows}", "data.eval_file=null",
+              "trainer.max_steps=20", "trainer.logging_steps=1", "trainer.per_device_train_batch_size=2",
+              "trainer.learning_rate=1e-4", "trainer.save_strategy=no", "trainer.report_to=[]"]
+    losses = {}
+    for name, extra in (("fp32", []), ("bf16", ["trainer.bf16=true"])):
+        trainer = build(composed(*shared, *extra), str(tmp_path / name)).trainer
+        trainer.train()
+        losses[name] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    fp32, bf16 = losses["fp32"], losses["bf16"]
+    assert len(fp32) == len(bf16) == 20
+    # bf16 products carry 8 bits of mantissa through 30 layers: the first step's loss (the same weights) already
+    # differs by about 1%, and the two runs' weights drift apart from there; each step within 6%, the run's mean
+    # within 2% (measured 2026-12-04: first step 1.2%, worst step 4.8%, mean 1.4% over 8 steps)
+    assert max(abs(a - b) / b for a, b in zip(bf16, fp32)) < 0.06, list(zip(bf16, fp32))
+    assert abs(sum(bf16) - sum(fp32)) / sum(fp32) < 0.02, list(zip(bf16, fp32))
+    assert sum(fp32[-5:]) < 0.7 * sum(fp32[:5]) and sum(bf16[-5:]) < 0.7 * sum(bf16[:5])

@@ -23,7 +23,7 @@ def test_lora_default_wraps_every_linear_layer_but_the_output_and_one_step_moves
     linear = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     output = {name for name, m in model.named_modules() if m is model.get_output_embeddings()}
     experts = {name for name, m in model.named_modules() if name.endswith(".experts")}  # fused weights, no Linear
-    overrides = ["lora=default"]
+    overrides = ["lora=default", "lora.lora_dropout=0.05"]
     if experts:
         with pytest.raises(ConfigError, match="lora.lora_dropout=0.05: this model's fused expert weights"):
             apply_lora(tiny(arch, tie), compose("train", overrides).lora)

@@ -6,7 +6,7 @@ from conftest import train_steps
 
 from sft.loss.builtin import CrossEntropyLoss
 from sft.model.loading import load_model
-from sft.training.throughput import ThroughputMeter, flops_per_token
+from sft.training.throughput import ThroughputMeter, flops_per_token, model_flops_per_token
 from sft.training.trainer import WeightedLossTrainer
 
 
@@ -18,6 +18,24 @@ def test_flops_per_token_is_6n_for_full_fine_tuning_4n_frozen_plus_attention():
     for p in model.parameters():
         p.requires_grad_(False)
     assert flops_per_token(model, 50) == 4 * n + attention
+
+
+def test_executed_flops_count_the_logits_computed_and_model_flops_are_6n_whatever_trains():
+    """A lean loss projects only the trained positions: the output layer's products scale with their share. The
+    MFU convention's model FLOPs stay 6N (adapters not counted), full fine-tuning or LoRA."""
+    from peft import LoraConfig, get_peft_model
+
+    model = load_model("tiny")
+    head = model.get_output_embeddings().weight.numel()
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = 6 * 4 * 128 * 50
+    assert flops_per_token(model, 50, logit_fraction=0.25) == 6 * (n - head) + 6 * head * 0.25 + attention
+    assert model_flops_per_token(model, 50) == 6 * n + attention
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    adapters = sum(p.numel() for name, p in lora.named_parameters() if "lora_" in name)
+    # frozen weights: forward and the activations' gradient (4n); the adapters: 6 per weight
+    assert flops_per_token(lora, 50) == 4 * n + 6 * adapters + attention
+    assert model_flops_per_token(lora, 50) == 6 * n + attention
 
 
 def test_throughput_values_are_logged(tmp_path, tokenizer, monkeypatch):
