@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from sft.bench import config as bench_config
 from sft.bench.device import memory_peak, memory_reset, on_gpu, sync
+from sft.bench.matmul import MATMUL_CASES, run_matmul_case
 
 # Each training case and what it trains with. `raw`, `hf`, `ce_naive` and `trl` compute the same full logits and
 # cross entropy (the framework's cost alone); `ce` and `packing` the lean loss that `loss.impl=auto` picks; the
@@ -35,9 +36,6 @@ TRAINING_CASES = tuple(CASE_OVERRIDES)
 SPREAD_CASES = ("ce_spread", "packing_spread")
 TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped
 LOSS_CASES = ("loss_naive", "loss_lean")
-# The machine's matrix-product rate at the model's shapes, in the model's dtype and in bf16: the hardware limit of the
-# training cases that train in that dtype (`sft.bench.matmul`)
-MATMUL_CASES = {"matmul": None, "matmul_bf16": "bfloat16"}
 EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
 RESULT = "BENCH_RESULT "
 
@@ -489,7 +487,6 @@ def run_case(case: str, cfg) -> dict:
     elif case == "long_rows":
         result = run_long_rows_case(case, cfg)
     elif case in MATMUL_CASES:
-        from sft.bench.matmul import run_matmul_case
 
         result = run_matmul_case(case, cfg)
     else:

@@ -9,6 +9,10 @@ from omegaconf import OmegaConf
 
 from sft.bench.device import on_gpu, sync
 
+# The machine's matrix-product rate at the model's shapes, in the model's dtype (None) and in bf16: the hardware limit
+# of the training cases that train in that dtype (`hardware_ratios` in `sft.bench.report`)
+MATMUL_CASES = {"matmul": None, "matmul_bf16": "bfloat16"}
+
 
 def model_matmul_shapes(cfg) -> dict[tuple[int, int], int]:
     """The (in, out) shapes of the model's linear layers and how many of each (per layer: q, k, v, o, gate, up, down;
@@ -43,8 +47,6 @@ def run_matmul_case(case: str, cfg) -> dict:
     untimed, weighted by how often the model has it. What a training step of this model could reach if it were
     nothing but its matrix products."""
     import torch
-
-    from sft.bench.cases import MATMUL_CASES
 
     device = "cuda" if on_gpu() else "cpu"
     dtype_name = MATMUL_CASES[case] or str(cfg.model.dtype)  # matmul_bf16: bf16, else the model's weights' dtype

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import statistics
 
-from sft.bench.cases import EVAL_CASES, LOSS_CASES, MATMUL_CASES
+from sft.bench.cases import EVAL_CASES, LOSS_CASES
+from sft.bench.matmul import MATMUL_CASES
 from sft.bench.profile import CATEGORIES
 
 

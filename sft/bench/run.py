@@ -82,9 +82,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, LOSS_CASES,
-                             MATMUL_CASES, RESULT, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
+                             RESULT, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
                              timed_training_overrides)
 from sft.bench.config import compose
+from sft.bench.matmul import MATMUL_CASES
 from sft.bench.report import breakdowns, hardware_ratios, print_report
 from sft.bench.rows import multi_turn_rows, spread_rows, synthetic_rows
 from sft.config.schema import ConfigError

@@ -23,6 +23,7 @@ COMMANDS = {
     "merge": ("sft.commands.merge", "merge a LoRA adapter into its base model, for serving"),
     "compare": ("sft.commands.compare", "the base and the trained model's greedy answers side by side"),
     "recipe": ("sft.commands.recipe", "a run as a recipe file: sft train --config-dir <dir> --config-name <recipe>"),
+    "plot": ("sft.commands.plot", "runs as one picture: loss, eval loss, learning rate, grad norm, buckets"),
     "report": ("sft.commands.report", "rebuild a sweep's report (verdict, intervals, paired differences)"),
     "sweep": ("sft.commands.sweep", "a sweep, each job through accelerate launch (what ./launch.sh -m runs)"),
     "bench": ("sft.bench.run", "speed and memory, side by side: sft against a raw loop, Trainer, TRL"),

@@ -11,8 +11,13 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
-import hydra
+from sft.training.noise import quiet_foreign_noise
+
+quiet_foreign_noise()  # before the imports below bring in DeepSpeed and PEFT (sft.training.noise)
+
+import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -58,6 +63,8 @@ def main(cfg: DictConfig) -> float | None:
         # instantiate wraps what the built function raised; the user needs that reason, not the wrapper.
         reason = e.__cause__ if isinstance(e, InstantiationException) else e
         if isinstance(reason, Preempted):  # also inside a sweep: the machine is going away, so is the sweep
+            if os.environ.get("RANK", "0") == "0":
+                print_summary(HydraConfig.get().runtime.output_dir)
             print(f"preempted: {reason}", file=sys.stderr)
             sys.exit(PREEMPTED_EXIT_CODE)
         if in_sweep() and cfg.sweep.continue_on_error:
@@ -71,8 +78,17 @@ def main(cfg: DictConfig) -> float | None:
             fail(str(reason), code=1)
         raise
     if os.environ.get("RANK", "0") == "0":
+        print_summary(HydraConfig.get().runtime.output_dir)
         print(f"run dir: {HydraConfig.get().runtime.output_dir}")
     return results.eval_ce  # the objective of sweeps: comparable across loss weights, unlike eval_loss
+
+
+def print_summary(run_dir: str) -> None:
+    """The run's summary (`sft.experiments.summary`: what changed, where the model is, what to run next), where it
+    wrote one."""
+    summary = Path(run_dir, "summary.txt")
+    if summary.is_file():
+        print("\n" + summary.read_text(), end="")
 
 
 def start_sweep_job(cfg: DictConfig) -> RunResults | None:

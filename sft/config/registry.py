@@ -37,6 +37,11 @@ from sft.training.throughput import ThroughputMeter
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # sft/conf/: the config groups, shipped in the package
 
+class Console(Choice):
+    short = "short"
+    json = "json"
+
+
 class CheckpointChecksums(Choice):
     small = "small"
     all = "all"
@@ -73,6 +78,9 @@ class TrainConfig(Schema):
     resume_force: bool = knob(False, "resume even if the data or a fixed setting changed, or verification fails")
     trust_checkpoint: bool = knob(False, "resume=<a DeepSpeed checkpoint this run dir did not write>: DeepSpeed "
                                   "unpickles its files, which runs any code in them; true if you trust its maker")
+    console: Console = knob(Console.short, "what the console shows of each log: short (one line a person reads: step, "
+                            "loss, lr, grad norm, tok/s; every number goes to metrics.jsonl in the run dir) or json "
+                            "(each log as one JSON line of numbers, for jq)")
     overwrite: bool = knob(False, "a new run into a dir holding another run's outputs: delete them (else refused)")
     checkpoint_checksums: CheckpointChecksums = knob(CheckpointChecksums.all, "CRC-32s in each checkpoint's "
                                                      "manifest, verified on resume: all (every file; ~3 GB/s from "

@@ -94,6 +94,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
         eval_generation=eval_generation(cfg, data),
         eval_harness=instantiate(cfg.eval_harness, _convert_="all") if cfg.eval_harness is not None else None,
         sequence_parallel=sequence_parallel,
+        console=str(cfg.console),
     )
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
 

@@ -8,11 +8,13 @@ import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from sft.experiments.results import RunResults
+from sft.experiments.summary import summary_text, write_summary
 from sft.experiments.tracking import finish_mlflow, finish_trackers, in_sweep, log_hparams, name_the_run, start_mlflow
 from sft.run.build import Recipe, build
 from sft.run.finish import benchmark_after_training, collect_results, evaluate_and_save
@@ -20,6 +22,7 @@ from sft.training.advice import raise_if_failed, train_with_advice
 from sft.training.distributed import end_process_group, set_cpu_threads, slurm_distributed_env
 from sft.training.engines import check_fsdp_resume
 from sft.training.run_dir import lock_run_dirs
+from sft.training.step_log import MetricsFile, read_metrics
 
 log = logging.getLogger("sft")
 
@@ -45,6 +48,8 @@ def train(cfg: DictConfig) -> RunResults:
         check_fsdp_resume(cfg, checkpoint)
         changes = continue_or_claim(cfg, output_dir, checkpoint)
         recipe = build(cfg, run_dir, checkpoint, preemption)
+        recipe.trainer.add_callback(MetricsFile(Path(run_dir, "metrics.jsonl"), step_of(checkpoint) if checkpoint
+                                                else None))  # every number of every log
         track_checkpoints(recipe, cfg, checkpoint, changes)
         start_mlflow(cfg, run_dir)
         preemption.on_exit = lambda: record_preempted(recipe.trainer, run_dir, started)
@@ -63,6 +68,7 @@ def train(cfg: DictConfig) -> RunResults:
         finish_trackers()
         if recipe.trainer.is_world_process_zero():
             results.write(run_dir)
+            picture_and_summary(cfg, run_dir, results)
         finish_mlflow(run_dir, "FINISHED")
     except BaseException as e:
         if isinstance(e, Preempted) and e.at_start:  # nothing trained: results.json says so, with what to resume
@@ -135,13 +141,31 @@ def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
     from sft.training.preemption import Preempted
 
     checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{preemption.stopped_at}")
+    continue_with = f"the same command plus resume=auto hydra.run.dir={run_dir}"
     if trainer.is_world_process_zero():
-        RunResults(status="preempted", checkpoint=checkpoint, global_step=preemption.stopped_at,
-                   resumed_from=None, wall_time_s=round(time.time() - started, 1)).write(run_dir)
+        results = RunResults(status="preempted", checkpoint=checkpoint, global_step=preemption.stopped_at,
+                             resumed_from=None, wall_time_s=round(time.time() - started, 1))
+        results.write(run_dir)
+        write_summary(run_dir, summary_text(run_dir, read_metrics(Path(run_dir, "metrics.jsonl")), "preempted",
+                                            preemption.stopped_at, results.wall_time_s, None, False, "",
+                                            None, continue_with))
     finish_trackers()
     end_process_group()
     raise Preempted(f"{preemption.signal} at step {preemption.stopped_at}: saved {checkpoint}; continue with "
-                    f"the same command plus resume=auto hydra.run.dir={run_dir}", checkpoint)
+                    f"{continue_with}", checkpoint)
+
+
+def picture_and_summary(cfg: DictConfig, run_dir: str, results: RunResults) -> None:
+    """The run as a picture (`curves.png`) and its summary (`summary.txt`), from its `metrics.jsonl`."""
+    from sft.experiments.curves import draw
+
+    metrics = read_metrics(Path(run_dir, "metrics.jsonl"))
+    if metrics:
+        draw({Path(run_dir).name: metrics}, Path(run_dir, "curves.png"))
+    model = str(cfg.model.get("gguf_file") or cfg.model.get("name_or_path") or "the model")
+    write_summary(run_dir, summary_text(run_dir, metrics, "finished", results.global_step, results.wall_time_s,
+                                        results.train_tokens_per_second, cfg.lora is not None, model,
+                                        cfg.data.get("eval_file")))
 
 
 def record_preempted(trainer, run_dir: str, started: float, output_dir: str | None = None) -> None:

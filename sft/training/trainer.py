@@ -89,13 +89,13 @@ class WeightedLossTrainer(Trainer):
                  controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
                  sources: list[str] | None = None, tasks: dict[int, str] | None = None,
                  throughput: ThroughputMeter | None = None, eval_generation=None, eval_harness=None,
-                 sequence_parallel: int = 1, **kwargs):
+                 sequence_parallel: int = 1, console: str = "short", **kwargs):
         self.controllers = dict(controllers or {})
         self.throughput = throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
         import_deepspeed_only_when_used()  # Trainer unwraps the model while it is set up: no DeepSpeed import for it
         super().__init__(*args, callbacks=callbacks, **kwargs)
-        use_step_log(self)  # logs as lines of numbers, not transformers' dicts of strings
+        use_step_log(self, console)  # short lines (or JSON ones), not transformers' dicts of strings
         self.loss = loss
         self.clip_policy = clip_policy or GradClipPolicy()
         decode = self.processing_class.decode if self.processing_class is not None else str
