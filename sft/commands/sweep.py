@@ -103,14 +103,15 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = Path(sweep_dir) / str(number)
         try:
             if start_job(run_dir, number, job, cfg.sweep.resume) is not None:
-                print(f"[sweep] #{number}: finished before (sweep.resume): skipped", flush=True)
+                print(f"[sweep] #{number} ({number + 1}/{len(jobs)}): finished before (sweep.resume): skipped",
+                      flush=True)
                 continue
         except ConfigError as e:
             print(f"error: config: {e}", file=sys.stderr)
             sys.exit(2)
         if cfg.sweep.resume:
             job = [*job, "resume=auto"]
-        print(f"[sweep] #{number}: {' '.join(job)}", flush=True)
+        print(f"[sweep] #{number} ({number + 1}/{len(jobs)}, {number} done): {' '.join(job)}", flush=True)
         started = time.time()
         # Each job is a run of its own (no Hydra multirun): the trackers group and name it as in one.
         env = {**os.environ, "SFT_RUN_NAME": " ".join(job) or "defaults",

@@ -13,7 +13,7 @@ from pathlib import Path
 from sft.files import own_path
 
 PANELS = ("loss", "eval loss", "learning rate", "gradient norm", "eval loss by bucket")
-SMOOTHING = 0.9  # the moving average's weight on its past
+SMOOTHING = 0.9  # the moving average's weight on its past, at most (less where there are few points: it would lag)
 
 
 def series(metrics: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
@@ -27,9 +27,10 @@ def series(metrics: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
            "learning rate": curve("learning_rate"), "grad norm": curve("grad_norm"),
            "clip threshold": curve("clip/threshold")}
     steps, values = out["train loss"]
+    weight = max(0.0, min(SMOOTHING, 1 - 5 / max(len(values), 1)))  # about a fifth of the run at most
     smooth, ema = [], None
     for value in values:
-        ema = value if ema is None else SMOOTHING * ema + (1 - SMOOTHING) * value
+        ema = value if ema is None else weight * ema + (1 - weight) * value
         smooth.append(ema)
     out["train loss (smoothed)"] = (list(steps), smooth)
     buckets = sorted({k for m in metrics for k in m if k.startswith("eval_loss_bucket_")})
@@ -46,26 +47,36 @@ def draw(runs: dict[str, list[dict]], path: str | Path) -> dict[str, dict]:
     import matplotlib.pyplot as plt
 
     drawn = {label: series(metrics) for label, metrics in runs.items()}
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    keys = {"loss": ("train loss",), "eval loss": ("eval loss",), "learning rate": ("learning rate",),
+            "gradient norm": ("grad norm",), "eval loss by bucket": ()}
+    panels = [p for p in PANELS if any(k in curves for curves in drawn.values() for k in keys[p])
+              or (p == "eval loss by bucket" and any(k.startswith("bucket ") for c in drawn.values() for k in c))]
+    panels = panels or ["loss"]
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, grid = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
+    axes = dict(zip(panels, grid.flat))
+    for extra in list(grid.flat)[len(panels):]:
+        extra.set_visible(False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, curves) in enumerate(drawn.items()):
         colour = colours[i % len(colours)]
         name = f"{label}: " if len(drawn) > 1 else ""
 
-        def plot(axis, key, **style):
-            if key in curves:
+        def plot(panel, key, **style):
+            if key in curves and panel in axes:
                 steps, values = curves[key]
-                axis.plot(steps, values, color=style.pop("color", colour), label=f"{name}{key}", **style)
+                axes[panel].plot(steps, values, color=style.pop("color", colour), label=f"{name}{key}", **style)
 
-        plot(axes[0], "train loss", alpha=0.3)
-        plot(axes[0], "train loss (smoothed)")
-        plot(axes[1], "eval loss", marker="o")
-        plot(axes[2], "learning rate")
-        plot(axes[3], "grad norm")
-        plot(axes[3], "clip threshold", linestyle="--")
+        plot("loss", "train loss", alpha=0.3)
+        plot("loss", "train loss (smoothed)")
+        plot("eval loss", "eval loss", marker="o")
+        plot("learning rate", "learning rate")
+        plot("gradient norm", "grad norm")
+        plot("gradient norm", "clip threshold", linestyle="--")
         for j, key in enumerate(k for k in curves if k.startswith("bucket ")):
-            plot(axes[4], key, marker=".", color=colours[(i + j) % len(colours)])
-    for axis, title in zip(axes, PANELS):
+            plot("eval loss by bucket", key, marker=".", color=colours[(i + j) % len(colours)])
+    for title, axis in axes.items():
         axis.set_title(title)
         axis.set_xlabel("step")
         if axis.lines:

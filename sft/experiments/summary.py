@@ -11,7 +11,7 @@ from the run's record of every log (`metrics.jsonl`, `sft.training.step_log.Metr
       sft compare run=outputs/run rows=data/eval.jsonl
       sft merge checkpoint=outputs/run output=outputs/run/merged
       sft recipe outputs/run -o recipe.yaml
-      sft plot outputs/run outputs/run-other ...    (overlay runs; this one's picture: outputs/run/curves.png)
+      sft plot outputs/run [<other run dirs>]   (this run's picture: outputs/run/curves.png)
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def summary_text(run_dir: str | Path, metrics: list[dict], status: str, steps: i
     if adapter:
         lines.append(f"  sft merge checkpoint={run} output={run}/merged")
     lines.append(f"  sft recipe {run} -o recipe.yaml")
-    lines.append(f"  sft plot {run} {run}-other ...    (overlay runs; this one's picture: {run}/curves.png)")
+    lines.append(f"  sft plot {run} [<other run dirs>]   (this run's picture: {run}/curves.png)")
     return "\n".join(lines) + "\n"
 
 

@@ -161,11 +161,15 @@ def test_sigterm_to_launch_sh_saves_stops_and_resumes_to_the_uninterrupted_run(t
         assert time.time() < deadline, "no checkpoint-4 within 300 s"
         time.sleep(0.05)
     launcher.send_signal(signal.SIGTERM)  # what a scheduler sends: to the launcher only
-    _, err = launcher.communicate(timeout=300)
+    out, err = launcher.communicate(timeout=300)
     assert launcher.returncode == 75, err[-3000:]
     results = json.loads((run / "results.json").read_text())
     step = results["global_step"]
     assert results["status"] == "preempted" and 4 < step < 12
+    # the summary at the signal too: what the run got to, and the command that goes on (printed, and in the run dir)
+    summary = (run / "summary.txt").read_text()
+    assert summary.startswith(f"run preempted: {step} steps in ") and summary in out
+    assert f"continue with: the same command plus resume=auto hydra.run.dir={run}" in summary
     saved = run / f"checkpoint-{step}"
     assert results["checkpoint"] == str(saved) and (saved / "sft_state.json").exists()
     assert f"continue with the same command plus resume=auto hydra.run.dir={run}" in err

@@ -225,6 +225,7 @@ def test_launch_sh_sweep_runs_each_job_through_accelerate_with_two_processes(tmp
     proc = launch("--nproc", "2", "-m", "loss.alpha=0.5,1", *QUICK, "trainer.report_to=[mlflow]",
                   f"hydra.sweep.dir={sweep_dir}", env=store)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[sweep] #0 (1/2, 0 done): loss.alpha=0.5" in proc.stdout and "[sweep] #1 (2/2, 1 done)" in proc.stdout
     rows = summary(sweep_dir)
     assert [r["status"] for r in rows] == ["ok", "ok"] and [r["loss.alpha"] for r in rows] == ["0.5", "1"]
     state = json.loads((sweep_dir / "0" / "checkpoint-3" / "trainer_state.json").read_text())

@@ -55,15 +55,20 @@ def test_without_a_terminal_the_run_logs_numbers_into_train_log_and_draws_no_bar
 def run_in_a_terminal(*overrides: str, timeout: int = 600) -> tuple[int, str]:
     """`python -m sft.train overrides...` with a pseudo-terminal for its stdin, stdout and stderr, as a person runs
     it: its exit code and everything the terminal received."""
+    import fcntl
     import os
     import pty
     import select
+    import struct
     import subprocess
     import sys
+    import termios
 
     from conftest import REPO
 
     master, slave = pty.openpty()
+    # a 120-column terminal of 40 rows (a fresh pseudo-terminal is 0 x 0, where tqdm draws a bar of no width)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "sft.train", *overrides], stdin=slave, stdout=slave, stderr=slave,
                             cwd=REPO, env={**os.environ, "TERM": "xterm", "COLUMNS": "120"})
     os.close(slave)
@@ -92,7 +97,7 @@ def test_in_a_terminal_a_run_shows_its_bar_short_lines_then_a_summary_and_leaves
                                      f"hydra.run.dir={run}")
     assert code == 0, screen[-3000:]
     lines = [line.strip() for part in screen.split("\n") for line in part.split("\r") if line.strip()]
-    assert any("%|" in line and "it/s" in line or "s/it" in line for line in lines)  # transformers' bar
+    assert any("%|" in line and "20/20 [" in line for line in lines)  # transformers' bar, to its end
     steps = [line for line in lines if line.startswith("step ")]
     assert [line.split()[1] for line in steps] == ["1/20", "5/20", "10/20", "15/20", "20/20"]
     assert all(len(line) <= 120 for line in steps + [line for line in lines if line.startswith("eval @")])
