@@ -23,11 +23,14 @@ from sft.bench.matmul import MATMUL_CASES, run_matmul_case
 # Each training case and what it trains with. `raw`, `hf`, `ce_naive` and `trl` compute the same full logits and
 # cross entropy (the framework's cost alone); `ce` and `packing` the lean loss that `loss.impl=auto` picks; the
 # packed cases all run the sdpa_varlen kernel but `trl_padding_free_mask` (TRL's own: a block-diagonal mask).
-# `ce_bf16` is `ce` under bf16 autocast, `ce_lora` `ce` with LoRA (`ce_lora_naive` with the model's own logits); `ce_spread` and `packing_spread` train on chats of a
-# published dataset's length spread (`SPREAD_CASES`, `sft.bench.rows.spread_rows`).
+# `ce_bf16` is `ce` under bf16 autocast, `ce_lora` `ce` with LoRA (`ce_lora_naive` with the model's own logits),
+# `ce_compiled` `ce` under torch.compile (only when named: it compiles for minutes); `ce_spread` and `packing_spread`
+# train on chats of a published dataset's length spread (`SPREAD_CASES`, `sft.bench.rows.spread_rows`).
 CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": ["loss=ce", "loss.impl=naive"],
-                  "ce": ["loss=ce"], "ce_bf16": ["loss=ce", "trainer.bf16=true"], "ce_lora": ["loss=ce", "lora=default"],
+                  "ce": ["loss=ce"], "ce_bf16": ["loss=ce", "trainer.bf16=true"],
+                  "ce_lora": ["loss=ce", "lora=default"],
                   "ce_lora_naive": ["loss=ce", "lora=default", "loss.impl=naive"],
+                  "ce_compiled": ["loss=ce", "trainer.torch_compile=true"],
                   "hard_sample": ["loss=hard_sample"], "packing": ["loss=ce", "data.packing=true"],
                   "ce_spread": ["loss=ce"], "packing_spread": ["loss=ce", "data.packing=true"],
                   "trl": ["loss=ce"], "trl_padding_free": ["loss=ce", "model.attn_implementation=sdpa_varlen"],

@@ -10,10 +10,11 @@ from sft.config import registry
 from sft.config.schema import Schema, knob
 
 CASES = ["raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_lora", "ce_lora_naive", "hard_sample", "packing", "ce_spread",
-         "packing_spread", "trl", "trl_padding_free", "trl_padding_free_mask", "matmul", "matmul_bf16", "eval_hf", "eval_sft",
-         "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
+         "packing_spread", "trl", "trl_padding_free", "trl_padding_free_mask", "matmul", "matmul_bf16", "eval_hf",
+         "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
 LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequence_parallel")  # cases.LONG_ROW_VARIANTS
-ON_REQUEST = ["checksums", "long_rows"]  # a 15 GB checkpoint; rows of up to 16k tokens: only when named in bench.cases
+# a 15 GB checkpoint; rows of up to 16k tokens; torch.compile's minutes of compiling: only when named in bench.cases
+ON_REQUEST = ["checksums", "long_rows", "ce_compiled"]
 
 
 @dataclass

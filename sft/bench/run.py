@@ -24,8 +24,10 @@ full logits, then the cross entropy) and `loss_lean` (the kernel training picks:
 chunked on a CPU).
 
 The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same loss computation on both sides),
-`lean_loss_gain` (`ce` over `ce_naive`; `lean_loss_gain_lora` the same with LoRA), `hard_sample_vs_ce`, `bf16_vs_fp32` (`ce_bf16` over `ce`), `lora_vs_full`
-(`ce_lora` over `ce`), `packing_gain` (`packing` over `ce`), `packing_gain_spread` (the same on the spread), `ce_vs_trl`,
+`lean_loss_gain` (`ce` over `ce_naive`; `lean_loss_gain_lora` the same with LoRA), `hard_sample_vs_ce`,
+`bf16_vs_fp32` (`ce_bf16` over `ce`), `lora_vs_full` (`ce_lora` over `ce`), `compile_gain` (`ce_compiled`, only
+when named, over `ce`), `packing_gain` (`packing` over `ce`), `packing_gain_spread` (the same on the spread),
+`ce_vs_trl`,
 `packing_vs_trl_padding_free` (the same kernel) and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two
 kernels). Each case runs in a fresh process with the same torch threads (`bench.threads`) and, on a CPU, the same
 allocator settings (`sft.training.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the whole
@@ -58,9 +60,9 @@ limit (`model_flops_per_token`): the CPU's analogues of MFU, measured rather tha
 `bench.train_rows=multi_turn` trains every case on chats of about 300 tokens.
 
 `preset=smollm2` runs the training cases on the real model (SmolLM2-135M-Instruct) on such chats, with `matmul`
-and `matmul_bf16`. `preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token vocabulary on the tiny
-model's body, where the output layer weighs as in real fine-tuning. `preset=gpu_7b` is the GPU check: LoRA on a
-randomly initialised model of Qwen2.5-7B's shape, bf16, packed rows of about 4k tokens, the lean loss, 20 steps
+and `matmul_bf16`. `preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token
+vocabulary on the tiny model's body, where the output layer weighs as in real fine-tuning. `preset=gpu_7b` is the GPU
+check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16, packed rows of about 4k tokens, the lean loss, 20 steps
 (see sft/conf/preset/gpu_7b.yaml).
 
 The overrides are the training config's (`loss.impl=naive`, `trainer.per_device_train_batch_size=8`,
@@ -119,7 +121,8 @@ TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_nai
                    "lean_loss_gain": ("ce", "ce_naive"), "hard_sample_vs_ce": ("hard_sample", "ce"),
                    "packing_gain": ("packing", "ce"), "packing_gain_spread": ("packing_spread", "ce_spread"),
                    "bf16_vs_fp32": ("ce_bf16", "ce"), "lora_vs_full": ("ce_lora", "ce"),
-                   "lean_loss_gain_lora": ("ce_lora", "ce_lora_naive"), "ce_vs_trl": ("ce", "trl"),
+                   "lean_loss_gain_lora": ("ce_lora", "ce_lora_naive"), "compile_gain": ("ce_compiled", "ce"),
+                   "ce_vs_trl": ("ce", "trl"),
                    "packing_vs_trl_padding_free": ("packing", "trl_padding_free"),
                    "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask")}
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 # name -> (module, what it does); each module has main(argv), but train's, whose entry point is cli() (Hydra's)
 COMMANDS = {
-    "train": ("sft.commands.train", "fine-tune: Hydra overrides (sft train model=smollm2_135m lora=default); -m: a sweep"),
+    "train": ("sft.commands.train", "fine-tune: Hydra overrides (sft train model=smollm2_135m lora=default); -m: a "
+                                    "sweep"),
     "inspect": ("sft.commands.inspect", "show what will be trained, as the model's chat template renders it"),
     "merge": ("sft.commands.merge", "merge a LoRA adapter into its base model, for serving"),
     "compare": ("sft.commands.compare", "the base and the trained model's greedy answers side by side"),

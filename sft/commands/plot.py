@@ -20,7 +20,8 @@ def runs_of(paths: list[str]) -> dict[str, list[dict]]:
             continue
         jobs = sorted(p.parent for p in path.glob("*/metrics.jsonl"))
         if not jobs:
-            raise ValueError(f"{path}: no metrics.jsonl here nor in its sub-dirs (a run dir of sft train, or a sweep's)")
+            raise ValueError(f"{path}: no metrics.jsonl here nor in its sub-dirs (a run dir of sft train, or a "
+                             "sweep's)")
         runs.update({str(job): read_metrics(job / "metrics.jsonl") for job in jobs})
     return runs
 

@@ -24,7 +24,8 @@ log = logging.getLogger("sft")
 
 # Names a controller of yours cannot take: what every run puts under them in each checkpoint's state.
 RESERVED_NAMES = {"preemption": "the controller every run has (SIGTERM: save and stop; signal_grace_s)",
-                  "clip": "the clip policy's state in every checkpoint", "trainer": "Trainer's state in every checkpoint"}
+                  "clip": "the clip policy's state in every checkpoint",
+                  "trainer": "Trainer's state in every checkpoint"}
 
 
 @dataclass
