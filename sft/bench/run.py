@@ -62,8 +62,8 @@ limit (`model_flops_per_token`): the CPU's analogues of MFU, measured rather tha
 `preset=smollm2` runs the training cases on the real model (SmolLM2-135M-Instruct) on such chats, with `matmul`
 and `matmul_bf16`. `preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token
 vocabulary on the tiny model's body, where the output layer weighs as in real fine-tuning. `preset=gpu_7b` is the GPU
-check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16, packed rows of about 4k tokens, the lean loss, 20 steps
-(see sft/conf/preset/gpu_7b.yaml).
+check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16, packed rows of about 4k tokens, the lean
+loss, 20 steps (see sft/conf/preset/gpu_7b.yaml).
 
 The overrides are the training config's (`loss.impl=naive`, `trainer.per_device_train_batch_size=8`,
 `model=...`), plus `bench.*`. Prints a table and writes the raw numbers and ratios to `--out`.

@@ -61,7 +61,7 @@ def summary_text(run_dir: str | Path, metrics: list[dict], status: str, steps: i
     else:
         losses = [m for m in metrics if isinstance(m.get("loss"), (int, float))]
         if losses:
-            lines.append(f"train loss {change(losses, 'loss')} (no evaluation: data.eval_file is not set)")
+            lines.append(f"train loss {change(losses, 'loss')} (no evaluation in this run)")
     if status == "preempted":
         lines.append(f"continue with: {continue_with}" if continue_with else "no checkpoint was saved yet")
         return "\n".join(lines) + "\n"

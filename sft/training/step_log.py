@@ -194,9 +194,8 @@ class MetricsFile(TrainerCallback):
     def __init__(self, path: str | Path, resumed_step: int | None = None):
         self.path = own_path(path)  # never through a link planted there
         if resumed_step is not None and self.path.is_file() and is_rank_zero():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resumed_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [record for record in read_metrics(self.path) if record.get("step", 0) <= resumed_step]
+            self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
         elif resumed_step is None and is_rank_zero():
             self.path.write_text("")
 
@@ -217,8 +216,15 @@ def is_rank_zero() -> bool:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The logs `MetricsFile` wrote, in order ([] where there is no file)."""
+    """The logs `MetricsFile` wrote, in order ([] where there is no file); a line cut short (the run was killed while
+    writing it) is left out."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

@@ -37,6 +37,22 @@ def test_short_lines_say_the_numbers_people_watch_in_at_most_120_characters():
     assert all(len(line) <= 120 for line in lines.lines(40, logs) + clipped + long) and long[0].endswith("(metrics.jsonl)")
 
 
+def test_the_record_of_a_resumed_run_goes_on_after_its_checkpoint_and_survives_a_line_cut_short(tmp_path):
+    from types import SimpleNamespace
+
+    from sft.training.step_log import MetricsFile
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.2}\n{"step": 4, "lo')
+    record = MetricsFile(path, resumed_step=2)  # the run resumes from checkpoint-2: steps 3 and 4 are trained again
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    state = SimpleNamespace(is_world_process_zero=True, global_step=3)
+    record.on_log(None, state, None, logs={"loss": 1.25, "grad_norm": float("nan")})
+    assert read_metrics(path)[-1] == {"step": 3, "loss": 1.25, "grad_norm": None}  # numbers as numbers, NaN as null
+    MetricsFile(path)  # a new run into the dir: a record of its own
+    assert read_metrics(path) == []
+
+
 @pytest.mark.slow
 def test_without_a_terminal_the_run_logs_numbers_into_train_log_and_draws_no_bars(tmp_path):
     run = tmp_path / "run"
