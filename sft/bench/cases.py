@@ -180,8 +180,8 @@ def run_training_case(case: str, cfg) -> dict:
     # A lean loss kernel projects only the trained positions (their share of the input tokens); the model's own
     # logits, every position
     lean = getattr(trainer, "loss_impl", "naive") != "naive"
-    trained = int(assistant_tokens(trainer.train_dataset).sum())
-    flops = flops_per_token(trainer.model, mean_length, trained / sum(lengths) if lean else 1.0) * tokens_per_second
+    computed = int(assistant_tokens(trainer.train_dataset).sum()) / sum(lengths) if lean else 1.0
+    flops = flops_per_token(trainer.model, mean_length, computed) * tokens_per_second
     result["exec_gflops"] = flops / 1e9  # the FLOP/s of the products the step ran (matmul: their limit)
     result["model_gflops"] = model_flops_per_token(trainer.model, mean_length) * tokens_per_second / 1e9  # 6N: MFU's
     result["dtype"] = "bfloat16" if trainer.args.bf16 else str(cfg.model.dtype)  # the limit it is held to

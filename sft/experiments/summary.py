@@ -39,9 +39,9 @@ def change(metrics: list[dict], key: str, digits: int = 4) -> str | None:
     return f"{first:.{digits}f} -> {last:.{digits}f}" + (f" ({last - first:+.{digits}f})" if len(values) > 1 else "")
 
 
-def summary_text(run_dir: str | Path, metrics: list[dict], status: str, steps: int, wall_time_s: float | None,
-                 tokens_per_second: float | None, adapter: bool, model_name: str, eval_rows: str | None,
-                 continue_with: str | None = None) -> str:
+def summary_text(run_dir: str | Path, metrics: list[dict], status: str, steps: int, wall_time_s: float | None, *,
+                 tokens_per_second: float | None = None, adapter: bool = False, model_name: str = "",
+                 eval_rows: str | None = None, continue_with: str | None = None) -> str:
     """The summary's lines (see the module docstring). `status`: finished, or preempted (then `continue_with` is the
     command that goes on)."""
     run = str(run_dir)

@@ -147,8 +147,7 @@ def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
                              resumed_from=None, wall_time_s=round(time.time() - started, 1))
         results.write(run_dir)
         write_summary(run_dir, summary_text(run_dir, read_metrics(Path(run_dir, "metrics.jsonl")), "preempted",
-                                            preemption.stopped_at, results.wall_time_s, None, False, "",
-                                            None, continue_with))
+                                            preemption.stopped_at, results.wall_time_s, continue_with=continue_with))
     finish_trackers()
     end_process_group()
     raise Preempted(f"{preemption.signal} at step {preemption.stopped_at}: saved {checkpoint}; continue with "
@@ -164,8 +163,9 @@ def picture_and_summary(cfg: DictConfig, run_dir: str, results: RunResults) -> N
         draw({Path(run_dir).name: metrics}, Path(run_dir, "curves.png"))
     model = str(cfg.model.get("gguf_file") or cfg.model.get("name_or_path") or "the model")
     write_summary(run_dir, summary_text(run_dir, metrics, "finished", results.global_step, results.wall_time_s,
-                                        results.train_tokens_per_second, cfg.lora is not None, model,
-                                        cfg.data.get("eval_file")))
+                                        tokens_per_second=results.train_tokens_per_second,
+                                        adapter=cfg.lora is not None, model_name=model,
+                                        eval_rows=cfg.data.get("eval_file")))
 
 
 def record_preempted(trainer, run_dir: str, started: float, output_dir: str | None = None) -> None:
@@ -177,5 +177,10 @@ def record_preempted(trainer, run_dir: str, started: float, output_dir: str | No
     if os.environ.get("RANK", "0") == "0":
         last = latest_complete(output_dir or trainer.args.output_dir)
         step = trainer.state.global_step if trainer is not None else (step_of(last) if last else 0)
-        RunResults(status="preempted", checkpoint=str(last) if last else None, global_step=step,
-                   resumed_from=None, wall_time_s=round(time.time() - started, 1)).write(run_dir)
+        results = RunResults(status="preempted", checkpoint=str(last) if last else None, global_step=step,
+                             resumed_from=None, wall_time_s=round(time.time() - started, 1))
+        results.write(run_dir)
+        # the summary too (a summary.txt of an earlier run in this dir would otherwise be printed as this one's)
+        continue_with = f"the same command plus resume=auto hydra.run.dir={run_dir}" if last else None
+        write_summary(run_dir, summary_text(run_dir, read_metrics(Path(run_dir, "metrics.jsonl")), "preempted", step,
+                                            results.wall_time_s, continue_with=continue_with))

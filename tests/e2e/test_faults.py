@@ -318,6 +318,8 @@ def test_sigterm_anywhere_in_a_job_stops_an_in_process_sweep_with_75(tmp_path, p
     proc = run_patched(patch, "-m", "trainer.seed=1,2", *SHORT, f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 75, proc.stderr[-3000:]
     assert json.loads((tmp_path / "0" / "results.json").read_text())["status"] == status
+    summary = (tmp_path / "0" / "summary.txt").read_text()  # this job's own, whether it stopped or finished
+    assert summary.startswith("run preempted: 0 steps" if status == "preempted" else "run finished: ")
     assert not (tmp_path / "1").exists()
     assert wait_for_sentinel(tmp_path / "0" / ".sft.lock") and wait_for_sentinel(tmp_path / ".sft.lock")
 
