@@ -17,7 +17,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from sft.bench import config as bench_config
-from sft.bench.device import memory_peak, memory_reset, on_gpu, sync
+from sft.bench.device import memory_peak, memory_reset, on_gpu
+from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES, run_loss_case
 from sft.bench.matmul import MATMUL_CASES, run_matmul_case
 
 # Each training case and what it trains with. `raw`, `hf`, `ce_naive` and `trl` compute the same full logits and
@@ -38,7 +39,6 @@ CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": [
 TRAINING_CASES = tuple(CASE_OVERRIDES)
 SPREAD_CASES = ("ce_spread", "packing_spread")
 TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped
-LOSS_CASES = ("loss_naive", "loss_lean")
 EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
 RESULT = "BENCH_RESULT "
 
@@ -289,44 +289,6 @@ def run_eval_case(case: str, cfg) -> dict:
     return {"seconds_per_1000_rows": 1000 * best / rows, "rows": rows}
 
 
-def run_loss_case(case: str, cfg) -> dict:
-    """Forward and backward of the loss alone: the naive path (logits, then cross entropy), or the lean kernel
-    that training picks here (`loss.impl=auto`: cut-cross-entropy on a GPU, the chunked loss on a CPU)."""
-    import torch
-
-    from sft.loss.builtin import CrossEntropyLoss
-    from sft.loss.kernels import choose_impl
-
-    b = cfg.bench
-    device = "cuda" if on_gpu() else "cpu"
-    dtype = getattr(torch, b.loss_dtype)
-    torch.manual_seed(0)
-    hidden = torch.randn(b.loss_batch, b.loss_seq, b.loss_hidden, device=device, dtype=dtype, requires_grad=True)
-    weight = (torch.randn(b.loss_vocab, b.loss_hidden, device=device, dtype=dtype) * 0.02).requires_grad_(
-        b.loss_trainable_head)
-    labels = torch.randint(0, b.loss_vocab, (b.loss_batch, b.loss_seq), device=device)
-    weights = torch.rand(b.loss_batch, b.loss_seq, device=device)
-    loss = CrossEntropyLoss(chunk_tokens=cfg.loss.chunk_tokens)
-    impl = "naive" if case == "loss_naive" else choose_impl("auto", vocab_size=b.loss_vocab, on_gpu=device == "cuda")
-
-    def forward_backward():
-        if impl == "naive":
-            logits = torch.nn.functional.linear(hidden, weight)  # what the model's output projection makes
-            terms = loss.terms(labels, weights, logits=logits)
-        else:
-            terms = loss.terms(labels, weights, hidden=hidden, lm_head=weight, impl=impl)
-        terms.loss_sum.backward()
-        hidden.grad = weight.grad = None
-
-    baseline = memory_reset(device)
-    started = time.perf_counter()
-    forward_backward()
-    sync(device)
-    seconds = time.perf_counter() - started
-    return {"seconds": seconds, "peak_memory_gb": memory_peak(device) - baseline,
-            "tokens": b.loss_batch * b.loss_seq, "impl": impl}
-
-
 def run_preprocess_case(case: str, cfg) -> dict:
     """Load `bench.preprocess_rows` rows with `sft.data.load.load_sft_datasets` (a cold or a warm cache)."""
     from hydra.utils import instantiate
@@ -479,7 +441,7 @@ def run_case(case: str, cfg) -> dict:
         result = run_training_case(case, cfg)
     elif case in EVAL_CASES:
         result = run_eval_case(case, cfg)
-    elif case in LOSS_CASES:
+    elif case in LOSS_CASES or case in LOSS_KERNEL_CASES:
         result = run_loss_case(case, cfg)
     elif case == "tokenize":
         result = run_tokenize_case(case, cfg)

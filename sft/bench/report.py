@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import statistics
 
-from sft.bench.cases import EVAL_CASES, LOSS_CASES
+from sft.bench.cases import EVAL_CASES
+from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
 from sft.bench.matmul import MATMUL_CASES
 from sft.bench.profile import CATEGORIES
 
@@ -87,12 +88,14 @@ def print_report(report: dict) -> None:
         if case in cases:
             c = cases[case]
             print(f"{case:<22}{c['seconds_per_1000_rows']:>10.2f} s per 1,000 eval rows ({c['rows']} rows)")
-    for case in LOSS_CASES:
+    for case in (*LOSS_CASES, *LOSS_KERNEL_CASES):
         if case in cases:
             c = cases[case]
             impl = report["raw"][case][0]["impl"]
+            errors = (f"; from fp32: losses {c['loss_error']:.2g}, gradient {c['grad_error']:.2g}"
+                      if "grad_error" in c else "")
             print(f"{case:<22}{c['tokens'] / c['seconds']:>12.0f}{'':>8}{c['peak_memory_gb']:>10.2f}   "
-                  f"({c['seconds']:.2f} s forward+backward, {impl})")
+                  f"({c['seconds']:.3f} s forward+backward, {impl}; first call {c['first_seconds']:.2f} s{errors})")
     if "preprocess" in cases:
         p = cases["preprocess"]
         print(f"preprocess    {p['rows']} rows: first {p['first_s']:.1f} s, cached {p['cached_s']:.2f} s")

@@ -83,10 +83,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, LOSS_CASES,
-                             RESULT, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
-                             timed_training_overrides)
+from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, RESULT,
+                             SPREAD_CASES, TRAINING_CASES, TRL_CASES, child, timed_training_overrides)
 from sft.bench.config import compose
+from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
 from sft.bench.matmul import MATMUL_CASES
 from sft.bench.report import breakdowns, hardware_ratios, print_report
 from sft.bench.rows import multi_turn_rows, spread_rows, synthetic_rows
@@ -300,7 +300,7 @@ def run_all(overrides: list[str]) -> dict:
                 jobs[case_id(case, size, batch_sizes[0])] = (case, cfg)
     evaluation = compose(overrides + ["loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"])
     jobs.update({case: (case, evaluation) for case in wanted if case in EVAL_CASES})
-    jobs.update({case: (case, base) for case in wanted if case in (*LOSS_CASES, *MATMUL_CASES)})
+    jobs.update({case: (case, base) for case in wanted if case in (*LOSS_CASES, *LOSS_KERNEL_CASES, *MATMUL_CASES)})
     with rows_dir:
         rounds = run_rounds(jobs, b, report) if jobs else []
     for name in jobs:
@@ -318,6 +318,10 @@ def run_all(overrides: list[str]) -> dict:
     if all(case in cases for case in LOSS_CASES):
         per_round["lean_vs_naive_loss_memory"] = paired(rounds, "loss_lean", "loss_naive", "peak_memory_gb")
         per_round["lean_vs_naive_loss_time"] = paired(rounds, "loss_lean", "loss_naive", "seconds")
+    for case, kernel in LOSS_KERNEL_CASES.items():  # a kernel not usable here ran another: no ratio in its name
+        if case in cases and "loss_naive" in cases and report["raw"][case][0]["impl"] == kernel:
+            per_round[f"{kernel}_vs_naive_loss_memory"] = paired(rounds, case, "loss_naive", "peak_memory_gb")
+            per_round[f"{kernel}_vs_naive_loss_time"] = paired(rounds, case, "loss_naive", "seconds")
     ratios = report["ratios"]
     for key, values in per_round.items():
         ratios[key] = statistics.median(values)

@@ -8,8 +8,8 @@
 
 Each part runs under its own time limit (`--tests-timeout`, `--bench-timeout`; 240 s + 330 s by default, so
 the pack fits in 10 minutes on one GPU). Writes `<out>/figures.md` (the date, the GPU, every test's outcome,
-the bench's figures), `<out>/gpu_pack.json`, the pytest and bench outputs, and puts figures.md into README.md
-between its `gpu-pack` markers, where the README shows the measured figures.
+the bench's figures), `<out>/gpu_pack.json`, the pytest and bench outputs, and puts figures.md between the
+`gpu-pack` markers of docs/performance.md and a summary of it between the README's.
 
 Without a CUDA GPU it says so in one line and exits 2, running nothing. Needs the project installed with a
 CUDA build of torch (`pip install -e '.[gpu]'`; flash-attn and bitsandbytes separately, as their builds
@@ -32,8 +32,11 @@ import xml.etree.ElementTree as ElementTree
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-README_BEGIN, README_END = "<!-- gpu-pack:begin -->", "<!-- gpu-pack:end -->"
+# the checkout the pack runs in: its GPU tests and docs (sft/commands/gpu_pack.py -> the repository's root)
+REPO = Path(__file__).resolve().parents[2]
+GPU_TESTS = REPO / "tests" / "e2e" / "test_gpu.py"
+PERFORMANCE_DOC = REPO / "docs" / "performance.md"  # every figure (its gpu-pack block); README: a summary
+FIGURES_BEGIN, FIGURES_END = "<!-- gpu-pack:begin -->", "<!-- gpu-pack:end -->"
 KERNELS = ("cut-cross-entropy", "liger-kernel", "flash-attn", "bitsandbytes")
 # (module, distribution, needed for, how to install): the pack's own imports first, then the kernels its tests check
 REQUIREMENTS = [
@@ -149,7 +152,7 @@ def test_outcomes(junit: Path) -> list[dict]:
 
 
 def figures_markdown(report: dict) -> str:
-    """The README's GPU figures: where and when, each test's outcome, the bench's cases and ratios."""
+    """The GPU figures (docs/performance.md): where and when, each test's outcome, the bench's cases and ratios."""
     m = report["machine"]
     kernels = ", ".join(f"{k} {v}" if v else f"{k} not installed" for k, v in m["versions"].items() if k in KERNELS)
     lines = [f"Measured {m['date']} on {m['gpus']} x {m['gpu']} ({m['memory_gib']} GiB), torch "
@@ -167,6 +170,11 @@ def figures_markdown(report: dict) -> str:
                 mfu = f", MFU {c['mfu']:.3f}" if "mfu" in c else ""
                 lines.append(f"| {case} | {c['tokens_per_second']:,.0f} tokens/s{mfu}, "
                              f"peak {c['peak_memory_gb']:.1f} GiB |")
+            elif case.startswith("loss_"):  # the loss alone: its kernel, time, memory, distance from fp32
+                errors = (f"; from fp32: losses {c['loss_error']:.1e}, hidden-state gradient {c['grad_error']:.1e}"
+                          if "grad_error" in c else "")
+                lines.append(f"| {case} ({bench['raw'][case][0]['impl']}) | {c['seconds'] * 1000:.0f} ms forward+"
+                             f"backward of {c['tokens']:,.0f} tokens, peak {c['peak_memory_gb']:.2f} GiB{errors} |")
         for key, value in bench["ratios"].items():
             target = bench["targets"].get(key)
             mark = "" if target is None else f" (target {'>=' if target['kind'] == 'min' else '<='} " \
@@ -177,13 +185,34 @@ def figures_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def put_into_readme(readme: Path, figures: str) -> bool:
-    """Replace what stands between the README's gpu-pack markers by `figures`; False if it has no markers."""
-    text = readme.read_text()
-    begin, end = text.find(README_BEGIN), text.find(README_END)
+def readme_summary(report: dict) -> str:
+    """The README's few lines: where and when, the tests' counts, the 7B's throughput and the loss training picks;
+    every figure stands in docs/performance.md."""
+    m, tests, bench = report["machine"], report["tests"], report.get("bench")
+    counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "failed", "skipped")}
+    lines = [f"Measured {m['date']} on {m['gpus']} x {m['gpu']} (`sft gpu-pack`): GPU tests {counts['passed']} passed, "
+             f"{counts['failed']} failed, {counts['skipped']} skipped."]
+    packing = (bench or {}).get("cases", {}).get("packing")
+    if packing:
+        mfu = f", MFU {packing['mfu']:.3f}" if "mfu" in packing else ""
+        lines.append(f"LoRA on Qwen2.5-7B's shape (bf16, packed 4k-token rows): {packing['tokens_per_second']:,.0f} "
+                     f"tokens/s{mfu}, peak {packing['peak_memory_gb']:.1f} GiB.")
+    ratios = (bench or {}).get("ratios", {})
+    if "lean_vs_naive_loss_time" in ratios:
+        impl = bench["raw"]["loss_lean"][0]["impl"]
+        lines.append(f"The loss `loss.impl=auto` picks ({impl}) at its output layer: {ratios['lean_vs_naive_loss_time']:.2f}x "
+                     f"the naive loss's time in {ratios['lean_vs_naive_loss_memory']:.3f}x its memory.")
+    lines.append(f"Every figure: [Performance]({PERFORMANCE_DOC.relative_to(REPO).as_posix()}#gpu-figures).")
+    return " ".join(lines) + "\n"
+
+
+def put_between_markers(path: Path, text: str) -> bool:
+    """Replace what stands between the file's gpu-pack markers by `text`; False if it has no markers."""
+    content = path.read_text()
+    begin, end = content.find(FIGURES_BEGIN), content.find(FIGURES_END)
     if begin < 0 or end < begin:
         return False
-    readme.write_text(text[:begin + len(README_BEGIN)] + "\n" + figures + text[end:])
+    path.write_text(content[:begin + len(FIGURES_BEGIN)] + "\n" + text + content[end:])
     return True
 
 
@@ -192,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "gpu_pack"), help="where the figures and logs go")
     parser.add_argument("--tests-timeout", type=int, default=240)
     parser.add_argument("--bench-timeout", type=int, default=330)
-    parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
+    parser.add_argument("--no-readme", action="store_true", help="leave README.md and docs/performance.md as they are")
     parser.add_argument("--check", action="store_true", help="list what the pack needs and this machine has; run "
                         "nothing")
     args = parser.parse_args(argv)
@@ -201,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu pack: what it needs, and what this machine has\n" + "\n".join(lines)
               + f"\nready: {'yes' if ready else 'no'}")
         return 0
+    if not GPU_TESTS.is_file():
+        print(f"gpu pack: {GPU_TESTS} is missing: the pack runs the repository's GPU tests, so run it from a checkout "
+              "installed with pip install -e .", file=sys.stderr)
+        return 2
     if reason := cuda_missing():
         print(f"gpu pack: {reason}: nothing to run (the gpu tests skip without one)", file=sys.stderr)
         return 2
@@ -208,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"machine": machine(), "parts": {}}
     junit = out / "gpu_tests.xml"
-    report["parts"]["tests"] = run_part([sys.executable, "-m", "pytest", "-m", "gpu", "tests/e2e/test_gpu.py", "-rA",
+    report["parts"]["tests"] = run_part([sys.executable, "-m", "pytest", "-m", "gpu", str(GPU_TESTS), "-rA",
                                          "-p", "no:cacheprovider", f"--junitxml={junit}"],
                                         args.tests_timeout, out / "gpu_tests.log")
     report["tests"] = test_outcomes(junit)
@@ -219,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_pack.json").write_text(json.dumps(report, indent=2) + "\n")
     figures = figures_markdown(report)
     (out / "figures.md").write_text(figures)
-    if not args.no_readme and put_into_readme(REPO / "README.md", figures):
-        print("gpu pack: README.md's GPU figures replaced", file=sys.stderr)
+    if not args.no_readme and put_between_markers(PERFORMANCE_DOC, figures) and put_between_markers(
+            REPO / "README.md", readme_summary(report)):
+        print("gpu pack: the GPU figures replaced in docs/performance.md, their summary in README.md", file=sys.stderr)
     print(figures)
     failed = [t["test"] for t in report["tests"] if t["outcome"] == "failed"]
     bad_parts = [name for name, part in report["parts"].items() if part["exit_code"] not in (0, 5)]

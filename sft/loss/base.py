@@ -33,8 +33,9 @@ How the cross entropy is computed (`impl`) changes memory and speed, not values 
 - `liger`: Liger's fused linear cross entropy with `reduction="none"` (liger-kernel 0.8.2 and later: per-token
   losses with a per-token gradient, which we weight), on a GPU; elsewhere, or with an older liger-kernel,
   `chunked` with the reason logged;
-- `auto`: `cce` where usable on a GPU, else `chunked` on CPU or at vocabularies of 32k and
-  more, else `naive`. `choose_impl` logs why a requested kernel is not used.
+- `auto`: `liger` where usable on a GPU (cut-cross-entropy only on request: slower there, and its bf16 gradient
+  further from fp32), else `chunked` on CPU or at vocabularies of 32k and more, else `naive`. `choose_impl` logs
+  why a requested kernel is not used.
 """
 
 from __future__ import annotations

@@ -86,13 +86,13 @@ def compute_terms(t: Targets, normalize: str, factor: Callable | None, *, logits
         keep = (t.cols >= columns[0]) & (t.cols < columns[1])
         t, coef, den = t.within(keep, columns[0]), coef[keep], den[keep]
     correct = None
-    if impl == "cce":
-        from sft.loss.kernels import cce_dtype_problem
+    if impl in ("cce", "liger"):
+        from sft.loss.kernels import kernel_dtype_problem
 
-        if (problem := cce_dtype_problem(hidden.dtype, lm_head.dtype)) is not None:
+        if (problem := kernel_dtype_problem(impl, hidden.dtype, lm_head.dtype)) is not None:
             from sft.loss.kernels import warn_once
 
-            warn_once(f"loss.impl=cce: {problem}; using chunked (exact) for these tensors")
+            warn_once(f"loss.impl={impl}: {problem}; using chunked (exact) for these tensors")
             impl = "chunked"
     if impl == "naive":
         selected = logits[t.rows, t.cols]

@@ -12,6 +12,8 @@ def test_gpu_7b_bench_preset_is_lora_on_qwen2_5_7b_shape_packed_bf16():
     assert (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size) == (3584, 28, 152064)
     assert cfg.lora is not None and cfg.data.packing and cfg.trainer.bf16 and cfg.model.dtype == "bfloat16"
     assert cfg.loss.impl == "auto" and cfg.bench.steps == 20 and cfg.trainer.per_device_train_batch_size == 80
+    assert {"loss_naive", "loss_lean", "loss_chunked", "loss_cce", "loss_liger"} <= set(cfg.bench.cases)
+    assert (cfg.bench.loss_hidden, cfg.bench.loss_dtype) == (3584, "bfloat16")  # the 7B's output layer
 
 
 def test_qwen_vocab_preset_is_the_tiny_body_with_qwen2_5s_vocabulary_on_the_same_kernel_as_trl():

@@ -43,7 +43,8 @@ def test_every_gpu_test_is_collected_and_skipped_without_cuda(tmp_path):
 def test_figures_say_what_each_test_did_and_replace_only_the_readme_block(tmp_path):
     """From a JUnit report pytest itself wrote (a pass, a failure, a skip) and a bench report, the figures name
     each outcome, the bench's throughput and targets; the README keeps everything outside its markers."""
-    from sft.commands.gpu_pack import README_BEGIN, README_END, figures_markdown, put_into_readme, test_outcomes
+    from sft.commands.gpu_pack import (FIGURES_BEGIN, FIGURES_END, figures_markdown, put_between_markers, readme_summary,
+                                       test_outcomes)
 
     (tmp_path / "test_three.py").write_text(
         "import pytest\n"
@@ -62,7 +63,10 @@ def test_figures_say_what_each_test_did_and_replace_only_the_readme_block(tmp_pa
                                        "cut-cross-entropy": "25.1.1", "liger-kernel": None, "flash-attn": "2.8.3",
                                        "bitsandbytes": "0.50.2"}},
               "parts": {"tests": {"exit_code": 1}, "bench": {"exit_code": 0}}, "tests": tests,
-              "bench": {"cases": {"packing": {"tokens_per_second": 12345.6, "peak_memory_gb": 31.25, "mfu": 0.412}},
+              "bench": {"cases": {"packing": {"tokens_per_second": 12345.6, "peak_memory_gb": 31.25, "mfu": 0.412},
+                                  "loss_cce": {"seconds": 0.0851, "tokens": 8192, "peak_memory_gb": 0.114,
+                                               "loss_error": 3.01e-6, "grad_error": 0.0121}},
+                        "raw": {"loss_cce": [{"impl": "cce"}]},
                         "ratios": {"chunked_vs_naive_loss_memory": 0.21},
                         "targets": {"chunked_vs_naive_loss_memory": {"target": 0.3, "kind": "max", "met": True}}}}
     figures = figures_markdown(report)
@@ -70,14 +74,24 @@ def test_figures_say_what_each_test_did_and_replace_only_the_readme_block(tmp_pa
     assert "| `test_bad` | failed: " in figures and "| `test_absent` | skipped: liger-kernel is not installed |" in figures
     assert "| packing | 12,346 tokens/s, MFU 0.412, peak 31.2 GiB |" in figures
     assert "| chunked_vs_naive_loss_memory | 0.210 (target <= 0.3: met) |" in figures
+    assert ("| loss_cce (cce) | 85 ms forward+backward of 8,192 tokens, peak 0.11 GiB; from fp32: losses 3.0e-06, "
+            "hidden-state gradient 1.2e-02 |") in figures
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"# top\n\n{README_BEGIN}\nnot measured yet\n{README_END}\n\n## after\n")
-    assert put_into_readme(readme, figures)
+    readme.write_text(f"# top\n\n{FIGURES_BEGIN}\nnot measured yet\n{FIGURES_END}\n\n## after\n")
+    assert put_between_markers(readme, figures)
     text = readme.read_text()
-    assert text.startswith("# top\n\n" + README_BEGIN + "\nMeasured 2026-12-01") and text.endswith(README_END + "\n\n## after\n")
+    assert text.startswith("# top\n\n" + FIGURES_BEGIN + "\nMeasured 2026-12-01") and text.endswith(FIGURES_END + "\n\n## after\n")
     assert "not measured yet" not in text
-    assert not put_into_readme(tmp_path / "test_three.py", figures)  # no markers: left alone
+    assert not put_between_markers(tmp_path / "test_three.py", figures)  # no markers: left alone
+    report["bench"]["cases"]["packing"]["tokens_per_second"] = 6368.2
+    report["bench"]["raw"]["loss_lean"] = [{"impl": "liger"}]
+    report["bench"]["ratios"].update(lean_vs_naive_loss_time=0.903, lean_vs_naive_loss_memory=0.0227)
+    assert readme_summary(report) == (
+        "Measured 2026-12-01 on 1 x NVIDIA H200 (`sft gpu-pack`): GPU tests 1 passed, 1 failed, 1 skipped. LoRA on "
+        "Qwen2.5-7B's shape (bf16, packed 4k-token rows): 6,368 tokens/s, MFU 0.412, peak 31.2 GiB. The loss "
+        "`loss.impl=auto` picks (liger) at its output layer: 0.90x the naive loss's time in 0.023x its memory. Every "
+        "figure: [Performance](docs/performance.md#gpu-figures).\n")
 
 
 def test_check_lists_what_the_pack_needs_and_how_to_install_it_without_running_anything(monkeypatch):
@@ -98,3 +112,15 @@ def test_check_lists_what_the_pack_needs_and_how_to_install_it_without_running_a
     assert not ready
     assert any(line.startswith("  MISSING  antlr4-python3-runtime") and "pip install antlr4-python3-runtime==4.9.3" in line
                for line in lines)
+
+
+def test_the_pack_finds_the_gpu_tests_and_the_docs_it_writes_into():
+    """The pack's parts run in the checkout: its GPU tests, and the README and performance page whose markers
+    receive the figures (a move of the module once pointed all three at sft/, and the pack ran no test)."""
+    from sft.commands.gpu_pack import FIGURES_BEGIN, FIGURES_END, GPU_TESTS, PERFORMANCE_DOC
+    from sft.commands.gpu_pack import REPO as PACK_REPO
+
+    assert PACK_REPO == REPO and GPU_TESTS.is_file()
+    for doc in (PACK_REPO / "README.md", PERFORMANCE_DOC):
+        text = doc.read_text()
+        assert text.count(FIGURES_BEGIN) == text.count(FIGURES_END) == 1, doc

@@ -2,8 +2,9 @@
 without the kernel it checks); `sft gpu-pack` runs them with the `preset=gpu_7b` bench and writes the
 figures (README: "The GPU pack").
 
-- `cce` (cut-cross-entropy) and Liger's fused linear cross entropy with per-token losses equal the chunked loss:
-  values and gradients, on weighted tokens;
+- `cce` (cut-cross-entropy) and Liger's fused linear cross entropy with per-token losses, on weighted tokens: values
+  and gradients against fp32, beside the chunked loss's own bf16 error (cut-cross-entropy's hidden-state gradient
+  is the one far from it);
 - flash attention's varlen kernel on a packed row equals each sample's logits alone (padded);
 - QLoRA (4-bit NF4 base) trains, and its adapter merges into the base;
 - bf16 training of the tiny model follows fp32's step losses;
@@ -46,38 +47,56 @@ def weighted_tokens(dtype=torch.bfloat16):
     return hidden, weight, labels, coef
 
 
-def chunked_reference(hidden, weight, labels, coef):
-    """`sum_t coef_t * ce_t` and its gradients through `sft`'s chunked loss (itself checked against the
-    naive loss and autograd in test_losses.py)."""
+def chunked_reference(hidden, weight, labels, coef, dtype=torch.float32):
+    """`sum_t coef_t * ce_t`, the per-token losses and the gradients through `sft`'s chunked loss (itself checked
+    against the naive loss and autograd in test_losses.py), on the values upcast to `dtype`: fp32's are the exact
+    answer a half-precision kernel is measured against."""
     from sft.loss.kernels import chunked_linear_cross_entropy
 
-    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    h = hidden.detach().to(dtype).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
     loss_sum, ce, _, _ = chunked_linear_cross_entropy(h, w, labels, coef, 1024, False)
     loss_sum.backward()
     return loss_sum.detach().float(), ce.float(), h.grad.float(), w.grad.float()
 
 
-def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
-    error = (actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)
-    assert error < rel, f"{what}: relative error {error:.3g} >= {rel}"
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12))
+
+
+ERROR_NAMES = ("per-token cross entropy", "weighted sum", "gradient of the hidden states", "gradient of the projection")
+
+
+def errors_from_fp32(name: str, result, exact) -> dict:
+    """Each of a bf16 computation's (sum, per-token losses, both gradients) relative distances from fp32's,
+    printed (pytest -rA shows it: the figures' precision of each kernel)."""
+    order = (1, 0, 2, 3)  # ERROR_NAMES' order in (sum, ce, grad_h, grad_w)
+    errors = {what: relative_error(result[i], exact[i]) for what, i in zip(ERROR_NAMES, order)}
+    print(f"{name} in bf16, relative error from fp32: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    return errors
 
 
 def test_cce_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradients():
+    """cut-cross-entropy's per-token losses and gradients on weighted tokens, each measured against fp32 beside the
+    chunked loss's own bf16 error. Its backward adds the hidden states' gradient up over the vocabulary's tiles in
+    bf16 (`de = zeros_like(e)` in 25.1.1), so that gradient is the one far from fp32: 2.8e-2 here (the chunked loss
+    2.4e-3; H200, 2026-12-04), 1.2e-2 at Qwen2.5-7B's output layer. Why `loss.impl=auto` does not pick it."""
     pytest.importorskip("cut_cross_entropy", reason="cut-cross-entropy is not installed (pip install -e '.[gpu]')")
     from sft.loss.builtin import HardSampleLoss
     from sft.loss.kernels import _cce_problem
 
     assert _cce_problem() is None, _cce_problem()
     hidden, weight, labels, coef = weighted_tokens()
-    expected_sum, expected_ce, grad_h, grad_w = chunked_reference(hidden, weight, labels, coef)
+    exact = chunked_reference(hidden, weight, labels, coef)
+    chunked = errors_from_fp32("chunked", chunked_reference(hidden, weight, labels, coef, torch.bfloat16), exact)
     from cut_cross_entropy import linear_cross_entropy
 
     ce = linear_cross_entropy(hidden, weight, labels, reduction="none", filter_eps=None).float()  # exact gradients
     (coef * ce).sum().backward()
-    assert_close_rel(ce, expected_ce, 1e-2, "per-token cross entropy")
-    assert_close_rel((coef * ce).sum().detach(), expected_sum, 1e-2, "weighted sum")
-    assert_close_rel(hidden.grad, grad_h, 2e-2, "gradient of the hidden states")
-    assert_close_rel(weight.grad, grad_w, 2e-2, "gradient of the projection")
+    cce = errors_from_fp32("cce", ((coef * ce).sum().detach(), ce.detach(), hidden.grad, weight.grad), exact)
+    for what in ERROR_NAMES:  # the hidden states' gradient: within what was measured, with room
+        bound = 5e-2 if what == "gradient of the hidden states" else max(2e-2, 2 * chunked[what])
+        assert cce[what] < bound, (what, cce, chunked)
 
     # And through the loss interface the trainer calls (`impl="cce"`), on a padded batch of weighted rows.
     loss = HardSampleLoss(alpha=1.0)
@@ -86,8 +105,8 @@ def test_cce_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradien
     h = hidden.detach()[:1024].view(4, 256, HIDDEN)
     terms = {impl: loss.terms(ids, rows_weight, hidden=h, lm_head=weight.detach(), impl=impl)
              for impl in ("cce", "chunked")}
-    assert_close_rel(terms["cce"].loss_sum, terms["chunked"].loss_sum, 1e-2, "loss.terms(impl=cce)")
-    assert_close_rel(terms["cce"].numerator, terms["chunked"].numerator, 1e-2, "per-row numerators")
+    assert relative_error(terms["cce"].loss_sum, terms["chunked"].loss_sum) < 1e-2
+    assert relative_error(terms["cce"].numerator, terms["chunked"].numerator) < 1e-2
 
 
 def test_liger_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradients():
@@ -100,13 +119,14 @@ def test_liger_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradi
     if "reduction" not in inspect.signature(liger_fused_linear_cross_entropy).parameters:
         pytest.skip("this liger-kernel has no reduction argument")
     hidden, weight, labels, coef = weighted_tokens()
-    expected_sum, expected_ce, grad_h, grad_w = chunked_reference(hidden, weight, labels, coef)
+    exact = chunked_reference(hidden, weight, labels, coef)
+    chunked = errors_from_fp32("chunked", chunked_reference(hidden, weight, labels, coef, torch.bfloat16), exact)
     ce = liger_fused_linear_cross_entropy(hidden, weight, labels, reduction="none")
     ce = (ce[0] if isinstance(ce, tuple) else ce).float()
     (coef * ce).sum().backward()
-    assert_close_rel(ce, expected_ce, 1e-2, "per-token cross entropy")
-    assert_close_rel(hidden.grad, grad_h, 2e-2, "gradient of the hidden states")
-    assert_close_rel(weight.grad, grad_w, 2e-2, "gradient of the projection")
+    liger = errors_from_fp32("liger", ((coef * ce).sum().detach(), ce.detach(), hidden.grad, weight.grad), exact)
+    for what in ERROR_NAMES:
+        assert liger[what] < max(2e-2, 2 * chunked[what]), (what, liger, chunked)
 
     # And `loss.impl=liger` as the trainer runs it, where this liger-kernel passes choose_impl's checks.
     from sft.loss.builtin import HardSampleLoss
@@ -126,7 +146,7 @@ def test_liger_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradi
         grads[impl] = (terms.loss_sum.detach(), terms.numerator, h.grad, w.grad)
     for what, a, b in zip(("loss_sum", "per-row numerators", "hidden grad", "lm_head grad"), grads["liger"],
                           grads["chunked"]):
-        assert_close_rel(a, b, 2e-2, f"loss.terms(impl=liger): {what}")
+        assert relative_error(a, b) < 2e-2, f"loss.terms(impl=liger): {what}"
 
 
 def test_flash_attention_varlen_packing_gives_each_sample_its_own_logits(tokenizer):
