@@ -103,6 +103,15 @@ def test_composing_the_config_imports_neither_torch_nor_transformers():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_command_line_entry_points_import_neither_torch_nor_transformers():
+    """`--help` and `--cfg job` take half a second: nothing heavy at the import of a command or of the run (a
+    callback module imported at the top of sft.run.train once made both 3.4 s)."""
+    script = ("import sys, sft.commands, sft.commands.train, sft.run.train, sft.commands.plot, sft.commands.report; "
+              "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_no_module_is_much_over_500_lines():
     long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > LONGEST and str(p.relative_to(REPO)) not in GENERATED}

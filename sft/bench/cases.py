@@ -304,12 +304,15 @@ def run_preprocess_case(case: str, cfg) -> dict:
 def run_tokenize_case(case: str, cfg) -> dict:
     """`data.train_file`'s rows tokenised side by side in this process, `bench.repeats` interleaved rounds: by
     `sft.data.labels.tokenize_batch`, by sft 0.1's (`sft.bench.baseline`), both through `datasets.map` as preprocessing
-    runs them, and the tokenizer alone on the same texts. Also how many chat-template renders a row costs."""
+    runs them; by the tokenizer's own chat path (`apply_chat_template(chats, tokenize=True)`: one render and the
+    encoding a chat, no labels), and by the tokenizer alone on the texts already rendered (`encode`). Also how many
+    chat-template renders a row costs."""
     from datasets import Dataset, disable_progress_bars
     from hydra.utils import instantiate
 
     from sft.bench import baseline as bench_baseline
     from sft.data import labels as sft_labels
+    from sft.data.chat_settings import chat_settings
     from sft.data.labels import encode, tokenize_batch
     from sft.data.preprocess import write_rows
     from sft.data.rows import iter_jsonl
@@ -327,7 +330,9 @@ def run_tokenize_case(case: str, cfg) -> dict:
     kwargs = {"baseline": {"tokenizer": tokenizer, "max_length": cfg.data.max_length},
               "sft": {"tokenizer": tokenizer, "labelling": Labelling(max_length=cfg.data.max_length)}}
     texts = [text for messages in rows["messages"] for text, _ in chat_views(tokenizer, messages)]
-    seconds: dict[str, list[float]] = {"baseline": [], "sft": [], "tokenizer": []}
+    chats = [[{k: v for k, v in m.items() if v is not None} for m in messages] for messages in rows["messages"]]
+    chat_kwargs = chat_settings(tokenizer).kwargs
+    seconds: dict[str, list[float]] = {"baseline": [], "sft": [], "chat": [], "tokenizer": []}
     for round_ in range(cfg.bench.repeats):
         for name, function, source in (("baseline", bench_baseline.tokenize_batch, rows),
                                        ("sft", tokenize_batch, stored)):
@@ -335,6 +340,10 @@ def run_tokenize_case(case: str, cfg) -> dict:
             source.map(function, batched=True, batch_size=256, remove_columns=["messages", "tools"],
                        fn_kwargs=kwargs[name], keep_in_memory=True, new_fingerprint=f"{name}-{round_}")
             seconds[name].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for i in range(0, len(chats), 256):
+            tokenizer.apply_chat_template(chats[i:i + 256], tokenize=True, **chat_kwargs)
+        seconds["chat"].append(time.perf_counter() - started)
         started = time.perf_counter()
         for i in range(0, len(texts), 256):
             encode(tokenizer, texts[i:i + 256])
@@ -366,9 +375,9 @@ def run_tokenize_case(case: str, cfg) -> dict:
     n = len(rows)
     return {"rows": n, **{f"{name}_rows_per_second": n / statistics.median(s) for name, s in seconds.items()},
             **{f"{name}_renders_per_row": count / len(counted["messages"]) for name, count in renders.items()},
-            # each round's ratios to the baseline (sft's, the tokenizer alone's): how much the machine moved them
-            "round_ratios": [[base / ours, base / alone] for base, ours, alone
-                             in zip(seconds["baseline"], seconds["sft"], seconds["tokenizer"])]}
+            # each round's ratio of sft's rows/s to the others' (the bench's ratios are their medians)
+            "round_ratios": {f"vs_{name}": [theirs / ours for theirs, ours in zip(seconds[name], seconds["sft"])]
+                             for name in ("baseline", "chat", "tokenizer")}}
 
 
 def run_scale_case(case: str, cfg) -> dict:

@@ -51,6 +51,9 @@ class BenchConfig(Schema):
     tokenize_rows: int = knob(4000, "multi-turn rows tokenised side by side by sft and its 0.1 baseline (tokenize)")
     scale_rows: int = knob(1000000, "multi-turn rows (about 300 tokens) preprocessed cold, then loaded cached "
                            "(scale)")
+    scale_processes: Optional[List[int]] = knob(None, "scale: also preprocess the rows cold with each of these "
+                                                "numbers of processes (data.num_proc), rows/s each: how preparation "
+                                                "scales with cores; null: only on every core")
     eval_repeats: int = knob(3, "evaluations timed per eval case (the best counts), after one untimed")
     checksum_gb: float = knob(15.0, "the checkpoint the checksums case writes and checksums (a 7B model's bf16 "
                               "weights: 15 GB)")

@@ -102,10 +102,10 @@ def print_report(report: dict) -> None:
     if "tokenize" in cases:
         t = cases["tokenize"]
         print(f"tokenize      {t['rows']} multi-turn rows, rows/s on one core: sft {t['sft_rows_per_second']:.0f} "
-              f"({t['sft_renders_per_row']:g} renders a row), sft 0.1 {t['baseline_rows_per_second']:.0f} "
-              f"({t['baseline_renders_per_row']:g}), the tokenizer alone {t['tokenizer_rows_per_second']:.0f}; "
-              "rounds (sft, tokenizer alone vs sft 0.1): "
-              + ", ".join(f"{ours:.2f}/{alone:.2f}" for ours, alone in t["round_ratios"]))
+              f"({t['sft_renders_per_row']:g} renders a row), the tokenizer's apply_chat_template(tokenize=True) "
+              f"{t['chat_rows_per_second']:.0f} (1 render, no labels), encoding the rendered texts alone "
+              f"{t['tokenizer_rows_per_second']:.0f}, sft 0.1 {t['baseline_rows_per_second']:.0f} "
+              f"({t['baseline_renders_per_row']:g} renders)")
     if "scale" in cases:
         c = cases["scale"]
         print(f"scale         {c['rows']} rows: {c['rows_per_second']:.0f} rows/s ({c['first_s']:.0f} s), peak RSS "

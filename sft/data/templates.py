@@ -49,6 +49,7 @@ class ChatRenderer:
         self.settings = chat_settings(tokenizer)
         self.variables = {**tokenizer.special_tokens_map, **self.settings.kwargs}
         self._templates: dict[bool, object] = {}  # compiled, by whether tools are given (a template may be named)
+        self._context: dict[bool, dict] = {}  # each one's globals and the variables, merged once
 
     def __call__(self, messages: list[dict], tools: list[dict] | None = None,
                  add_generation_prompt: bool = False) -> str:
@@ -65,8 +66,13 @@ class ChatRenderer:
                                                       **self.settings.kwargs)
         if any("reasoning_content" in m for m in messages):
             messages = _alias_reasoning(messages)
-        return template.render(messages=messages, tools=tools, documents=None,
-                               add_generation_prompt=add_generation_prompt, **self.variables)
+        # What `template.render(**variables)` does, less its per-call copying of the template's globals into a new
+        # dict (half of a short chat's render): they are merged with the variables once, and the context shares
+        # the merged dict under this call's own values.
+        context = template.new_context({**self._context[tools is not None], "messages": messages, "tools": tools,
+                                        "documents": None, "add_generation_prompt": add_generation_prompt},
+                                       shared=True)
+        return template.environment.concat(template.root_render_func(context))
 
     def _refusal(self, error: Exception, messages, tools, add_generation_prompt) -> Refused:
         """The template's failure as a refusal naming its message; `tools` when it fails on the row's tool
@@ -102,7 +108,8 @@ class ChatRenderer:
             except ImportError:
                 self._templates[key] = None
             else:
-                self._templates[key] = _compile_jinja_template(self.tokenizer.get_chat_template(None, tools))
+                self._templates[key] = template = _compile_jinja_template(self.tokenizer.get_chat_template(None, tools))
+                self._context[key] = {**template.globals, **self.variables}  # what every render of it sees
         return self._templates[key]
 
     @cached_property

@@ -21,8 +21,8 @@ from sft.run.finish import benchmark_after_training, collect_results, evaluate_a
 from sft.training.advice import raise_if_failed, train_with_advice
 from sft.training.distributed import end_process_group, set_cpu_threads, slurm_distributed_env
 from sft.training.engines import check_fsdp_resume
+from sft.training.metrics_file import read_metrics
 from sft.training.run_dir import lock_run_dirs
-from sft.training.step_log import MetricsFile, read_metrics
 
 log = logging.getLogger("sft")
 
@@ -31,7 +31,7 @@ def train(cfg: DictConfig) -> RunResults:
     """Run the recipe for a checked config; return the results written to `results.json`."""
     from sft.training.checkpoints import find_checkpoint, step_of
     from sft.training.preemption import Preempted, Preemption
-    from sft.training.step_log import no_bars_without_a_terminal
+    from sft.training.step_log import MetricsFile, no_bars_without_a_terminal
 
     started = time.time()
     no_bars_without_a_terminal()

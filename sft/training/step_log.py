@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from sft.files import own_path
+from sft.training.metrics_file import read_metrics
 
 log = logging.getLogger("sft")
 WIDTH = 120  # the widest console line (a terminal's usual width)
@@ -213,18 +214,3 @@ def is_rank_zero() -> bool:
     import os
 
     return os.environ.get("RANK", "0") == "0"
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The logs `MetricsFile` wrote, in order ([] where there is no file); a line cut short (the run was killed while
-    writing it) is left out."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records

@@ -6,7 +6,8 @@ import json
 import pytest
 from conftest import run_train
 
-from sft.training.step_log import ShortLines, json_line, read_metrics
+from sft.training.metrics_file import read_metrics
+from sft.training.step_log import ShortLines, json_line
 
 
 def test_a_log_is_one_json_line_of_numbers_rounded_to_4_significant_digits():
