@@ -39,10 +39,11 @@ timed from the end of step `bench.warmup_steps` to the last step: input tokens (
 
 Also: `preprocess`, tokenising `bench.preprocess_rows` rows into a fresh cache and then loading them
 from it; `tokenize`, the same `bench.tokenize_rows` multi-turn rows (about 300 tokens each) tokenised in
-one process by `sft.data.labels.tokenize_batch` and by sft 0.1's (`sft.bench.baseline`), interleaved, one core
-each, beside the tokenizer alone on the same texts (what no labelling can go below); `scale`, preprocessing
-`bench.scale_rows` such rows into a fresh cache on every core (rows/s, the peak resident memory of the
-process and of its largest worker), then loading them from the cache; `startup`, the median wall time of
+one process by `sft.data.labels.tokenize_batch`, by sft 0.1's (`sft.bench.baseline`) and by the tokenizer's own
+`apply_chat_template(tokenize=True)` (the target: `tokenize_vs_tokenizer`), interleaved, one core each, beside the
+tokenizer alone on the texts rendered beforehand; `scale`, preprocessing `bench.scale_rows` such rows into a fresh
+cache on every core (rows/s, the peak resident memory of the process and of its largest worker), then loading them
+from the cache, and with each of `bench.scale_processes` processes; `startup`, the median wall time of
 `python -m sft.train --cfg job`, `--help` and `--help loss loss=focal`, and of the default run from the command to
 its first optimizer step (`startup_first_step_s`, warm caches); `checksums` (only when named), a 15 GB
 checkpoint's CRC-32s from the page cache and from the disk; `long_rows` (only when named), one row a step of

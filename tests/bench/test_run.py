@@ -19,7 +19,7 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
         [sys.executable, "-m", "sft.bench", "--out", str(out), "bench.steps=4", "bench.warmup_steps=1",
          "bench.repeats=1", "bench.loss_vocab=3000", "bench.loss_hidden=32", "bench.loss_batch=2",
          "bench.loss_seq=64", "loss.chunk_tokens=16", "bench.preprocess_rows=300", "bench.tokenize_rows=40",
-         "bench.scale_rows=300", "bench.startup_repeats=1", "bench.min_cpu_share=0", "bench.isolate=false",
+         "bench.scale_rows=300", "bench.scale_processes=[1]", "bench.startup_repeats=1", "bench.min_cpu_share=0", "bench.isolate=false",
          "bench.batch_sizes=[8]", "bench.eval_repeats=1"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -32,7 +32,7 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
                                      "packing_vs_trl_padding_free_memory", "varlen_vs_mask_kernel",
                                      "varlen_vs_mask_kernel_memory", "eval_vs_hf_time", "lean_vs_naive_loss_memory",
                                      "lean_vs_naive_loss_time", "preprocess_cached_speedup", "tokenize_vs_baseline",
-                                     "tokenize_vs_tokenizer", "tokenize_vs_encode", "scale_peak_rss_gb", "scale_cached_load_s",
+                                     "tokenize_vs_tokenizer", "tokenize_vs_encode", "scale_rows_per_second_1p", "scale_peak_rss_gb", "scale_cached_load_s",
                                      "startup_cfg_job_s", "startup_help_s", "startup_help_group_s",
                                      "startup_first_step_s", *(f"hw_{kind}_{case}" for case in TRAINING
                                                                for kind in ("exec", "model"))}
@@ -60,6 +60,10 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
     assert cases["preprocess"]["rows"] == 300 and cases["scale"]["rows"] == 300
     assert cases["tokenize"]["rows"] == 40 and cases["tokenize"]["baseline_renders_per_row"] == 5  # 2 answers
     assert cases["tokenize"]["sft_renders_per_row"] == 4
+    # against the tokenizer's own chat path, through the same datasets.map: the ratio is sft's rows/s over its
+    tokenize = cases["tokenize"]
+    assert report["ratios"]["tokenize_vs_tokenizer"] == tokenize["round_ratios"]["vs_chat"][0] == pytest.approx(
+        tokenize["sft_rows_per_second"] / tokenize["chat_rows_per_second"])
     assert cases["eval_sft"]["rows"] == cases["eval_hf"]["rows"] == 400  # the bundled validation set
     for ratio, target in [("tokenize_vs_tokenizer", "target >= 0.9"), ("sft_vs_raw", "target >= 0.95"),
                           ("packing_vs_trl_padding_free", "target >= 1.3"), ("ce_vs_trl", "target >= 1.0")]:
