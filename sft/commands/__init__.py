@@ -22,6 +22,8 @@ COMMANDS = {
                                     "sweep"),
     "inspect": ("sft.commands.inspect", "show what will be trained, as the model's chat template renders it"),
     "merge": ("sft.commands.merge", "merge a LoRA adapter into its base model, for serving"),
+    "export": ("sft.commands.export", "the model as one GGUF file (llama.cpp, Ollama, LM Studio): sft export gguf "
+                                      "<run dir> --outtype q4_k_m"),
     "compare": ("sft.commands.compare", "the base and the trained model's greedy answers side by side"),
     "recipe": ("sft.commands.recipe", "a run as a recipe file: sft train --config-dir <dir> --config-name <recipe>"),
     "plot": ("sft.commands.plot", "runs as one picture: loss, eval loss, learning rate, grad norm, buckets"),

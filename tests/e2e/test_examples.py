@@ -130,6 +130,16 @@ def check_identity(proc, out):
     generated = model.generate(**prompt, max_new_tokens=48, do_sample=False)[0, prompt["input_ids"].shape[1]:]
     text = tokenizer.decode(generated)
     assert "Fennel Lab" in text and text.endswith("<|im_end|>") and len(generated) < 48, text
+    # The Q4_K_M export, in llama.cpp itself: its chat completion with the template and stop token read from the file
+    from llama_cpp import Llama
+
+    assert (out / "gguf" / "Modelfile").read_text() == 'FROM ./quill.gguf\nPARAMETER stop "<|im_end|>"\n'
+    llm = Llama(model_path=str(out / "gguf" / "quill.gguf"), n_ctx=512, verbose=False)
+    rows = [json.loads(line) for line in (out / "data" / "eval.jsonl").read_text().splitlines()]
+    served = [llm.create_chat_completion(messages=[m for m in row["messages"] if m["role"] != "assistant"],
+                                        max_tokens=48, temperature=0.0)["choices"][0] for row in rows]
+    assert all(choice["finish_reason"] == "stop" for choice in served)  # at <|im_end|>, not the token limit
+    assert sum(served[i]["message"]["content"].strip() == compared["references"][i] for i in identity) >= 6
 
 
 CHECKS = {"own_data_lora": check_own_data_lora, "zero3": check_sharded, "fsdp2": check_sharded,
