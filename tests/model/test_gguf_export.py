@@ -141,3 +141,14 @@ def test_a_quantized_type_without_llama_cpp_python_names_the_extra(monkeypatch, 
                                           r"pip install 'sft\[gguf\]' \(llama-cpp-python==0.3.36\), or --outtype one "
                                           r"of f32, f16, bf16, q8_0"):
         export(tmp_path, tmp_path / "m.gguf", "q4_k_m")
+
+
+def test_without_the_converter_and_no_index_to_fetch_it_the_error_names_the_way_out(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sft", "export", "gguf", ".", "--outtype", "f16"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={"SFT_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1",
+                               "PIP_FIND_LINKS": str(tmp_path), "PIP_CONFIG_FILE": "/dev/null"})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith("error: cannot fetch llama.cpp's converter (pip download llama-cpp-python==0.3.36: ")
+    assert proc.stderr.strip().endswith("): pass --llama-cpp <a llama.cpp checkout>")
+    assert not list(tmp_path.glob("llama.cpp-*"))  # nothing half-extracted left in the cache
