@@ -54,11 +54,13 @@ def export(source: str | Path, out: str | Path, outtype: str = "q8_0", llama_cpp
     with tempfile.TemporaryDirectory(prefix=".sft-export-", dir=out.parent) as work:
         hf = model_dir(Path(source), Path(work), base)
         written, described = Path(work, out.name), Path(work, "metadata.json")
-        described.write_text(json.dumps(metadata(Path(source), hf)))
+        fields = metadata(Path(source), hf)
+        staged = staged_dir(hf, Path(work, "staged"), fields.pop("general.license", None))
+        described.write_text(json.dumps(fields))
         if outtype in CONVERTER_TYPES:
-            convert(script, hf, written, outtype, described)
+            convert(script, staged, written, outtype, described)
         else:
-            convert(script, hf, Path(work, "f16.gguf"), "f16", described)
+            convert(script, staged, Path(work, "f16.gguf"), "f16", described)
             quantize(Path(work, "f16.gguf"), written, outtype)
         stops = stop_tokens(hf)
         os.replace(written, out)
@@ -85,7 +87,8 @@ def model_dir(source: Path, work: Path, base: str | None = None) -> Path:
 
 def metadata(source: Path, hf: Path) -> dict:
     """The GGUF's general metadata (llama.cpp's `--metadata` keys): the run's name, fine-tuned by sft, its base model;
-    the license and source of a base read from a GGUF file carried over."""
+    the license and source of a base read from a GGUF file carried over (the license goes to the model card the
+    converter reads: `staged_dir`)."""
     from sft.model.merge import run_config
 
     run = source if source.name not in ("model", "merged") else source.parent
@@ -110,6 +113,17 @@ def metadata(source: Path, hf: Path) -> dict:
                                                  **({"repo_url": fields["general.repo_url"]}
                                                     if "general.repo_url" in fields else {})}]
     return described
+
+
+def staged_dir(hf: Path, staged: Path, license: str | None) -> Path:
+    """`hf` as the converter reads it: its files linked into `staged`, with a model card carrying `license` where `hf`
+    has none (llama.cpp takes a license from the card only, not from `--metadata`); `hf` itself is left as it is."""
+    staged.mkdir()
+    for path in hf.iterdir():
+        (staged / path.name).symlink_to(path.resolve())
+    if license and not (hf / "README.md").exists():
+        (staged / "README.md").write_text(f"---\nlicense: {license}\n---\n")
+    return staged
 
 
 def gguf_fields(path: Path) -> dict:

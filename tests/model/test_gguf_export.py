@@ -152,3 +152,41 @@ def test_without_the_converter_and_no_index_to_fetch_it_the_error_names_the_way_
     assert proc.stderr.startswith("error: cannot fetch llama.cpp's converter (pip download llama-cpp-python==0.3.36: ")
     assert proc.stderr.strip().endswith("): pass --llama-cpp <a llama.cpp checkout>")
     assert not list(tmp_path.glob("llama.cpp-*"))  # nothing half-extracted left in the cache
+
+
+def test_the_metadata_names_the_run_and_carries_a_gguf_bases_license_and_source_over(tmp_path):
+    """What the converter's `--metadata` gets: the run's name, sft as the fine-tuner, the base model; from a base
+    read from a GGUF file (model=smollm2_135m's kind), its name, license and source."""
+    import gguf
+    from omegaconf import OmegaConf
+
+    from sft.model.gguf_export import metadata
+
+    writer = gguf.GGUFWriter(str(tmp_path / "base.gguf"), "llama")
+    writer.add_name("Base Model 1B")
+    writer.add_license("apache-2.0")
+    writer.add_repo_url("https://example.org/base")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    run = tmp_path / "quill"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "model").mkdir()
+    OmegaConf.save({"model": {"name_or_path": "org/base", "gguf_file": str(tmp_path / "base.gguf")}},
+                   run / ".hydra" / "config.yaml")
+    assert metadata(run / "model", run / "model") == {
+        "general.name": "quill", "general.finetune": "sft", "general.license": "apache-2.0",
+        "general.repo_url": "https://example.org/base",
+        "general.base_models": [{"name": "Base Model 1B", "repo_url": "https://example.org/base"}]}
+    OmegaConf.save({"model": {"name_or_path": "Qwen/Qwen2.5-7B-Instruct", "gguf_file": None}},
+                   run / ".hydra" / "config.yaml")
+    assert metadata(run, run / "model") == {"general.name": "quill", "general.finetune": "sft",
+                                            "general.base_models": [{"name": "Qwen2.5-7B-Instruct"}]}
+    # the license reaches the converter through a model card in a dir of links; the model's own dir stays untouched
+    from sft.model.gguf_export import staged_dir
+
+    (run / "model" / "config.json").write_text("{}")
+    staged = staged_dir(run / "model", tmp_path / "staged", "apache-2.0")
+    assert (staged / "README.md").read_text() == "---\nlicense: apache-2.0\n---\n"
+    assert (staged / "config.json").resolve() == (run / "model" / "config.json").resolve()
+    assert sorted(p.name for p in (run / "model").iterdir()) == ["config.json"]
