@@ -12,7 +12,9 @@ from sft.model.gguf_export import LLAMA_CPP_PYTHON, OUTTYPES, ExportError, expor
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="sft export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="sft export", description="the model as one GGUF file for llama.cpp, "
+                                     "Ollama and LM Studio, by llama.cpp's own converter and quantizer; an Ollama "
+                                     "Modelfile beside it")
     parser.add_argument("format", choices=["gguf"], help="the file format (gguf: llama.cpp, Ollama, LM Studio)")
     parser.add_argument("source", help="a run dir, a checkpoint, or a merged or full model dir (a LoRA adapter is "
                         "merged into its base first)")

@@ -200,8 +200,9 @@ def readme_summary(report: dict) -> str:
     ratios = (bench or {}).get("ratios", {})
     if "lean_vs_naive_loss_time" in ratios:
         impl = bench["raw"]["loss_lean"][0]["impl"]
-        lines.append(f"The loss `loss.impl=auto` picks ({impl}) at its output layer: {ratios['lean_vs_naive_loss_time']:.2f}x "
-                     f"the naive loss's time in {ratios['lean_vs_naive_loss_memory']:.3f}x its memory.")
+        lines.append(f"The loss `loss.impl=auto` picks ({impl}) at its output layer: "
+                     f"{ratios['lean_vs_naive_loss_time']:.2f}x the naive loss's time in "
+                     f"{ratios['lean_vs_naive_loss_memory']:.3f}x its memory.")
     lines.append(f"Every figure: [Performance]({PERFORMANCE_DOC.relative_to(REPO).as_posix()}#gpu-figures).")
     return " ".join(lines) + "\n"
 
