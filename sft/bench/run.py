@@ -20,8 +20,8 @@ each at every micro-batch size of `bench.batch_sizes` (64, then the training def
 times `Trainer.evaluate()` on the eval rows, a plain Trainer's (`eval_hf`) against this project's
 (`eval_sft`), per 1,000 rows; and times the loss alone, forward and backward, on `bench.loss_batch x
 bench.loss_seq` tokens at `bench.loss_vocab x bench.loss_hidden` (Qwen2.5's vocabulary): `loss_naive` (the
-full logits, then the cross entropy) and `loss_lean` (the kernel training picks: cut-cross-entropy on a GPU,
-chunked on a CPU).
+full logits, then the cross entropy) and `loss_lean` (the kernel training picks: Liger's on a GPU where installed,
+chunked on a CPU); `loss_chunked`, `loss_cce`, `loss_liger` (on request) each kernel by name.
 
 The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same loss computation on both sides),
 `lean_loss_gain` (`ce` over `ce_naive`; `lean_loss_gain_lora` the same with LoRA), `hard_sample_vs_ce`,
