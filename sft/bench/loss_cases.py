@@ -17,10 +17,10 @@ LOSS_TIMED_CALLS = 2  # after one untimed call: Triton compiles and autotunes a 
 
 def run_loss_case(case: str, cfg) -> dict:
     """Forward and backward of the loss alone: the naive path (logits, then cross entropy), the lean kernel that
-    training picks here (`loss_lean`, `loss.impl=auto`: Liger's on a GPU where installed, the chunked loss on a CPU),
-    or a kernel by name (`loss_chunked`, `loss_cce`, `loss_liger`). Peak memory is the first call's; the time the best of
-    `LOSS_TIMED_CALLS` after it (the first compiles Triton's kernels). In half precision also each kernel's error:
-    the relative (norm) distance of its rows' losses and of the hidden states' gradient from fp32's."""
+    training picks here (`loss_lean`, `loss.impl=auto`: Liger's on a GPU where installed, the chunked loss on a
+    CPU), or a kernel by name (`loss_chunked`, `loss_cce`, `loss_liger`). Peak memory is the first call's; the time
+    the best of `LOSS_TIMED_CALLS` after it (the first compiles Triton's kernels). In half precision also each
+    kernel's error: the relative (norm) distance of its rows' losses and of the hidden states' gradient from fp32's."""
     import torch
 
     from sft.loss.builtin import CrossEntropyLoss

@@ -8,8 +8,8 @@ from pathlib import Path
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The logs `MetricsFile` wrote (`sft.training.step_log`), in order ([] where there is no file); a line cut short (the run was killed while
-    writing it) is left out."""
+    """The logs `MetricsFile` wrote (`sft.training.step_log`), in order ([] where there is no file); a line cut
+    short (the run was killed while writing it) is left out."""
     path = Path(path)
     if not path.is_file():
         return []
