@@ -100,4 +100,5 @@ fi
 # Several processes: the config checked once here (each would print the same error, then the launcher's traceback),
 # with the world size the processes will have (sp.size must divide it).
 WORLD_SIZE=$((NPROC * NNODES)) python -m sft.train --check "$@" >/dev/null || exit $?
-run_in_group accelerate launch "${args[@]}" -m sft.train "$@"
+# accelerate launch, in a process that says a refusal of the ranks once (sft/commands/launch.py)
+run_in_group python -m sft.commands.launch "${args[@]}" -m sft.train "$@"

@@ -29,6 +29,8 @@ COMMANDS = {
     "plot": ("sft.commands.plot", "runs as one picture: loss, eval loss, learning rate, grad norm, buckets"),
     "report": ("sft.commands.report", "rebuild a sweep's report (verdict, intervals, paired differences)"),
     "sweep": ("sft.commands.sweep", "a sweep, each job through accelerate launch (what ./launch.sh -m runs)"),
+    "launch": ("sft.commands.launch", "several processes: accelerate launch, a refusal of the ranks said once (what "
+                                      "./launch.sh --nproc N runs)"),
     "bench": ("sft.bench.run", "speed and memory, side by side: sft against a raw loop, Trainer, TRL"),
     "gpu-pack": ("sft.commands.gpu_pack", "the GPU tests and the GPU bench, their figures into README.md"),
 }

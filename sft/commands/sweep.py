@@ -44,6 +44,19 @@ def refused_job(overrides: list[str]) -> str | None:
     return None
 
 
+def last_error(stderr: str) -> str:
+    """What a failed job said: its last `error:` and the lines under it (the bad rows), joined; else its last line.
+
+        "...\nerror: 1 bad row(s) in the data:\n  a.jsonl:1: messages: missing\n"
+            -> "1 bad row(s) in the data: a.jsonl:1: messages: missing"
+    """
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    starts = [k for k, line in enumerate(lines) if line.startswith("error: ")]
+    if not starts:
+        return lines[-1] if lines else ""
+    return " ".join(lines[starts[-1]:])[len("error: "):]
+
+
 def start_multirun(argv: list[str]) -> None:
     """Before Hydra runs a sweep in this process (`python -m sft.train -m`): every job's values checked, and the sweep
     dir, where given, claimed for this sweep (`claim_sweep_dir`); an error is one line and exit code 2."""
@@ -82,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     # One process: accelerate's launcher would only set the environment, and kills the job's whole process tree 5 s
     # after a SIGTERM, in the middle of its checkpoint; the job itself is the process to signal and wait for.
     one = "--num_processes" not in launch_args or launch_args[launch_args.index("--num_processes") + 1] == "1"
-    launcher = [sys.executable, "-m", "sft.train"] if one else ["accelerate", "launch", *launch_args, "-m", "sft.train"]
+    launcher = [sys.executable, "-m", "sft.train"] if one else [sys.executable, "-m", "sft.commands.launch",
+                                                                  *launch_args, "-m", "sft.train"]
     if refused := refused_job(overrides):
         print(f"error: config: {refused}", file=sys.stderr)
         sys.exit(2)
@@ -127,8 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"sweep.resume=true hydra.sweep.dir={sweep_dir}", file=sys.stderr, flush=True)
             sys.exit(PREEMPTED_EXIT_CODE)
         if proc.returncode != 0 and results is None:
-            last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [""]
-            RunResults.failed(f"exit code {proc.returncode}: {last[0].strip()}", time.time() - started).write(run_dir)
+            RunResults.failed(f"exit code {proc.returncode}: {last_error(proc.stderr)}",
+                              time.time() - started).write(run_dir)
     try:
         write_report(sweep_dir, cfg.sweep.baseline)
     except ReportError as e:

@@ -30,6 +30,7 @@ from sft.experiments.tracking import in_sweep, job_overrides
 from sft.run.train import train
 from sft.training.advice import TrainingStopped
 from sft.training.distributed import exit_without_teardown, rank_overrides, refuse_multirun_in_launch, share_run_dir
+from sft.training.rank_errors import report
 
 log = logging.getLogger("sft")
 register()
@@ -39,7 +40,7 @@ def fail(message: str, code: int = 2) -> None:
     """From an `except` block: stop with the reason and `code` (a traceback with HYDRA_FULL_ERROR=1)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise
-    print(f"error: {message}", file=sys.stderr)
+    report(message, code)  # printed here, or once for all ranks by the launcher (sft.training.rank_errors)
     sys.exit(code)
 
 

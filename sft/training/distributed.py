@@ -107,9 +107,11 @@ def fsdp_without_gpus(fsdp: bool):
 def refuse_multirun_in_launch(argv: list[str]) -> None:
     """Exit with the reason when `-m` is asked for inside a multi-process launch."""
     if world_size() > 1 and {"-m", "--multirun"} & set(argv):
-        print("error: -m/--multirun cannot run inside a multi-process launch (every rank would run the whole "
-              "sweep). Run `./launch.sh -m ...` (each job in turn through accelerate launch) or use "
-              "hydra/launcher=slurm (one allocation per job).", file=sys.stderr)
+        from sft.training.rank_errors import report
+
+        report("-m/--multirun cannot run inside a multi-process launch (every rank would run the whole sweep). Run "
+               "`./launch.sh -m ...` (each job in turn through accelerate launch) or use hydra/launcher=slurm (one "
+               "allocation per job).", 2)
         sys.exit(2)
 
 

@@ -351,3 +351,36 @@ print("file equals zero3:", final["file"] == final["zero3"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[-6:-1] == ["zero2 2 16", "zero3 3 16", "zero3_offload 3 16", "file 3 16",
                                               "file equals zero3: True"]
+
+
+@pytest.mark.slow
+def test_a_refusal_inside_the_ranks_is_one_line_under_launch_sweeps_and_two_nodes(tmp_path):
+    """Bad data, found by every rank as it reads it (after launch.sh's check of the config): one `error:` line, exit 2,
+    no launcher traceback: under `--nproc 2`, in a sweep's job, and on each node of a two-node launch."""
+    bad = tmp_path / "bad.jsonl"
+    rows = (REPO / "sft/sample_data/train.jsonl").read_text().splitlines()[:20]
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 5}]}\n'
+                   + "\n".join(rows) + "\n")
+    said = ["error: 1 bad row(s) in the data:", f"  {bad}:1: messages[1].content: must be a string, got int"]
+
+    def one_line(stderr: str) -> bool:
+        return (stderr.count("error:") == 1 and "\n".join(said) in stderr and "Traceback" not in stderr
+                and "ChildFailedError" not in stderr)
+
+    args = [f"data.train_file={bad}", "trainer.max_steps=1"]
+    two = launch("--nproc", "2", *args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert two.returncode == 2 and one_line(two.stderr), two.stderr[-3000:]
+
+    sweep = launch("--nproc", "2", "-m", *args, "trainer.learning_rate=1e-3,2e-3", f"hydra.sweep.dir={tmp_path / 'sw'}")
+    results = [json.loads((tmp_path / "sw" / str(k) / "results.json").read_text()) for k in (0, 1)]
+    assert [r["status"] for r in results] == ["failed", "failed"], sweep.stderr[-3000:]
+    assert all(r["error"] == f"exit code 2: 1 bad row(s) in the data: {said[1].strip()}" for r in results)
+    assert sweep.stderr.count(said[1]) == 2 and "Traceback" not in sweep.stderr, sweep.stderr[-3000:]
+
+    port = str(free_port())
+    cmd = [str(REPO / "launch.sh"), "--nproc", "1", *args, f"hydra.run.dir={tmp_path / 'nodes'}"]
+    env = {**os.environ, "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    nodes = [subprocess.Popen(cmd, cwd=REPO, env={**env, "NODE_RANK": str(k)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    outputs = [n.communicate(timeout=600) for n in nodes]
+    assert [n.returncode for n in nodes] == [2, 2] and all(one_line(err) for _, err in outputs), outputs
