@@ -116,6 +116,12 @@ def print_report(report: dict) -> None:
         disk = "not measured (cannot drop the page cache here)" if c["disk_s"] is None else f"{c['disk_s']:.1f} s"
         print(f"checksums     a {c['gb']:.0f} GB checkpoint: {c['cached_s']:.1f} s from the page cache (a save), "
               f"{disk} from the disk (a resume)")
+    if "checkpoint_memory" in cases:
+        c = cases["checkpoint_memory"]
+        print(f"checkpoint    full fine-tune, 2 processes (FSDP2), a {c['checkpoint_mib']:.0f} MiB checkpoint ("
+              f"{c['share_mib']:.0f} MiB a rank): memory above the step's while saving: " + "; ".join(
+                  f"{fmt} " + ", ".join(f"rank {r} +{m:.0f} MiB" for r, m in enumerate(c[fmt]["rank_mib"]))
+                  + f" ({c[fmt]['seconds']:.1f} s)" for fmt in ("gathered", "sharded")))
     if "long_rows" in cases:
         print("long rows     one packed row a step: tokens/s, and memory per token of the row (the step's peak over "
               "the built trainer's" + ("" if any(r["on_gpu"] for v in cases["long_rows"].values() for r in v.values())

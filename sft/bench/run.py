@@ -46,7 +46,9 @@ cache on every core (rows/s, the peak resident memory of the process and of its 
 from the cache, and with each of `bench.scale_processes` processes; `startup`, the median wall time of
 `python -m sft.train --cfg job`, `--help` and `--help loss loss=focal`, and of the default run from the command to
 its first optimizer step (`startup_first_step_s`, warm caches); `checksums` (only when named), a 15 GB
-checkpoint's CRC-32s from the page cache and from the disk; `long_rows` (only when named), one row a step of
+checkpoint's CRC-32s from the page cache and from the disk; `checkpoint_memory` (only when named), each rank's peak
+memory while a 2-process FSDP2 full fine-tune saves a checkpoint, gathered and sharded (`sft.bench.checkpoint_memory`;
+the target: rank 0's, sharded, within its share of the checkpoint); `long_rows` (only when named), one row a step of
 each of `bench.long_row_lengths` tokens, plain, checkpointed, with tiled MLPs, (GPU) offloaded checkpoints and
 each row split over 2 processes (`sp=ulysses`): tokens/s and memory per token (docs/long_context.md).
 
@@ -87,6 +89,7 @@ from omegaconf import OmegaConf
 from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, RESULT,
                              SPREAD_CASES, TRAINING_CASES, TRL_CASES, child, timed_training_overrides)
 from sft.bench.config import compose
+from sft.bench.checkpoint_memory import run_checkpoint_memory
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
 from sft.bench.matmul import MATMUL_CASES
 from sft.bench.report import breakdowns, hardware_ratios, print_report
@@ -116,6 +119,7 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "startup_help_s": (1.0, "max"),
     "startup_help_group_s": (1.0, "max"),
     "startup_first_step_s": (5.0, "max"),
+    "checkpoint_rank0_vs_share": (1.0, "max"),
 }
 # name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL
 TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_naive", "hf"),
@@ -382,6 +386,12 @@ def run_all(overrides: list[str]) -> dict:
             ratios["checksum_disk_gb_per_s"] = c["gb"] / c["disk_s"]
     if "long_rows" in b.cases:
         cases["long_rows"] = long_rows(overrides, base)
+    if "checkpoint_memory" in b.cases:
+        cases["checkpoint_memory"] = c = run_checkpoint_memory(overrides, b.case_timeout_s)
+        # rank 0's peak above its step's, saving sharded, over its share of the checkpoint; and gathered over sharded
+        ratios["checkpoint_rank0_vs_share"] = c["sharded"]["rank_mib"][0] / c["share_mib"]
+        ratios["checkpoint_rank0_gathered_mib"] = c["gathered"]["rank_mib"][0]
+        ratios["checkpoint_rank0_sharded_mib"] = c["sharded"]["rank_mib"][0]
     if "startup" in b.cases:
         n = b.startup_repeats
         ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job", repeats=n)

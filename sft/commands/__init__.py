@@ -22,6 +22,8 @@ COMMANDS = {
                                     "sweep"),
     "inspect": ("sft.commands.inspect", "show what will be trained, as the model's chat template renders it"),
     "merge": ("sft.commands.merge", "merge a LoRA adapter into its base model, for serving"),
+    "consolidate": ("sft.commands.consolidate", "a sharded checkpoint (FSDP2) as a model dir: safetensors, config, "
+                                                "tokenizer; one process, no GPU"),
     "export": ("sft.commands.export", "the model as one GGUF file (llama.cpp, Ollama, LM Studio): sft export gguf "
                                       "<run dir> --outtype q4_k_m"),
     "compare": ("sft.commands.compare", "the base and the trained model's greedy answers side by side"),

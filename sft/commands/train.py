@@ -130,7 +130,7 @@ def cli() -> None:
 
     # before Hydra, whose errors would not name the knob, and which writes into the run dir first
     if refused := refused_override(sys.argv[1:]) or unwritable_dir(sys.argv[1:]):
-        print(f"error: config: {refused}", file=sys.stderr)
+        report(f"config: {refused}", 2)
         sys.exit(2)
     unlink_planted(sys.argv[1:])
     refuse_multirun_in_launch(sys.argv[1:])

@@ -32,7 +32,8 @@ from sft.model.lora import LoraConfig  # noqa: F401 - registers lora_schema
 from sft.training import clipping  # noqa: F401 - registers the clip policies' schemas
 from sft.training.arguments import TrainerConfig  # noqa: F401 - registers trainer_schema
 from sft.training.engines import FsdpConfig, check_deepspeed, load_deepspeed_file  # noqa: F401 - fsdp_schema
-from sft.training.sequence_parallel import SequenceParallelConfig  # noqa: F401 - registers sp_schema
+from sft.training.sequence_parallel import SequenceParallelConfig
+from sft.training.sharded import CheckpointConfig  # noqa: F401 - registers sp_schema
 from sft.training.throughput import ThroughputMeter
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # sft/conf/: the config groups, shipped in the package
@@ -82,6 +83,8 @@ class TrainConfig(Schema):
                             "loss, lr, grad norm, tok/s; every number goes to metrics.jsonl in the run dir) or json "
                             "(each log as one JSON line of numbers, for jq)")
     overwrite: bool = knob(False, "a new run into a dir holding another run's outputs: delete them (else refused)")
+    checkpoint: CheckpointConfig = knob(help="how checkpoints are written: sharded or gathered, in the background",
+                                        factory=CheckpointConfig)
     checkpoint_checksums: CheckpointChecksums = knob(CheckpointChecksums.all, "CRC-32s in each checkpoint's "
                                                      "manifest, verified on resume: all (every file; ~3 GB/s from "
                                                      "the page cache, the disk's speed otherwise) | small (files up "

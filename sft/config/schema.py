@@ -52,6 +52,9 @@ class Choice(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    def __repr__(self) -> str:  # as errors quote a value: checkpoint.format='sharded'
+        return repr(self.value)
+
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 

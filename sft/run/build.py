@@ -96,6 +96,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
         eval_harness=instantiate(cfg.eval_harness, _convert_="all") if cfg.eval_harness is not None else None,
         sequence_parallel=sequence_parallel,
         console=str(cfg.console),
+        async_save=cfg.checkpoint.async_save,
     )
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
 

@@ -23,6 +23,7 @@ from sft.training.distributed import end_process_group, set_cpu_threads, slurm_d
 from sft.training.engines import check_fsdp_resume
 from sft.training.metrics_file import read_metrics
 from sft.training.run_dir import lock_run_dirs
+from sft.training.sharded import format_of_checkpoint
 
 log = logging.getLogger("sft")
 
@@ -46,6 +47,7 @@ def train(cfg: DictConfig) -> RunResults:
     try:
         checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force, cfg.trust_checkpoint)
         check_fsdp_resume(cfg, checkpoint)
+        format_of_checkpoint(cfg, checkpoint)
         changes = continue_or_claim(cfg, output_dir, checkpoint)
         recipe = build(cfg, run_dir, checkpoint, preemption)
         recipe.trainer.add_callback(MetricsFile(Path(run_dir, "metrics.jsonl"), step_of(checkpoint) if checkpoint
@@ -89,17 +91,25 @@ def train(cfg: DictConfig) -> RunResults:
 
 def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) -> list:
     """A resume continues the checkpoint's run: the settings that differ from its config are logged, and
-    refused where the checkpoint cannot follow them (`check_resume_config`); returns them. A new run may not
+    refused where the checkpoint cannot follow them (`check_resume_config`); returns them. On another number of
+    processes the trainer's batch fields change to keep the step's rows (`check_resume_processes`). A new run may not
     start over another run's outputs (`sft.training.run_dir.claim`, `overwrite=true`)."""
-    from sft.training.checkpoints import inside
-    from sft.training.resume import check_resume_config
+    from sft.training.checkpoints import inside, read_state
+    from sft.training.resume import check_resume_config, check_resume_processes
     from sft.training.run_dir import claim
 
     if cfg.resume != "auto" and not inside(checkpoint, output_dir):
         claim(output_dir, cfg.overwrite, sweep_job=in_sweep())
     if checkpoint is None:
         return []
-    return check_resume_config(checkpoint, saved_config(cfg), cfg.resume_force)
+    changes = check_resume_config(checkpoint, saved_config(cfg), cfg.resume_force)
+    try:
+        state = read_state(checkpoint)
+    except (OSError, ValueError):  # resume_force on a checkpoint without sft's state: nothing to compare
+        return changes
+    if state.get("config") is not None:  # another number of processes: the step keeps its rows
+        cfg.trainer.merge_with(check_resume_processes(checkpoint, state, cfg.resume_force, saved_config(cfg)))
+    return changes
 
 
 def saved_config(cfg: DictConfig) -> dict:
@@ -126,7 +136,7 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
                 # a resume goes on with the run it resumes: rotation deletes only that run's checkpoints
                 "run_id": saved.get("run_id") if saved is not None else uuid.uuid4().hex[:12]}
     trainer.add_callback(CheckpointState(run_info, stateful, cfg.trainer.save_total_limit, checkpoint,
-                                         checksum_all=cfg.checkpoint_checksums == "all"))
+                                         checksum_all=cfg.checkpoint_checksums == "all", writer=trainer.shard_writer))
     for name, state in (saved or {}).get("controllers", {}).items():
         if name in stateful:
             stateful[name].load_state_dict(state)

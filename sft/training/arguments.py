@@ -230,6 +230,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
 
     from sft.training.distributed import process_fields
     from sft.training.engines import announce_deepspeed_comm_build, fsdp_fields
+    from sft.training.sharded import sharded
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
@@ -244,7 +245,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     if fields["bf16"] and not on_gpu:  # transformers takes bf16 on a CPU only with use_cpu (checked: it has bf16)
         fields["use_cpu"] = True
     if cfg.fsdp is not None:
-        fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"]))
+        fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"], sharded(cfg)))
     if fields.get("disable_tqdm") is None:  # no bars where nobody watches them (sft.training.step_log)
         from sft.training.step_log import has_terminal
 

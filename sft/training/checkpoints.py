@@ -300,32 +300,52 @@ class CheckpointState(TrainerCallback, ExportableState):
     """On each save: wait for every rank, write `sft_state.json` (the marker), rotate old checkpoints.
 
     `controllers` maps a name to any object with `state_dict()`; the data hash also goes into
-    `trainer_state.json` (`stateful_callbacks.CheckpointState`) so a checkpoint names its data version.
+    `trainer_state.json` (`stateful_callbacks.CheckpointState`) so a checkpoint names its data version. With a
+    background writer (`writer`, `sft.training.sharded.ShardWriter`: `checkpoint.async_save`) the marker waits until
+    every rank's shards are written: the state is taken at the save, the marker written at the first step end (or the
+    next save, or the end of training) that finds the writes done on all ranks.
     """
 
     def __init__(self, run_info: dict, controllers: dict, keep: int | None, resumed_from: str | None,
-                 checksum_all: bool = False):
+                 checksum_all: bool = False, writer=None):
         self.run_info, self.controllers, self.keep, self.checksum_all = run_info, controllers, keep, checksum_all
         self.resumed_from = Path(resumed_from).resolve() if resumed_from else None
         self.run_id = run_info.get("run_id")
+        self.writer = writer
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"data_hash": self.run_info["data_hash"]}}
 
     def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        payload = {**self.run_info, "global_step": state.global_step,
+                   "controllers": {name: c.state_dict() for name, c in self.controllers.items()}}
+        finish = lambda: self.complete(folder, payload, args.output_dir, state.best_model_checkpoint,  # noqa: E731
+                                       state.is_world_process_zero)
+        if self.writer is not None and self.writer.pending() == folder:
+            self.writer.finish = finish  # the shards are still being written
+        else:
+            finish()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.writer is not None and self.writer.pending() is not None and self.writer.finished_everywhere():
+            self.writer.wait()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.writer is not None:
+            self.writer.wait()
+
+    def complete(self, folder: Path, payload: dict, output_dir: str, best: str | None, rank_zero: bool) -> None:
+        """Once every rank's files are on disk: the marker with the manifest (rank 0), then the rotation."""
         from accelerate import PartialState
 
         PartialState().wait_for_everyone()  # every rank's shards are on disk before the marker
-        if state.is_world_process_zero:
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            payload = {**self.run_info, "global_step": state.global_step,
-                       "controllers": {name: c.state_dict() for name, c in self.controllers.items()},
-                       "files": manifest(folder, self.checksum_all)}
-            write_json_atomic(folder / STATE_FILE, payload)
+        if rank_zero:
+            write_json_atomic(folder / STATE_FILE, {**payload, "files": manifest(folder, self.checksum_all)})
             (folder / WRITING_FILE).unlink(missing_ok=True)
             if deepspeed_checkpoint(folder):  # its pickles are trusted on resume by this record alone
                 record_written(folder)
-            self.rotate(args.output_dir, state.best_model_checkpoint)
+            self.rotate(output_dir, best)
         PartialState().wait_for_everyone()
 
     def rotate(self, output_dir: str, best: str | None) -> None:

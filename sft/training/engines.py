@@ -61,11 +61,13 @@ def check_fsdp_layers(fsdp, model) -> None:
                           "_no_split_modules)")
 
 
-def fsdp_fields(fsdp, activation_checkpointing: bool) -> dict:
+def fsdp_fields(fsdp, activation_checkpointing: bool, sharded: bool = False) -> dict:
     """TrainingArguments' FSDP2 fields for the `fsdp` node. Activation checkpointing becomes FSDP's own
-    (each layer wrapped before sharding): Trainer's would gather every layer's weights once more in backward."""
+    (each layer wrapped before sharding): Trainer's would gather every layer's weights once more in backward.
+    `sharded`: checkpoints as every rank's own shards (`sft.training.sharded`), else gathered to rank 0."""
     config = {"version": 2, "reshard_after_forward": fsdp.reshard_after_forward, "cpu_offload": fsdp.cpu_offload,
-              "activation_checkpointing": activation_checkpointing, "state_dict_type": "FULL_STATE_DICT"}
+              "activation_checkpointing": activation_checkpointing,
+              "state_dict_type": "SHARDED_STATE_DICT" if sharded else "FULL_STATE_DICT"}
     if fsdp.layers is not None:
         config["transformer_layer_cls_to_wrap"] = list(fsdp.layers)
     return {"fsdp": True, "fsdp_config": config, "activation_checkpointing": False}

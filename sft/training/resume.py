@@ -1,7 +1,8 @@
 """What a resume may change: the settings a checkpoint cannot follow are refused naming them (`check_resume_config`:
-the model, the LoRA shape, the batch shape, the optimizer ...; another number of processes or a checkpoint without
-optimizer state, `check_resume_processes`), as is other data (`check_resume_data`); the others apply, a new learning
-rate from the resumed step on (`LearningRateChange`). `resume_force=true` turns each refusal into a warning."""
+the model, the LoRA shape, the batch shape, the optimizer ...; a checkpoint without optimizer state,
+`check_resume_processes`), as is other data (`check_resume_data`); the others apply, a new learning
+rate from the resumed step on (`LearningRateChange`), another number of processes with the step's rows kept
+(`check_resume_processes`). `resume_force=true` turns each refusal into a warning."""
 
 from __future__ import annotations
 
@@ -84,7 +85,6 @@ def check_resume_config(checkpoint: str, current: dict, force: bool) -> list[tup
     saved = state.get("config")
     if saved is None:
         return []
-    check_resume_processes(checkpoint, state, force)
     changes = config_changes(saved, current)
     fixed = [(key, old, new) for key, old, new in changes if fixed_on_resume(key)]
     if changes:
@@ -102,19 +102,64 @@ def check_resume_config(checkpoint: str, current: dict, force: bool) -> list[tup
     return changes
 
 
-def check_resume_processes(checkpoint: str, state: dict, force: bool) -> None:
-    """What a resume cannot see in the config, refused unless forced: another number of processes (another global
-    batch), and a checkpoint saved without optimizer and schedule (`trainer.save_only_model`: restarted silently)."""
+def batch_for_ranks(per_device: int, accumulation: int, saved_ranks: int, ranks: int) -> tuple[int, int] | None:
+    """The per-device batch and accumulation that keep a step's rows (per-device batch x accumulation x data ranks) on
+    another number of ranks: the per-device batch kept where it can be (the memory it was run with), else the largest
+    that divides the rows a rank takes and is no larger; None where the rows do not divide over the ranks.
+
+        2, 1, 2 ranks -> 1 rank  =  (2, 2)   (4 rows a step)
+        4, 1, 1 -> 2             =  (2, 1)
+        2, 3, 2 -> 4             =  (1, 3)   (12 rows: 3 a rank)
+        3, 1, 2 -> 4             =  None     (6 rows over 4 ranks)
+    """
+    rows = per_device * accumulation * saved_ranks
+    if rows % ranks:
+        return None
+    per_rank = rows // ranks
+    batch = max(d for d in range(1, min(per_device, per_rank) + 1) if per_rank % d == 0)
+    return batch, per_rank // batch
+
+
+def data_ranks(world: int, config: dict) -> int:
+    """The ranks that take rows of their own: all, but one per sequence-parallel group (`sp.size`)."""
+    return world // ((config.get("sp") or {}).get("size") or 1)
+
+
+def check_resume_processes(checkpoint: str, state: dict, force: bool, current: dict | None = None) -> dict:
+    """What a resume cannot see in the config: another number of processes and a checkpoint saved without optimizer
+    and schedule (`trainer.save_only_model`: refused unless forced, else it would restart silently).
+
+    On another number of processes the step keeps its rows: returns the trainer fields that keep them
+    (`batch_for_ranks`: {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}), said in the log; the
+    model and optimizer reload onto any number of processes (whole files, or DCP shards, `sft.training.sharded`).
+    Refused where the rows do not divide over the new ranks, and for DeepSpeed, whose checkpoint is partitioned per
+    rank (its universal checkpoint converts it; sft does not run that)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     saved_world = state.get("world_size")
-    problems = []
+    saved = state["config"]
+    problems, batch = [], {}
     if saved_world is not None and saved_world != world:
-        trainer = state["config"]["trainer"]
-        per_process = trainer["per_device_train_batch_size"] * trainer["gradient_accumulation_steps"]
-        problems.append(("resume", f"was saved by {saved_world} process(es), this run has {world}: the global batch "
-                         f"would go from {per_process * saved_world} to {per_process * world} rows a step. Resume with "
-                         f"{saved_world} process(es) (./launch.sh --nproc {saved_world}), or resume_force=true"))
-    if state["config"].get("trainer", {}).get("save_only_model"):
+        trainer = saved["trainer"]
+        old_ranks, new_ranks = data_ranks(saved_world, saved), data_ranks(world, current or saved)
+        per_device, accumulation = trainer["per_device_train_batch_size"], trainer["gradient_accumulation_steps"]
+        rows = per_device * accumulation * old_ranks
+        kept = batch_for_ranks(per_device, accumulation, old_ranks, new_ranks)
+        if saved.get("deepspeed"):
+            problems.append(("resume", f"was saved by {saved_world} process(es) with DeepSpeed, this run has {world}: "
+                             "a DeepSpeed checkpoint is partitioned for its number of ranks. Resume with "
+                             f"{saved_world} process(es) (./launch.sh --nproc {saved_world}), or convert it with "
+                             "DeepSpeed's universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal), "
+                             "which sft does not load"))
+        elif kept is None:
+            problems.append(("resume", f"was saved by {saved_world} process(es), this run has {world}: its {rows} rows "
+                             f"a step do not divide over {new_ranks} rank(s). Resume with {saved_world} process(es) "
+                             f"(./launch.sh --nproc {saved_world}) or a number that divides {rows}"))
+        else:
+            batch = {"per_device_train_batch_size": kept[0], "gradient_accumulation_steps": kept[1]}
+            log.warning("resume: %s was saved by %d process(es), this run has %d: per-device batch %d -> %d, "
+                        "gradient accumulation %d -> %d (the step keeps its %d rows)", checkpoint, saved_world, world,
+                        per_device, kept[0], accumulation, kept[1], rows)
+    if saved.get("trainer", {}).get("save_only_model"):
         problems.append(("resume", "was saved with trainer.save_only_model=true: no optimizer state or schedule to "
                          "continue, so a resume would restart both at step 0's values. Start a new run from its "
                          "weights (model.name_or_path=<its model>), or resume_force=true"))
@@ -122,6 +167,7 @@ def check_resume_processes(checkpoint: str, state: dict, force: bool) -> None:
         if not force:
             raise ConfigError(key, checkpoint, reason)
         log.warning("resume_force: %s %s", checkpoint, reason)
+    return batch
 
 
 class LearningRateChange(TrainerCallback):

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 
 import torch
 from accelerate.utils import gather_object
@@ -73,7 +74,9 @@ from sft.training.clipping import GradClipPolicy
 from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.controllers.base import Controller
 from sft.training.distributed import fsdp_without_gpus
+from sft.training.memory_peak import PeakRss
 from sft.training.sequence_parallel import SequenceParallel
+from sft.training.sharded import ShardWriter, save_model_shards
 from sft.training.step_control import StepContext, StepControl, StepReport
 from sft.training.step_log import use_step_log
 from sft.training.throughput import ThroughputMeter
@@ -89,7 +92,7 @@ class WeightedLossTrainer(Trainer):
                  controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
                  sources: list[str] | None = None, tasks: dict[int, str] | None = None,
                  throughput: ThroughputMeter | None = None, eval_generation=None, eval_harness=None,
-                 sequence_parallel: int = 1, console: str = "short", **kwargs):
+                 sequence_parallel: int = 1, console: str = "short", async_save: bool = False, **kwargs):
         self.controllers = dict(controllers or {})
         self.throughput = throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
@@ -129,6 +132,8 @@ class WeightedLossTrainer(Trainer):
                               "splits: not exact with sp (or set model.config_overrides.output_router_logits=false)")
         self._aux_denominators = None  # each term's denominator summed over the step and all ranks
         self._aux_stats = torch.zeros(2 * len(self.aux_terms), dtype=torch.float64, device=self.args.device)
+        # sharded checkpoints written in the background (checkpoint.async_save): sft.training.sharded
+        self.shard_writer = ShardWriter(self.args.device) if async_save and self.sharded_checkpoints else None
         if self.loss_impl != "naive":
             self._check_lean_loss_reproduces_the_logits()
         log.info("loss: %s cross entropy (loss.impl=%s)%s", self.loss_impl, loss.impl,
@@ -253,12 +258,73 @@ class WeightedLossTrainer(Trainer):
 
     @override
     def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint, in a dir marked as being written by sft (`start_checkpoint`) until `sft_state.json`."""
+        """Trainer's checkpoint, in a dir marked as being written by sft (`start_checkpoint`) until `sft_state.json`;
+        how long it took and the most memory it took above the step's, on each rank, go to the log."""
         from sft.training.checkpoints import start_checkpoint
 
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         if self.args.should_save:
-            start_checkpoint(os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}"))
-        return super()._save_checkpoint(model, trial)
+            start_checkpoint(folder)
+        with PeakRss() as peak:
+            result = super()._save_checkpoint(model, trial)
+        above = gather_object([peak.above_start]) if self.accelerator.num_processes > 1 else [peak.above_start]
+        if self.is_world_process_zero() and None not in above:
+            how = ("sharded, in the background" if self.shard_writer is not None else
+                   "sharded" if self.sharded_checkpoints else "gathered" if self.shards_parameters else "")
+            log.info("%s%s: %.1f s; memory above the step's: %s", os.path.basename(folder), f" ({how})" if how else "",
+                     peak.seconds, ", ".join(f"rank {r} +{b / 2**20:.0f} MiB" for r, b in enumerate(above)))
+        return result
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """FSDP with accelerate's `SHARDED_STATE_DICT` (`checkpoint.format`, `sft.training.sharded`): each rank
+        writes its own shards; Trainer writes no model file."""
+        return self.is_fsdp_enabled and "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
+
+    @override
+    def save_model(self, output_dir=None, _internal_call=False):
+        """Trainer's; with sharded checkpoints, a checkpoint gets the config and tokenizer beside its shards, and the
+        model for serving is consolidated from shards that every rank writes (`sft.model.consolidate`): never
+        gathered into one process."""
+        if not self.sharded_checkpoints:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if _internal_call:  # a checkpoint: its shards are written by _save_optimizer_and_scheduler
+            if self.args.should_save:
+                self._save_model_files(output_dir)
+            return
+        from sft.model.consolidate import consolidate
+
+        shards = os.path.join(output_dir, ".shards")
+        save_model_shards(self.model, shards)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            self._save_model_files(output_dir)
+            consolidate(shards, output_dir)
+            shutil.rmtree(shards)
+        self.accelerator.wait_for_everyone()
+
+    def _save_model_files(self, output_dir: str) -> None:
+        """What a model dir holds beside its weights: config, generation config, tokenizer."""
+        model = self.accelerator.unwrap_model(self.model)
+        os.makedirs(output_dir, exist_ok=True)
+        model.config.save_pretrained(output_dir)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+
+    @override
+    def _save_optimizer_and_scheduler(self, output_dir):
+        """Trainer's; with `checkpoint.async_save`, the model and optimizer shards are handed to the background
+        writer (`ShardWriter`) and only the schedule is written here."""
+        if self.shard_writer is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from transformers.trainer import SCHEDULER_NAME
+
+        self.shard_writer.start(output_dir, self.model, self.optimizer)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     @override
     def _get_grad_norm(self, model, grad_norm=None):

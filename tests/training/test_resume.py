@@ -4,7 +4,7 @@ follow are refused naming them, as are another number of processes and a weights
 import pytest
 
 from sft.config import ConfigError
-from sft.training.resume import check_resume_processes, config_changes, fixed_on_resume
+from sft.training.resume import batch_for_ranks, check_resume_processes, config_changes, data_ranks, fixed_on_resume
 
 
 def test_config_changes_list_every_differing_leaf_and_which_a_resume_refuses():
@@ -19,17 +19,39 @@ def test_config_changes_list_every_differing_leaf_and_which_a_resume_refuses():
     assert fixed_on_resume("deepspeed") and not fixed_on_resume("deepspeed.gradient_clipping")
 
 
-def test_a_resume_with_another_number_of_processes_or_from_a_weights_only_checkpoint_is_refused(monkeypatch):
+def test_another_number_of_processes_keeps_the_steps_rows_and_a_weights_only_checkpoint_is_refused(monkeypatch):
     trainer = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "save_only_model": False}
     state = {"world_size": 1, "config": {"trainer": trainer}}
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"^resume='ck': was saved by 1 process\(es\), this run has 2: the global "
-                                          r"batch would go from 8 to 16 rows a step. Resume with 1 process\(es\) "
-                                          r"\(./launch.sh --nproc 1\), or resume_force=true"):
-        check_resume_processes("ck", state, force=False)
-    check_resume_processes("ck", state, force=True)  # forced: said in the log, and resumed
+    monkeypatch.setenv("WORLD_SIZE", "2")  # 8 rows a step: 4 x 2 on one rank, 4 x 1 on each of two
+    assert check_resume_processes("ck", state, force=False) == {"per_device_train_batch_size": 4,
+                                                                "gradient_accumulation_steps": 1}
     monkeypatch.setenv("WORLD_SIZE", "1")
-    check_resume_processes("ck", state, force=False)
+    assert check_resume_processes("ck", state, force=False) == {}
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"^resume='ck': was saved by 1 process\(es\), this run has 3: its 8 rows a "
+                                          r"step do not divide over 3 rank\(s\). Resume with 1 process\(es\) "
+                                          r"\(./launch.sh --nproc 1\) or a number that divides 8$"):
+        check_resume_processes("ck", state, force=False)
+    assert check_resume_processes("ck", state, force=True) == {}  # forced: said in the log, the batch as configured
+    deepspeed = {"world_size": 2, "config": {"trainer": trainer, "deepspeed": {"zero_optimization": {"stage": 3}}}}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"with DeepSpeed, this run has 4: a DeepSpeed checkpoint is partitioned for "
+                                          r"its number of ranks.*ds_to_universal"):
+        check_resume_processes("ck", deepspeed, force=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="was saved with trainer.save_only_model=true: no optimizer state or "
                                           "schedule to continue"):
         check_resume_processes("ck", {**state, "config": {"trainer": {**trainer, "save_only_model": True}}}, False)
+
+
+@pytest.mark.parametrize("batch, accumulation, saved, now, kept", [
+    (2, 1, 2, 1, (2, 2)), (4, 1, 1, 2, (2, 1)), (2, 3, 2, 4, (1, 3)), (3, 1, 2, 4, None), (4, 4, 8, 4, (4, 8)),
+    (8, 1, 4, 8, (4, 1)), (6, 1, 1, 4, None)])
+def test_the_rows_of_a_step_on_another_number_of_ranks(batch, accumulation, saved, now, kept):
+    assert batch_for_ranks(batch, accumulation, saved, now) == kept
+    if kept is not None:
+        assert kept[0] * kept[1] * now == batch * accumulation * saved and kept[0] <= batch
+
+
+def test_sequence_parallel_groups_count_as_one_data_rank():
+    assert data_ranks(8, {"sp": {"size": 4}}) == 2 and data_ranks(8, {"sp": None}) == 8 and data_ranks(2, {}) == 2
