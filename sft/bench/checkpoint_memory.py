@@ -36,9 +36,8 @@ def checkpoint_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for name in ("pytorch_model_fsdp_0", "optimizer_0") for p in (folder / name).iterdir())
 
 
-def run_checkpoint_memory(overrides: list[str], timeout_s: int) -> dict:
-    from sft.bench.run import free_port
-
+def run_checkpoint_memory(overrides: list[str], timeout_s: int, free_port) -> dict:
+    """Both formats' figures; `free_port()` gives each launch its rendezvous port."""
     result = {}
     with tempfile.TemporaryDirectory(prefix="sft-bench-checkpoint-memory-") as tmp:
         for fmt in FORMATS:

@@ -387,7 +387,7 @@ def run_all(overrides: list[str]) -> dict:
     if "long_rows" in b.cases:
         cases["long_rows"] = long_rows(overrides, base)
     if "checkpoint_memory" in b.cases:
-        cases["checkpoint_memory"] = c = run_checkpoint_memory(overrides, b.case_timeout_s)
+        cases["checkpoint_memory"] = c = run_checkpoint_memory(overrides, b.case_timeout_s, free_port)
         # rank 0's peak above its step's, saving sharded, over its share of the checkpoint; and gathered over sharded
         ratios["checkpoint_rank0_vs_share"] = c["sharded"]["rank_mib"][0] / c["share_mib"]
         ratios["checkpoint_rank0_gathered_mib"] = c["gathered"]["rank_mib"][0]

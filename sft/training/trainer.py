@@ -36,10 +36,7 @@ still has each one, with the same parameters):
   (`sft.eval.samples`), their samples going to TensorBoard and W&B;
 - `create_accelerator_and_postprocess` (public) lets accelerate's FSDP2 plugin take a CPU process group too
   (`sft.training.distributed.fsdp_without_gpus`), and refuses to go on where FSDP was asked for and is not on;
-- `_save_checkpoint` (private: where Trainer starts a checkpoint) marks the dir as sft's before writing into it
-  (`sft.training.checkpoints.start_checkpoint`), so that a crash's debris is told from a checkpoint sft did not write;
-- `_save` (private: the one place every engine's state dict reaches `save_pretrained`) leaves out the tied
-  copies (a tied lm_head) that a gathered FSDP state dict carries as separate tensors;
+- the checkpoint and model saving overrides are its base's, `sft.training.saving.CheckpointSaving`;
 - `log` (public) adds `ce` and `weight_mean` (the mean weight of an assistant token) next to `loss`,
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
@@ -55,12 +52,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
 
 import torch
 from accelerate.utils import gather_object
-from transformers import Trainer
 from typing_extensions import override
 
 from sft.config.schema import ConfigError
@@ -73,10 +67,9 @@ from sft.loss.logits import LogitTransform, router_aux_loss_coef
 from sft.training.clipping import GradClipPolicy
 from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.controllers.base import Controller
+from sft.training.saving import CheckpointSaving
 from sft.training.distributed import fsdp_without_gpus
-from sft.training.memory_peak import PeakRss
 from sft.training.sequence_parallel import SequenceParallel
-from sft.training.sharded import ShardWriter, save_model_shards
 from sft.training.step_control import StepContext, StepControl, StepReport
 from sft.training.step_log import use_step_log
 from sft.training.throughput import ThroughputMeter
@@ -84,7 +77,7 @@ from sft.training.throughput import ThroughputMeter
 log = logging.getLogger("sft")
 
 
-class WeightedLossTrainer(Trainer):
+class WeightedLossTrainer(CheckpointSaving):
     # compute_loss normalises over the whole accumulated step itself: Trainer must not divide by GA.
     loss_is_scaled_for_ga = True
 
@@ -97,7 +90,7 @@ class WeightedLossTrainer(Trainer):
         self.throughput = throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
         import_deepspeed_only_when_used()  # Trainer unwraps the model while it is set up: no DeepSpeed import for it
-        super().__init__(*args, callbacks=callbacks, **kwargs)
+        super().__init__(*args, callbacks=callbacks, async_save=async_save, **kwargs)
         use_step_log(self, console)  # short lines (or JSON ones), not transformers' dicts of strings
         self.loss = loss
         self.clip_policy = clip_policy or GradClipPolicy()
@@ -132,8 +125,6 @@ class WeightedLossTrainer(Trainer):
                               "splits: not exact with sp (or set model.config_overrides.output_router_logits=false)")
         self._aux_denominators = None  # each term's denominator summed over the step and all ranks
         self._aux_stats = torch.zeros(2 * len(self.aux_terms), dtype=torch.float64, device=self.args.device)
-        # sharded checkpoints written in the background (checkpoint.async_save): sft.training.sharded
-        self.shard_writer = ShardWriter(self.args.device) if async_save and self.sharded_checkpoints else None
         if self.loss_impl != "naive":
             self._check_lean_loss_reproduces_the_logits()
         log.info("loss: %s cross entropy (loss.impl=%s)%s", self.loss_impl, loss.impl,
@@ -187,16 +178,6 @@ class WeightedLossTrainer(Trainer):
         """ZeRO-3 or FSDP: each rank holds a shard of every weight, and each forward gathers them on all ranks
         together, so generation runs in step on every rank (`synced_gpus`)."""
         return self.is_zero3 or self.is_fsdp_enabled
-
-    @override
-    def _save(self, output_dir=None, state_dict=None):
-        """Trainer's, without the tied copies in a gathered (FSDP) state dict: `save_pretrained` leaves out a
-        tied weight (Qwen2.5-0.5B's lm_head) only where it shares storage with its source, and gathered
-        tensors are separate copies; the model would be saved one embedding matrix larger."""
-        tied = getattr(self.accelerator.unwrap_model(self.model), "all_tied_weights_keys", None) or {}
-        if state_dict is not None and tied:
-            state_dict = {k: v for k, v in state_dict.items() if not (k in tied and tied[k] in state_dict)}
-        super()._save(output_dir, state_dict=state_dict)
 
     # Summed since the last log: ce, weights and count of assistant tokens, samples, input tokens (not
     # padding), positions, and the router aux loss times the input tokens it was computed on.
@@ -255,76 +236,6 @@ class WeightedLossTrainer(Trainer):
         threshold), and logs the pre-clip norm returned.
         """
         return self.step_control.finish(model, self._step_context())
-
-    @override
-    def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint, in a dir marked as being written by sft (`start_checkpoint`) until `sft_state.json`;
-        how long it took and the most memory it took above the step's, on each rank, go to the log."""
-        from sft.training.checkpoints import start_checkpoint
-
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        if self.args.should_save:
-            start_checkpoint(folder)
-        with PeakRss() as peak:
-            result = super()._save_checkpoint(model, trial)
-        above = gather_object([peak.above_start]) if self.accelerator.num_processes > 1 else [peak.above_start]
-        if self.is_world_process_zero() and None not in above:
-            how = ("sharded, in the background" if self.shard_writer is not None else
-                   "sharded" if self.sharded_checkpoints else "gathered" if self.shards_parameters else "")
-            log.info("%s%s: %.1f s; memory above the step's: %s", os.path.basename(folder), f" ({how})" if how else "",
-                     peak.seconds, ", ".join(f"rank {r} +{b / 2**20:.0f} MiB" for r, b in enumerate(above)))
-        return result
-
-    @property
-    def sharded_checkpoints(self) -> bool:
-        """FSDP with accelerate's `SHARDED_STATE_DICT` (`checkpoint.format`, `sft.training.sharded`): each rank
-        writes its own shards; Trainer writes no model file."""
-        return self.is_fsdp_enabled and "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
-
-    @override
-    def save_model(self, output_dir=None, _internal_call=False):
-        """Trainer's; with sharded checkpoints, a checkpoint gets the config and tokenizer beside its shards, and the
-        model for serving is consolidated from shards that every rank writes (`sft.model.consolidate`): never
-        gathered into one process."""
-        if not self.sharded_checkpoints:
-            return super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
-        if _internal_call:  # a checkpoint: its shards are written by _save_optimizer_and_scheduler
-            if self.args.should_save:
-                self._save_model_files(output_dir)
-            return
-        from sft.model.consolidate import consolidate
-
-        shards = os.path.join(output_dir, ".shards")
-        save_model_shards(self.model, shards)
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            self._save_model_files(output_dir)
-            consolidate(shards, output_dir)
-            shutil.rmtree(shards)
-        self.accelerator.wait_for_everyone()
-
-    def _save_model_files(self, output_dir: str) -> None:
-        """What a model dir holds beside its weights: config, generation config, tokenizer."""
-        model = self.accelerator.unwrap_model(self.model)
-        os.makedirs(output_dir, exist_ok=True)
-        model.config.save_pretrained(output_dir)
-        if getattr(model, "generation_config", None) is not None and model.can_generate():
-            model.generation_config.save_pretrained(output_dir)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-
-    @override
-    def _save_optimizer_and_scheduler(self, output_dir):
-        """Trainer's; with `checkpoint.async_save`, the model and optimizer shards are handed to the background
-        writer (`ShardWriter`) and only the schedule is written here."""
-        if self.shard_writer is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        from transformers.trainer import SCHEDULER_NAME
-
-        self.shard_writer.start(output_dir, self.model, self.optimizer)
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     @override
     def _get_grad_norm(self, model, grad_norm=None):

@@ -384,3 +384,114 @@ def test_a_refusal_inside_the_ranks_is_one_line_under_launch_sweeps_and_two_node
                               stderr=subprocess.PIPE, text=True) for k in (0, 1)]
     outputs = [n.communicate(timeout=600) for n in nodes]
     assert [n.returncode for n in nodes] == [2, 2] and all(one_line(err) for _, err in outputs), outputs
+
+
+# FSDP2 full fine-tuning with sharded checkpoints (the default there): six SGD steps with momentum (state to restore),
+# a checkpoint every two.
+SHARDED = [*EXACT, 'trainer.optim_args="momentum=0.5"', "fsdp=full_shard", "trainer.max_steps=6"]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """The uninterrupted reference: two processes, batch 2 each."""
+    run = tmp_path_factory.mktemp("sharded") / "run"
+    done = launch("--nproc", "2", *SHARDED, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={run}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_hold_every_ranks_shards_and_consolidate_offline_into_the_served_model(sharded_run, tmp_path):
+    """Each rank wrote its own DCP shards of the model and optimizer (nothing gathered), listed in the completion
+    marker; `sft consolidate` turns the last one, in one process, into the model the run served (`model/`, itself
+    consolidated from shards), which transformers loads with the tied output layer once."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = sharded_run / "checkpoint-6"
+    files = json.loads((checkpoint / "sft_state.json").read_text())["files"]
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {f"{part}/.metadata", f"{part}/__0_0.distcp", f"{part}/__1_0.distcp"} <= files.keys()
+    assert not (checkpoint / "model.safetensors").exists() and (checkpoint / "config.json").exists()
+    log = (sharded_run / "train.log").read_text()
+    assert "checkpoint-2 (sharded): " in log and "memory above the step's: rank 0 +" in log
+    out = tmp_path / "consolidated"
+    proc = subprocess.run([sys.executable, "-m", "sft", "consolidate", str(checkpoint), str(out), "--max-file-gb",
+                           "0.0005"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").exists()
+    served = load_file(sharded_run / "model" / "model.safetensors")
+    assert "lm_head.weight" not in served  # tied: written once, as save_pretrained does
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for key, tensor in served.items():
+        torch.testing.assert_close(loaded[key], tensor, atol=0, rtol=0, msg=key)
+    refused = subprocess.run([sys.executable, "-m", "sft", "consolidate", str(tmp_path), str(out)], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.startswith(f"error: {tmp_path}: no sharded model")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_a_sharded_run_killed_resumes_on_another_number_of_processes_as_if_uninterrupted(sharded_run, tmp_path,
+                                                                                        first, then):
+    """Killed (SIGKILL) in step 3, resumed from checkpoint-2 with another number of processes: the shards reload onto
+    the new ranks, the step keeps its 4 rows (batch and accumulation adjusted, said in the log), the data goes on at
+    the next row; step losses and weights are the uninterrupted two-process run's."""
+    (tmp_path / "my_plugins.py").write_text(SIGKILL_AT)
+    run = tmp_path / "run"
+    batch = {1: 4, 2: 2}[first]
+    args = [*SHARDED, f"trainer.per_device_train_batch_size={batch}", f"hydra.run.dir={run}"]
+    killed = launch("--nproc", str(first), *args, "+controllers.kill={_target_:my_plugins.SigkillAt,step:3}",
+                    env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    assert killed.returncode != 0 and (run / "checkpoint-2" / "sft_state.json").exists()
+    resumed = launch("--nproc", str(then), *args, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    kept = {(2, 1): "per-device batch 2 -> 2, gradient accumulation 1 -> 2",
+            (1, 2): "per-device batch 4 -> 2, gradient accumulation 1 -> 1"}[(first, then)]
+    assert f"was saved by {first} process(es), this run has {then}: {kept} (the step keeps its 4 rows)" in \
+        (run / "train.log").read_text()
+    assert step_losses(run, 6) == pytest.approx(step_losses(sharded_run, 6), abs=1e-5)
+    a, b = load_file(sharded_run / "model" / "model.safetensors"), load_file(run / "model" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)
+
+
+# The writer of checkpoint-4's shards held up for a minute: the process is killed while they are being written.
+SLOW_WRITES = """
+import time
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+_write_data = FileSystemWriter.write_data
+
+def write_data(self, plan, planner):
+    if "checkpoint-4" in str(self.path):
+        time.sleep(60)
+    return _write_data(self, plan, planner)
+
+FileSystemWriter.write_data = write_data
+"""
+
+
+@pytest.mark.slow
+def test_async_checkpoints_are_complete_only_once_written_and_a_kill_meanwhile_leaves_the_previous_newest(
+        sharded_run, tmp_path):
+    """`checkpoint.async_save`: training goes on while the shards are written; checkpoint-2 becomes complete once
+    both ranks' writes end, checkpoint-4 (its writes held up) is still incomplete when the run is killed in step 6.
+    `resume=auto` takes checkpoint-2, removes checkpoint-4's debris, and ends as the uninterrupted run."""
+    (tmp_path / "my_plugins.py").write_text(SLOW_WRITES + SIGKILL_AT)
+    run = tmp_path / "run"
+    args = [*SHARDED, "checkpoint.async_save=true", "trainer.per_device_train_batch_size=2", f"hydra.run.dir={run}"]
+    killed = launch("--nproc", "2", *args, "+controllers.kill={_target_:my_plugins.SigkillAt,step:6}",
+                    env={"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"})
+    assert killed.returncode != 0 and not (run / "results.json").exists()
+    assert (run / "checkpoint-2" / "sft_state.json").exists()
+    assert (run / "checkpoint-4").is_dir() and not (run / "checkpoint-4" / "sft_state.json").exists()
+    assert "checkpoint-4 (sharded, in the background)" in (run / "train.log").read_text()
+    resumed = launch("--nproc", "2", *args, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    assert "a checkpoint left incomplete by a crash" in log and "resuming from " + str(run / "checkpoint-2") in log
+    assert (run / "checkpoint-6" / "sft_state.json").exists()
+    assert step_losses(run, 6) == pytest.approx(step_losses(sharded_run, 6), abs=1e-5)
+    a, b = load_file(sharded_run / "model" / "model.safetensors"), load_file(run / "model" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0, msg=key)

@@ -16,15 +16,19 @@ from sft.training.trainer import WeightedLossTrainer
 
 
 def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parameters():
-    # Five of them are private hooks of transformers (_clip_grad_norm, _get_grad_norm, _get_train_sampler, _save,
-    # _save_checkpoint): a rename or a new parameter there would silently bypass sft.training.step_control, the
+    # Six of them are private hooks of transformers (_clip_grad_norm, _get_grad_norm, _get_train_sampler, _save,
+    # _save_checkpoint, _save_optimizer_and_scheduler): a rename or a new parameter there would silently bypass sft.training.step_control, the
     # curriculum's sampler, the tied-copy filter or the mark that tells sft's crash debris from others' checkpoints.
     from transformers import Trainer
 
-    overrides = {name: f for name, f in vars(WeightedLossTrainer).items() if getattr(f, "__override__", False)}
+    from sft.training.saving import CheckpointSaving
+
+    overrides = {name: f for cls in (WeightedLossTrainer, CheckpointSaving) for name, f in vars(cls).items()
+                 if getattr(f, "__override__", False)}
     assert set(overrides) == {"get_batch_samples", "compute_loss", "_clip_grad_norm", "_get_grad_norm",
                               "_get_train_sampler", "evaluation_loop", "prediction_step", "log",
-                              "create_accelerator_and_postprocess", "_save", "_save_checkpoint", "training_step"}
+                              "create_accelerator_and_postprocess", "_save", "_save_checkpoint", "training_step",
+                              "save_model", "_save_optimizer_and_scheduler"}
     for name, ours in overrides.items():
         theirs = getattr(Trainer, name, None)
         assert theirs is not None, f"transformers.Trainer has no {name} any more"
