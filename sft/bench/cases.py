@@ -392,6 +392,29 @@ def run_scale_case(case: str, cfg) -> dict:
             "worker_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
 
 
+def run_stream_case(case: str, cfg) -> dict:
+    """Read `bench.stream_read` training sequences of `data.train_file` as `data.streaming=true` reads them (validated,
+    labelled, weighed: `sft.data.streaming`), from the tokenizer's start: seconds and this process's peak resident
+    memory, start-up (the sources identified, the eval rows) included."""
+    import resource
+
+    from hydra.utils import instantiate
+
+    from sft.data.load import load_sft_datasets
+    from sft.loss.base import build_loss
+
+    started = time.perf_counter()
+    tokenizer = instantiate(cfg.tokenizer)
+    data = load_sft_datasets(instantiate(cfg.data, _convert_="object"), tokenizer, build_loss(cfg.loss))
+    read = 0
+    for _ in data.train:
+        read += 1
+        if read == cfg.bench.stream_read:
+            break
+    return {"sequences": read, "seconds": time.perf_counter() - started,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
 def run_checksums_case(case: str, cfg) -> dict:
     """A checkpoint of `bench.checksum_gb` GB (four shards, as a 7B model's bf16 weights) written to a temporary
     dir beside `bench.checksum_dir`, then its manifest (every file's CRC-32, `sft.training.checkpoints.manifest`)
@@ -460,6 +483,8 @@ def run_case(case: str, cfg) -> dict:
         result = run_scale_case(case, cfg)
     elif case == "checksums":
         result = run_checksums_case(case, cfg)
+    elif case == "stream":
+        result = run_stream_case(case, cfg)
     elif case == "long_rows":
         result = run_long_rows_case(case, cfg)
     elif case in MATMUL_CASES:

@@ -15,7 +15,7 @@ CASES = ["raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_lora", "ce_lora_naive", "
 LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequence_parallel")  # cases.LONG_ROW_VARIANTS
 # a 15 GB checkpoint; rows of up to 16k tokens; torch.compile's minutes of compiling; each lean loss kernel by name
 # (cases.LOSS_KERNEL_CASES): only when named in bench.cases
-ON_REQUEST = ["checksums", "checkpoint_memory", "long_rows", "ce_compiled", "loss_chunked", "loss_cce", "loss_liger"]
+ON_REQUEST = ["checksums", "checkpoint_memory", "stream", "long_rows", "ce_compiled", "loss_chunked", "loss_cce", "loss_liger"]
 
 
 @dataclass
@@ -54,6 +54,10 @@ class BenchConfig(Schema):
     scale_processes: Optional[List[int]] = knob(None, "scale: also preprocess the rows cold with each of these "
                                                 "numbers of processes (data.num_proc), rows/s each: how preparation "
                                                 "scales with cores; null: only on every core")
+    stream_rows: List[int] = knob(help="stream: the sizes of the files streamed, in rows (each read as far as "
+                                  "stream_read)", factory=lambda: [50000, 5000000])
+    stream_read: int = knob(500000, "stream: the training sequences read from each file, at most (a file of fewer is "
+                            "read whole)")
     eval_repeats: int = knob(3, "evaluations timed per eval case (the best counts), after one untimed")
     checksum_gb: float = knob(15.0, "the checkpoint the checksums case writes and checksums (a 7B model's bf16 "
                               "weights: 15 GB)")

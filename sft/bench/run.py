@@ -46,7 +46,9 @@ cache on every core (rows/s, the peak resident memory of the process and of its 
 from the cache, and with each of `bench.scale_processes` processes; `startup`, the median wall time of
 `python -m sft.train --cfg job`, `--help` and `--help loss loss=focal`, and of the default run from the command to
 its first optimizer step (`startup_first_step_s`, warm caches); `checksums` (only when named), a 15 GB
-checkpoint's CRC-32s from the page cache and from the disk; `checkpoint_memory` (only when named), each rank's peak
+checkpoint's CRC-32s from the page cache and from the disk; `stream` (only when named), `bench.stream_read` sequences
+read as `data.streaming=true` reads them from files of each of `bench.stream_rows` rows (the target: the peak memory
+with the largest file within 1.2x the smallest's); `checkpoint_memory` (only when named), each rank's peak
 memory while a 2-process FSDP2 full fine-tune saves a checkpoint, gathered and sharded (`sft.bench.checkpoint_memory`;
 the target: rank 0's, sharded, within its share of the checkpoint); `long_rows` (only when named), one row a step of
 each of `bench.long_row_lengths` tokens, plain, checkpointed, with tiled MLPs, (GPU) offloaded checkpoints and
@@ -120,6 +122,7 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "startup_help_group_s": (1.0, "max"),
     "startup_first_step_s": (5.0, "max"),
     "checkpoint_rank0_vs_share": (1.0, "max"),
+    "stream_peak_rss_ratio": (1.2, "max"),
 }
 # name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL
 TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_naive", "hf"),
@@ -386,6 +389,18 @@ def run_all(overrides: list[str]) -> dict:
             ratios["checksum_disk_gb_per_s"] = c["gb"] / c["disk_s"]
     if "long_rows" in b.cases:
         cases["long_rows"] = long_rows(overrides, base)
+    if "stream" in b.cases:
+        with tempfile.TemporaryDirectory(prefix="sft-bench-stream-") as tmp:
+            results = {}
+            for n in b.stream_rows:
+                synthetic_rows(rows := Path(tmp, f"rows-{n}.jsonl"), n)
+                results[n] = spawn("stream", compose(overrides + [f"data.train_file={rows}", "data.eval_file=null",
+                                                                  "data.streaming=true", "trainer.max_steps=1"]))
+                rows.unlink()
+        cases["stream"] = {str(n): r for n, r in results.items()}
+        small, large = min(results), max(results)
+        ratios["stream_peak_rss_ratio"] = results[large]["peak_rss_gb"] / results[small]["peak_rss_gb"]
+        ratios["stream_sequences_per_second"] = results[large]["sequences"] / results[large]["seconds"]
     if "checkpoint_memory" in b.cases:
         cases["checkpoint_memory"] = c = run_checkpoint_memory(overrides, b.case_timeout_s, free_port)
         # rank 0's peak above its step's, saving sharded, over its share of the checkpoint; and gathered over sharded

@@ -28,7 +28,8 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
     The batch holds what the model's forward takes plus `labels`, `weights`, `source_lines`,
     `source_views` (which text of its row a sequence is, see `chat_views`), a mixture's `source_ids` (the
     rows' `source`, `sft.data.mixture`) and each auxiliary term's row values `aux_<name>` ([rows]), which the
-    trainer pops before the forward.
+    trainer pops before the forward; from a stream, `stream_state`, the stream's position after the micro-batch's
+    last sequence (`sft.data.streaming`), which the trainer keeps.
 
     `sequence_parallel` > 1 (`sft.training.sequence_parallel`: that many ranks split each sequence): every batch's
     length is a multiple of it (a packed row padded at its end, its last sample's positions going on), and every
@@ -47,6 +48,7 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
         self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=True) if packing else None
 
     def __call__(self, features, return_tensors=None):
+        raw = features
         lines = torch.as_tensor([f["source_line"] for f in features], dtype=torch.long)
         views = torch.as_tensor([f.get("view", 0) for f in features], dtype=torch.long)
         weights = torch.as_tensor([f["sample_weight"] for f in features], dtype=torch.float32)
@@ -80,6 +82,8 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
         if sources is not None:  # a mixture's: which source each row is of
             batch["source_ids"] = sources
         batch.update(aux)
+        if "stream_state" in raw[-1]:  # a stream's position after this micro-batch (sft.data.streaming)
+            batch["stream_state"] = raw[-1]["stream_state"]
         if self.sequence_parallel > 1:
             self._whole_positions(batch)
         return batch

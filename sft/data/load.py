@@ -56,6 +56,9 @@ class SFTData:
     def counts(self) -> str:
         """Rows and the sequences they became, per split (a multi-turn row a template rewrites trains as several):
         `train 300 rows -> 957 sequences, eval 97 rows -> 97 sequences`."""
+        if not hasattr(self.train, "__len__"):  # a stream (data.streaming): counted as it trains
+            return "train streamed" + (f", eval {self.summary['eval'].rows} rows -> {len(self.eval)} sequences"
+                                       if self.eval is not None else "")
         splits = (("train", self.train), ("eval", self.eval if self.eval is not None else []))
         return ", ".join(f"{name} {self.summary[name].rows if name in self.summary else len(rows)} rows -> "
                          f"{len(rows)} sequences" for name, rows in splits)
@@ -100,14 +103,18 @@ def load_sft_datasets(spec: DataSpec, tokenizer, loss=None, scores_needed_by: li
               "prefill": str(spec.prefill)}
     if token_weights is not None:
         shared["token_weights"] = loss.token_weight_identity()
+    from sft.data.streaming import identity as stream_identity
+    from sft.data.streaming import stream, stream_files
+
     try:
         parts = parts_of(spec)
         if spec.mixture:
-            sources = [p.identity() for p in parts]  # each source's files hashed once
+            sources = [p.identity(spec.streaming) for p in parts]  # each source's files hashed once
             identity = {**shared, "train_on": train_on, "mixture": sources, "mixture_seed": spec.mixture_seed}
         else:
             (part,) = parts
-            identity = {"train_file": part.train.fingerprint(),
+            identity = {"train_file": stream_identity(stream_files(part.train)) if spec.streaming
+                        else part.train.fingerprint(),
                         "eval_file": None if part.eval is None else part.eval.fingerprint(), **shared}
             if (part.format, part.columns, train_on) != ("auto", {}, "all"):  # (else as before: earlier caches stand)
                 identity.update(format=part.format, columns=dict(sorted(part.columns.items())), train_on=train_on)
@@ -122,7 +129,7 @@ def load_sft_datasets(spec: DataSpec, tokenizer, loss=None, scores_needed_by: li
                                                 if k in ("train_file", "eval_file", "format", "columns")}})
         for name in ("train", "eval"):
             source = getattr(part, name)
-            if source is None:
+            if source is None or (name == "train" and spec.streaming):  # a stream is read as it trains
                 continue
             ds, bad, summary = tokenized_split(source, spec, tokenizer, key, RowFormat(part.format, part.columns),
                                                token_weights, scores_needed_by)
@@ -140,7 +147,13 @@ def load_sft_datasets(spec: DataSpec, tokenizer, loss=None, scores_needed_by: li
             ds = with_static_weights(ds, loss, str(source), part.loss_weight)
             splits[name].append(ds if not spec.mixture else _numbered(ds, number))
     report_rejected(rejected, rejected_file)
-    if not spec.mixture:
+    if spec.streaming:
+        import os
+
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        train = stream(parts, spec, tokenizer, loss, scores_needed_by, rank, world)
+        evaluation = (splits["eval"] or [None])[0] if not spec.mixture else _concatenated(splits["eval"])
+    elif not spec.mixture:
         train, evaluation = splits["train"][0], (splits["eval"] or [None])[0]
     else:
         train, evaluation = _mixed(parts, splits["train"], spec.mixture_seed), _concatenated(splits["eval"])

@@ -46,9 +46,12 @@ class Part:
         """How logs name it: the task, else the train source."""
         return self.task or str(self.train)
 
-    def identity(self) -> dict:
-        """What decides this part's rows in the mixture (in the data hash: a resume refuses a changed one)."""
-        out = {"train_file": self.train.fingerprint(),
+    def identity(self, streamed: bool = False) -> dict:
+        """What decides this part's rows in the mixture (in the data hash: a resume refuses a changed one);
+        `streamed` train files by path, size and time (`sft.data.streaming.identity`), not read."""
+        from sft.data.streaming import identity, stream_files
+
+        out = {"train_file": identity(stream_files(self.train)) if streamed else self.train.fingerprint(),
                "eval_file": None if self.eval is None else self.eval.fingerprint(),
                "format": self.format, "columns": dict(sorted(self.columns.items())), "task": self.task,
                "loss_weight": self.loss_weight, "ratio": self.ratio, "epochs": self.epochs}

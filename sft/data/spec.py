@@ -168,6 +168,8 @@ class DataSpec(Schema):
                                               "(sft.data.mixture), each with its own format, columns, share, task "
                                               "and loss weight", factory=list)
     mixture_seed: int = knob(0, "seeds the mixture's draw")
+    streaming: bool = knob(False, "read the train rows as they are trained (local .jsonl/.parquet files of any size, "
+                           "sft.data.streaming): in file order, split over the ranks by file; needs trainer.max_steps")
 
     def labelling(self) -> Labelling:
         return Labelling(self.max_length, str(self.overlong), str(self.rewritten_turns), str(self.prefill))
@@ -177,12 +179,25 @@ class DataSpec(Schema):
         self.require("num_proc", self.num_proc is None or self.num_proc >= 1, "must be >= 1 (or null: as many as "
                      "the rows need, up to the cores)")
         self.require("default_score", self.default_score is None or self.default_score >= 0, "must be >= 0")
+        if self.streaming:
+            self._check_streaming(cfg)
         if self.mixture:
             self._check_mixture(cfg)
             return
         self.require("train_file", self.train_file is not None, "missing: a source to train on (or data.mixture)")
         for key in ("train_file", "eval_file"):
             _check_source(self, key)
+
+    def _check_streaming(self, cfg) -> None:
+        """What a stream cannot do: know its size (mixture epochs, a run of epochs), or be sampled out of order."""
+        self.require("streaming", all(e.get("epochs") is None for e in self.mixture),
+                     "a stream has no size to count epochs of: give each mixture source a ratio")
+        if cfg is None:
+            return
+        self.require("streaming", cfg.trainer.max_steps > 0, "a stream has no length: set trainer.max_steps (the "
+                     "stream starts again from its first row when it ends)")
+        self.require("streaming", cfg.sp is None, "sequence parallelism gives a group's ranks the same rows from a "
+                     "map-style split: not with a stream")
 
     def _check_mixture(self, cfg) -> None:
         for key in ("train_file", "eval_file"):

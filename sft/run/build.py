@@ -70,6 +70,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     model = build_model(cfg, args.activation_checkpointing)
     check_fsdp_layers(cfg.fsdp, model)
     spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
+    refuse_samplers_of_a_stream(spec, controllers)
     with args.main_process_first(desc="preprocessing"):
         data = load_sft_datasets(spec, tokenizer, loss, scores_needed_by=scores_used_by(loss, controllers),
                                  rejected_file=os.path.join(run_dir, "rejected.jsonl") if args.process_index == 0
@@ -99,6 +100,17 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
         async_save=cfg.checkpoint.async_save,
     )
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
+
+
+def refuse_samplers_of_a_stream(spec, controllers: dict) -> None:
+    """A controller that samples the rows (`Controller.train_sampler`: the curriculum) has nothing to sample in a
+    stream, read in file order: refused, never silently ignored."""
+    from sft.training.controllers.base import Controller
+
+    for name, controller in controllers.items():
+        if spec.streaming and type(controller).train_sampler is not Controller.train_sampler:
+            raise ConfigError("data.streaming", True, f"controllers.{name} chooses the rows it trains on "
+                              "(train_sampler), which a stream read in file order cannot give it")
 
 
 def build_model(cfg: DictConfig, activation_checkpointing: bool):

@@ -244,6 +244,8 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     fields.update(process_fields(deepspeed=bool(cfg.deepspeed), fsdp=cfg.fsdp is not None, on_gpu=on_gpu))
     if fields["bf16"] and not on_gpu:  # transformers takes bf16 on a CPU only with use_cpu (checked: it has bf16)
         fields["use_cpu"] = True
+    if cfg.data.streaming:  # the stream resumes at its saved position itself (sft.data.streaming), not by skipping
+        fields["ignore_data_skip"] = True
     if cfg.fsdp is not None:
         fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"], sharded(cfg)))
     if fields.get("disable_tqdm") is None:  # no bars where nobody watches them (sft.training.step_log)

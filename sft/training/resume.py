@@ -144,7 +144,12 @@ def check_resume_processes(checkpoint: str, state: dict, force: bool, current: d
         per_device, accumulation = trainer["per_device_train_batch_size"], trainer["gradient_accumulation_steps"]
         rows = per_device * accumulation * old_ranks
         kept = batch_for_ranks(per_device, accumulation, old_ranks, new_ranks)
-        if saved.get("deepspeed"):
+        if (saved.get("data") or {}).get("streaming"):
+            problems.append(("resume", f"was saved by {saved_world} process(es) streaming its data, this run has "
+                             f"{world}: each rank's stream is its share of the files, whose position does not carry "
+                             f"over to another split. Resume with {saved_world} process(es) (./launch.sh --nproc "
+                             f"{saved_world})"))
+        elif saved.get("deepspeed"):
             problems.append(("resume", f"was saved by {saved_world} process(es) with DeepSpeed, this run has {world}: "
                              "a DeepSpeed checkpoint is partitioned for its number of ranks. Resume with "
                              f"{saved_world} process(es) (./launch.sh --nproc {saved_world}), or convert it with "

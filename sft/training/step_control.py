@@ -74,6 +74,8 @@ class StepReport:
         self._scores: dict[tuple[int, int], float] = {}
 
     def score(self, source: int, line: int) -> float | None:
+        if not hasattr(self.train_dataset, "with_format"):  # a stream (sft.data.streaming): no table of scores
+            return None
         if not self._scores:
             self._scores = row_scores(self.train_dataset)
         return self._scores.get((source, line))

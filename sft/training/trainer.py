@@ -20,6 +20,7 @@ still has each one, with the same parameters):
   `optimizer.step()` that receive the model; Trainer calls the first where `max_grad_norm > 0`, the second always)
   hand the step to `sft.training.step_control.StepControl.finish` (controllers' verdicts, skip, clip policy) with a
   `StepContext`, the step's number and the objects it acts on;
+- `get_train_dataloader` (public) reads a stream (`sft.data.streaming`) as this rank's share, not split again;
 - `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
   curriculum's) when one provides it (`Controller.train_sampler`), under sequence parallelism given to the ranks of
   a group alike (`sft.training.sequence_parallel`);
@@ -59,6 +60,7 @@ from typing_extensions import override
 
 from sft.config.schema import ConfigError
 from sft.data.split import row_scores
+from sft.data.streaming import Stream
 from sft.eval.metrics import eval_metrics
 from sft.loss.auxiliary import AuxBatch
 from sft.loss.base import WeightedTokenLoss
@@ -103,6 +105,7 @@ class WeightedLossTrainer(CheckpointSaving):
         self.eval_scores = {}  # (source, line) -> difficulty score
         if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
             self.eval_scores = row_scores(self.eval_dataset)
+        self.stream_position = None  # a stream's (sft.data.streaming), after the last micro-batch trained
         self.tasks = dict(tasks or {})  # a mixture's task of each source number: eval_loss_task_<task>
         self._train_stats = torch.zeros(len(self.TRAIN_STATS), dtype=torch.float64, device=self.args.device)
         # (source, line, view) -> numerator, denominator, ce, tokens, correct: each eval sequence counted once
@@ -184,13 +187,38 @@ class WeightedLossTrainer(CheckpointSaving):
     TRAIN_STATS = ("ce", "weight", "tokens", "samples", "input_tokens", "positions", "aux")
 
     def state_dict(self) -> dict:
-        """What a resume needs to log exactly as an uninterrupted run: statistics since the last log."""
-        return {"train_stats": self._train_stats.tolist(), "aux_stats": self._aux_stats.tolist()}
+        """What a resume needs to log exactly as an uninterrupted run: statistics since the last log; from a stream,
+        every rank's position in it (gathered: every rank calls this)."""
+        state = {"train_stats": self._train_stats.tolist(), "aux_stats": self._aux_stats.tolist()}
+        if isinstance(self.train_dataset, Stream):
+            state["streams"] = (gather_object([self.stream_position]) if self.accelerator.num_processes > 1
+                                else [self.stream_position])
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for name in ("train_stats", "aux_stats"):
             saved = torch.tensor(state.get(name, []), dtype=torch.float64, device=self.args.device)
             getattr(self, f"_{name}")[: len(saved)] = saved
+        if isinstance(self.train_dataset, Stream) and state.get("streams"):
+            position = state["streams"][self.args.process_index]  # (a resume keeps the number of ranks)
+            if position is not None:
+                self.train_dataset.load_state_dict(position)
+                self.stream_position = position
+
+    @override
+    def get_train_dataloader(self):
+        """Trainer's; a stream (`sft.data.streaming.Stream`) is this rank's share already: it is put on the device,
+        never split over the ranks again (accelerate would give each rank every world-size-th batch of it), and read
+        in this process (a worker would hold a copy of the stream, whose position this process would not see)."""
+        if not isinstance(self.train_dataset, Stream):
+            return super().get_train_dataloader()
+        from accelerate.data_loader import prepare_data_loader
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator,
+                            pin_memory=self.args.dataloader_pin_memory)
+        return prepare_data_loader(loader, self.args.device, num_processes=1, process_index=0, put_on_device=True,
+                                   dispatch_batches=False)
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(t, reduction="sum") if self.accelerator.num_processes > 1 else t
@@ -215,6 +243,8 @@ class WeightedLossTrainer(CheckpointSaving):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
+            if "stream_state" in batches[-1]:  # where this rank's stream is, after the micro-batch
+                self.stream_position = batches[-1].pop("stream_state")
         # the loss's denominator, input tokens, each auxiliary term's denominator
         sums = torch.zeros(2 + len(self.aux_terms), dtype=torch.float64, device=device)
         for batch in batches:

@@ -28,7 +28,7 @@ def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parame
     assert set(overrides) == {"get_batch_samples", "compute_loss", "_clip_grad_norm", "_get_grad_norm",
                               "_get_train_sampler", "evaluation_loop", "prediction_step", "log",
                               "create_accelerator_and_postprocess", "_save", "_save_checkpoint", "training_step",
-                              "save_model", "_save_optimizer_and_scheduler"}
+                              "save_model", "_save_optimizer_and_scheduler", "get_train_dataloader"}
     for name, ours in overrides.items():
         theirs = getattr(Trainer, name, None)
         assert theirs is not None, f"transformers.Trainer has no {name} any more"
