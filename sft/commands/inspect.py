@@ -106,10 +106,16 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
         refusal = (f"\nnote: loss={type(loss).__name__} reads each row's difficulty_score, so training will refuse "
                    f"rows of this data: {' '.join(line.strip() for line in str(e).strip().splitlines()[:2])}")
     dataset = data.train if split == "train" else data.eval
-    shown = [show(tokenizer, row, data.source_name(split, row.get("source", 0)), color)
-             for row in (dataset[i] for i in range(min(rows, len(dataset))))]
-    return "\n\n".join(shown + [totals(split, data.summary[split]) + refusal,
-                                 template(tokenizer, cfg.data.prefill)]) + "\n"
+    if split == "train" and spec.streaming:  # a stream's first sequences; its totals are not known before training
+        from itertools import islice
+
+        firsts = list(islice(dataset, rows))
+        counted = "train: streamed (data.streaming=true): its rows are read, and counted, as they train"
+    else:
+        firsts = [dataset[i] for i in range(min(rows, len(dataset)))]
+        counted = totals(split, data.summary[split])
+    shown = [show(tokenizer, row, data.source_name(split, row.get("source", 0)), color) for row in firsts]
+    return "\n\n".join(shown + [counted + refusal, template(tokenizer, cfg.data.prefill)]) + "\n"
 
 
 def template(tokenizer, prefill: str) -> str:

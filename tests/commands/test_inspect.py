@@ -38,6 +38,15 @@ def test_rows_show_the_trained_answers_marked_with_their_weight_and_the_totals(t
     assert template == "template: tiny's chat template; answers end at '<|im_end|>' (generation_config.json's eos_token_id)"
 
 
+def test_a_stream_shows_its_first_sequences_as_the_rows_read_whole(tmp_path, no_model):
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    args = [f"data.train_file={path}", "loss=hard_sample", "loss.alpha=1"]
+    whole = inspect(args, rows=2).strip().split("\n\n")
+    streamed = inspect([*args, "data.streaming=true", "trainer.max_steps=4"], rows=2).strip().split("\n\n")
+    assert streamed[:2] == whole[:2] and streamed[3] == whole[3]
+    assert streamed[2] == "train: streamed (data.streaming=true): its rows are read, and counted, as they train"
+
+
 def test_a_bad_file_is_a_one_line_error_naming_the_line(tmp_path, capsys, no_model):
     path = write_jsonl(tmp_path / "train.jsonl", ROWS + ['{"messages": []}'])
     with pytest.raises(SystemExit) as stop:
