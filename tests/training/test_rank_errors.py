@@ -4,7 +4,6 @@ import json
 import os
 import time
 
-from sft.commands.launch import failure_line
 from sft.training import rank_errors
 
 
@@ -40,12 +39,3 @@ def test_without_a_launcher_or_with_one_process_the_rank_prints_it(tmp_path, mon
     rank_errors.report("config: z", 2)
     assert capsys.readouterr().err == "error: config: x\nerror: config: z\n"
     assert rank_errors.first_error(tmp_path / "none") is None
-
-
-def test_a_crash_without_a_recorded_error_is_named_by_rank_and_signal():
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-
-    failures = {1: ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=""),
-                0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file="")}
-    assert failure_line(failures) == "rank 0 exited with code 1 (1 other rank(s) failed too); its output is above"
-    assert failure_line({1: failures[1]}) == "rank 1 was killed by SIGKILL; its output is above"

@@ -1,11 +1,9 @@
-"""Sharded checkpoints' config and offline consolidation (`sft.training.sharded`, `sft.model.consolidate`); the
-2-process saves, resumes and async writes are in tests/e2e/test_distributed.py."""
+"""Sharded checkpoints' config (`sft.training.sharded`); their consolidation is tests/model/test_consolidate.py, the
+2-process saves, resumes and async writes tests/e2e/test_distributed.py."""
 
 import pytest
-import torch
 
 from sft.config import ConfigError, check, compose
-from sft.model.consolidate import consolidate, file_groups
 from sft.training.sharded import format_of_checkpoint, sharded
 
 
@@ -31,33 +29,3 @@ def test_fsdp_full_fine_tuning_writes_sharded_checkpoints_by_default_and_a_resum
     explicit = compose("train", ["fsdp=full_shard", "checkpoint.format=sharded"])
     with pytest.raises(ConfigError, match="was saved gathered: a resume goes on in its format"):
         format_of_checkpoint(explicit, str(gathered))
-
-
-def test_file_groups_cut_tensors_into_files_of_at_most_the_size_a_larger_one_alone():
-    assert file_groups({"a": 3, "b": 3, "c": 5}, 6) == [["a", "b"], ["c"]]
-    assert file_groups({"a": 9, "b": 1}, 6) == [["a"], ["b"]]
-    assert file_groups({"a": 1}, 6) == [["a"]]
-
-
-def test_a_sharded_model_consolidates_into_the_models_own_tensors_the_tied_layer_once(tmp_path):
-    """The tiny model's state saved as DCP (as FSDP's ranks write it, here from one process), consolidated into 1 and
-    into several files: transformers loads either into the same tensors, the tied output layer written once."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from sft.model.loading import load_model
-
-    model = load_model("tiny")
-    checkpoint = tmp_path / "checkpoint-1"
-    model.config.save_pretrained(checkpoint)
-    dcp.save({"model": model.state_dict()}, storage_writer=dcp.FileSystemWriter(str(checkpoint / "shards")),
-             no_dist=True)
-    one = consolidate(checkpoint / "shards", tmp_path / "one", checkpoint)
-    several = consolidate(checkpoint / "shards", tmp_path / "several", checkpoint, max_file_bytes=400_000)
-    assert [p.name for p in one] == ["model.safetensors"] and len(several) > 2
-    assert "lm_head.weight" not in load_file(one[0]) and model.config.tie_word_embeddings
-    for out in ("one", "several"):
-        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / out).state_dict()
-        for key, tensor in model.state_dict().items():
-            torch.testing.assert_close(loaded[key], tensor, atol=0, rtol=0, msg=f"{out}: {key}")
