@@ -43,7 +43,8 @@ def run_checkpoint_memory(overrides: list[str], timeout_s: int, free_port) -> di
         for fmt in FORMATS:
             run = Path(tmp, fmt)
             cmd = [sys.executable, "-m", "sft.commands.launch", *launch_args(free_port()), "-m", "sft.train",
-                   *[o for o in overrides if not o.startswith("bench.")], "fsdp=full_shard", f"checkpoint.format={fmt}", "trainer.max_steps=1",
+                   *[o for o in overrides if not o.startswith("bench.")], "fsdp=full_shard", f"checkpoint.format={fmt}",
+                   "trainer.max_steps=1",
                    "trainer.save_steps=1", "trainer.eval_strategy=no", "trainer.report_to=[]", f"hydra.run.dir={run}"]
             print(f"[checkpoint_memory] {fmt} ...", file=sys.stderr, flush=True)
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())

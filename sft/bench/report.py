@@ -117,8 +117,9 @@ def print_report(report: dict) -> None:
         print(f"checksums     a {c['gb']:.0f} GB checkpoint: {c['cached_s']:.1f} s from the page cache (a save), "
               f"{disk} from the disk (a resume)")
     if "stream" in cases:
-        print("stream        " + "; ".join(f"{r['sequences']:,} sequences of a {int(n):,}-row file in {r['seconds']:.0f} "
-                                           f"s, peak RSS {r['peak_rss_gb']:.2f} GiB" for n, r in cases["stream"].items()))
+        print("stream        " + "; ".join(
+            f"{r['sequences']:,} sequences of a {int(n):,}-row file in {r['seconds']:.0f} s, peak RSS "
+            f"{r['peak_rss_gb']:.2f} GiB" for n, r in cases["stream"].items()))
     if "checkpoint_memory" in cases:
         c = cases["checkpoint_memory"]
         print(f"checkpoint    full fine-tune, 2 processes (FSDP2), a {c['checkpoint_mib']:.0f} MiB checkpoint ("

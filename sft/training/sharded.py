@@ -97,10 +97,10 @@ class ShardWriter:
 
     `start` copies this rank's shards aside (DCP's staging) and hands the model's and the optimizer's each to a writer
     thread, which talks to the other ranks over a process group of its own (gloo): never the training's, nor the other
-    writer's, whose collectives would interleave in another order on another rank (a deadlock, seen). Once every rank's writes are done, `finish`
-    (set by whoever completes the checkpoint: `CheckpointState`) runs on every rank. The ranks look at the same points:
-    each step end (`finished_everywhere`, one small all-reduce while a write is pending), the next checkpoint's start
-    and the end of training (`wait`).
+    writer's, whose collectives would interleave in another order on another rank (a deadlock, seen). Once every rank's
+    writes are done, `finish` (set by whoever completes the checkpoint: `CheckpointState`) runs on every rank. The ranks
+    look at the same points: each step end (`finished_everywhere`, one small all-reduce while a write is pending), the
+    next checkpoint's start and the end of training (`wait`).
     """
 
     def __init__(self, device):

@@ -401,7 +401,8 @@ def sharded_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_sharded_checkpoints_hold_every_ranks_shards_and_consolidate_offline_into_the_served_model(sharded_run, tmp_path):
+def test_sharded_checkpoints_hold_every_ranks_shards_and_consolidate_offline_into_the_served_model(sharded_run,
+                                                                                                  tmp_path):
     """Each rank wrote its own DCP shards of the model and optimizer (nothing gathered), listed in the completion
     marker; `sft consolidate` turns the last one, in one process, into the model the run served (`model/`, itself
     consolidated from shards), which transformers loads with the tied output layer once."""

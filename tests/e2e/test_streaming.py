@@ -159,10 +159,12 @@ def test_a_bad_row_in_a_stream_is_named_by_file_and_line_or_skipped_and_counted(
     stopped = run_train(*args, f"hydra.run.dir={tmp_path / 'a'}")
     assert stopped.returncode == 2
     assert stopped.stderr.strip().splitlines()[-2:] == [
-        "error: 1 bad row(s) in the data:", f"  {bad}:41: messages: no assistant turn (nothing to train on)"], stopped.stderr
+        "error: 1 bad row(s) in the data:", f"  {bad}:41: messages: no assistant turn (nothing to train on)"], \
+        stopped.stderr
     skipped = run_train(*args, "data.on_error=skip", f"hydra.run.dir={tmp_path / 'b'}")
     assert skipped.returncode == 0, skipped.stderr[-3000:]
-    assert f"data: skipped {bad}:41: messages: no assistant turn (nothing to train on)" in (tmp_path / "b" / "train.log").read_text()
+    assert f"data: skipped {bad}:41: messages: no assistant turn (nothing to train on)" in \
+        (tmp_path / "b" / "train.log").read_text()
 
 
 def test_what_a_stream_cannot_do_is_refused_in_one_line(tmp_path):
