@@ -109,10 +109,14 @@ class RowFormat:
         if tools_field == "tools" and "tools" not in row and "functions" in row:  # OpenAI's older name for them
             tools_field = "functions"
             own.add("functions")
+        system_field = self.name("system")
+        if system_field == "system" and "system" not in row and "system_prompt" in row:  # glaive's name for it
+            system_field = "system_prompt"
+            own.add("system_prompt")
         out = {k: v for k, v in row.items() if k not in own}
         out["messages"] = getattr(self, f"_{self.chosen}")(row)
         if self.chosen != "alpaca":  # (whose system field is its own)
-            out["messages"] = self._with_system(row, out["messages"])
+            out["messages"] = self._with_system(row, out["messages"], system_field)
         tools = self._tools(row.get(tools_field), tools_field)
         if tools is not None:
             out["tools"] = tools
@@ -137,9 +141,9 @@ class RowFormat:
         return [{"type": "function", "function": t} if isinstance(t, dict) and "function" not in t and "name" in t
                 else t for t in value]
 
-    def _with_system(self, row: dict, messages):
-        """The row's `system` column, where it has one, as the chat's first turn."""
-        field = self.name("system")
+    def _with_system(self, row: dict, messages, field: str):
+        """The row's system column (`field`: `system`, glaive's `system_prompt`, or as `data.columns` maps it), where it
+        has one, as the chat's first turn."""
         system = row.get(field)
         if system is None or system == "" or not isinstance(messages, list):
             return messages

@@ -304,3 +304,20 @@ def test_a_functions_column_is_read_as_the_tool_definitions(tmp_path):
            "functions": [definition]}
     out = RowFormat()(row)
     assert out["tools"] == [{"type": "function", "function": definition}] and "functions" not in out
+
+
+def test_a_system_prompt_column_beside_functions_is_the_chats_system_turn():
+    """glaive-function-calling's own form: its `system_prompt` was dropped, the template's default system prompt
+    trained in its place."""
+    from sft.data.formats import FormatError, RowFormat
+
+    definition = {"name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}
+    chat = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Sunny."}]
+    row = {"messages": chat, "functions": [definition], "system_prompt": "You are a weather assistant."}
+    out = RowFormat()(row)
+    assert out["messages"] == [{"role": "system", "content": "You are a weather assistant."}, *chat]
+    assert "system_prompt" not in out and out["tools"] == [{"type": "function", "function": definition}]
+    named = RowFormat(columns={"system": "sys"})({**row, "sys": "Be brief."})  # a mapped column wins; the other stays
+    assert named["messages"][0]["content"] == "Be brief." and named["system_prompt"] == row["system_prompt"]
+    with pytest.raises(FormatError, match="system_prompt: the row has a system column and a different system turn"):
+        RowFormat()({**row, "messages": [{"role": "system", "content": "Other."}, *chat]})
