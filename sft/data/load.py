@@ -147,16 +147,14 @@ def load_sft_datasets(spec: DataSpec, tokenizer, loss=None, scores_needed_by: li
             ds = with_static_weights(ds, loss, str(source), part.loss_weight)
             splits[name].append(ds if not spec.mixture else _numbered(ds, number))
     report_rejected(rejected, rejected_file)
+    evaluation = (splits["eval"] or [None])[0] if not spec.mixture else _concatenated(splits["eval"])
     if spec.streaming:
         import os
 
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         train = stream(parts, spec, tokenizer, loss, scores_needed_by, rank, world)
-        evaluation = (splits["eval"] or [None])[0] if not spec.mixture else _concatenated(splits["eval"])
-    elif not spec.mixture:
-        train, evaluation = splits["train"][0], (splits["eval"] or [None])[0]
     else:
-        train, evaluation = _mixed(parts, splits["train"], spec.mixture_seed), _concatenated(splits["eval"])
+        train = splits["train"][0] if not spec.mixture else _mixed(parts, splits["train"], spec.mixture_seed)
     return SFTData(train=train, eval=evaluation, identity=identity, spec=spec, summary=summaries, parts=parts)
 
 

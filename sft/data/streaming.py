@@ -43,7 +43,7 @@ def stream_files(source: Source) -> list[str]:
 
 def identity(files: list[str]) -> list[list]:
     """What identifies streamed files without reading them: path, size and modification time."""
-    return [[f, os.path.getsize(f), os.stat(f).st_mtime_ns] for f in files]
+    return [[f, (info := os.stat(f)).st_size, info.st_mtime_ns] for f in files]
 
 
 def iter_parquet(path: str, rejected: list, default_score, score_required: bool, row_format, train_on: str):
@@ -135,7 +135,7 @@ def sequences(batch: dict, tokenizer, labelling, token_weights, loss, scale: flo
     table = table.set_column(table.schema.get_field_index("source_line"), "source_line",
                              pa.array([lines[k] for k in rows], pa.int64()))
     if len(table):
-        weighed = with_static_weights(Dataset(table), loss, files[rows[0]] if rows else "", scale)
+        weighed = with_static_weights(Dataset(table), loss, files[rows[0]], scale)
         table = weighed.data.table
     return table.drop_columns([c for c in (*CHECK_ONLY, "truncated", "extra") if c in table.column_names]).to_pydict()
 

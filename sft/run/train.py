@@ -94,21 +94,16 @@ def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) 
     refused where the checkpoint cannot follow them (`check_resume_config`); returns them. On another number of
     processes the trainer's batch fields change to keep the step's rows (`check_resume_processes`). A new run may not
     start over another run's outputs (`sft.training.run_dir.claim`, `overwrite=true`)."""
-    from sft.training.checkpoints import inside, read_state
-    from sft.training.resume import check_resume_config, check_resume_processes
+    from sft.training.checkpoints import inside
+    from sft.training.resume import check_resume_config
     from sft.training.run_dir import claim
 
     if cfg.resume != "auto" and not inside(checkpoint, output_dir):
         claim(output_dir, cfg.overwrite, sweep_job=in_sweep())
     if checkpoint is None:
         return []
-    changes = check_resume_config(checkpoint, saved_config(cfg), cfg.resume_force)
-    try:
-        state = read_state(checkpoint)
-    except (OSError, ValueError):  # resume_force on a checkpoint without sft's state: nothing to compare
-        return changes
-    if state.get("config") is not None:  # another number of processes: the step keeps its rows
-        cfg.trainer.merge_with(check_resume_processes(checkpoint, state, cfg.resume_force, saved_config(cfg)))
+    changes, batch = check_resume_config(checkpoint, saved_config(cfg), cfg.resume_force)
+    cfg.trainer.merge_with(batch)  # another number of processes: the step keeps its rows
     return changes
 
 

@@ -30,7 +30,7 @@ def rss() -> int | None:
 class PeakRss:
     def __init__(self, every_s: float = 0.002):
         self.every_s = every_s
-        self.start = self.peak = rss()
+        self.start = self.peak = None  # bytes, from __enter__
         self.seconds = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)

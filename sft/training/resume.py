@@ -74,17 +74,18 @@ def fixed_on_resume(key: str) -> bool:
     return any(key == fixed.rstrip(".") or (fixed.endswith(".") and key.startswith(fixed)) for fixed in FIXED_ON_RESUME)
 
 
-def check_resume_config(checkpoint: str, current: dict, force: bool) -> list[tuple[str, object, object]]:
+def check_resume_config(checkpoint: str, current: dict, force: bool) -> tuple[list[tuple[str, object, object]], dict]:
     """The settings that differ from the checkpoint's saved config, each logged; a change of one the
     checkpoint cannot follow (`fixed_on_resume`: model, LoRA shape, batch shape, optimizer ...) is refused
-    naming it, unless forced. The others apply: see `LearningRateChange` for the learning rate."""
+    naming it, unless forced. The others apply: see `LearningRateChange` for the learning rate. Returns them, and
+    the trainer fields that keep the step's rows on another number of processes (`check_resume_processes`)."""
     try:
         state = read_state(checkpoint)
     except (OSError, ValueError):  # resume_force on a checkpoint without sft's state: nothing to compare
-        return []
+        return [], {}
     saved = state.get("config")
     if saved is None:
-        return []
+        return [], {}
     changes = config_changes(saved, current)
     fixed = [(key, old, new) for key, old, new in changes if fixed_on_resume(key)]
     if changes:
@@ -99,7 +100,7 @@ def check_resume_config(checkpoint: str, current: dict, force: bool) -> list[tup
                           "a new run (another hydra.run.dir), or resume_force=true")
     if fixed:
         log.warning("resume_force: resuming although %s changed", ", ".join(k for k, _, _ in fixed))
-    return changes
+    return changes, check_resume_processes(checkpoint, state, force, current)
 
 
 def batch_for_ranks(per_device: int, accumulation: int, saved_ranks: int, ranks: int) -> tuple[int, int] | None:
