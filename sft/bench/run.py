@@ -124,7 +124,8 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "checkpoint_rank0_vs_share": (1.0, "max"),
     "stream_peak_rss_ratio": (1.2, "max"),
 }
-# name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL
+# name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL and
+# for the lean loss against the model's own logits
 TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_naive", "hf"),
                    "lean_loss_gain": ("ce", "ce_naive"), "hard_sample_vs_ce": ("hard_sample", "ce"),
                    "packing_gain": ("packing", "ce"), "packing_gain_spread": ("packing_spread", "ce_spread"),
@@ -238,7 +239,7 @@ def training_ratios(rounds: list[dict], suffix: str) -> dict[str, list[float]]:
     for name, (ours, theirs) in TRAINING_RATIOS.items():
         if values := paired(rounds, ours + suffix, theirs + suffix):
             ratios[name + suffix] = values
-            if theirs.startswith("trl"):
+            if theirs.startswith("trl") or name.startswith("lean_loss_gain"):  # what the lean loss saves, too
                 ratios[f"{name}_memory{suffix}"] = paired(rounds, ours + suffix, theirs + suffix, "peak_memory_gb")
     return ratios
 

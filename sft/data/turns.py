@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sft.data.spec import Labelling
+from sft.data.reasoning import (REASONING_BLOCKS, closed_reasoning_advice, open_reasoning, prefill_advice,
+                                reasoning_of)
 from sft.data.templates import ChatRenderer, Refused
 from sft.data.chat_text import divergence, first_stop, stop_at, tool_name, common_prefix
 
@@ -77,13 +79,15 @@ def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None,
         turn = _locate(render, messages, i, tools, full, prefill, rewritten_turns)
         if turn is None:  # its prompt is rendered otherwise in the chat, and data.rewritten_turns=skip
             continue
+        if prefill == "refuse":
+            _refuse_inside_open_reasoning(render, messages, i, turn)
         answer = turn.text[turn.start:turn.end]
         for call in m.get("tool_calls") or []:
             if call["function"]["name"] not in answer:
                 raise Refused(f"messages[{i}].tool_calls", "the chat template does not render this turn's tool call "
                               f"({call['function']['name']!r}): the turn would train without it; set "
                               "tokenizer.chat_template to one that renders tool calls")
-        reasoning = _reasoning(m)
+        reasoning = reasoning_of(m)
         if reasoning and reasoning not in answer:
             views.untrained_reasoning += 1
         if not turn.own_text and full.startswith(turn.text[:turn.end]):
@@ -117,11 +121,9 @@ def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str
                 return None
             text, start, own_text = placed, len(prompt), True
         elif prefill == "refuse":
-            has_reasoning = bool(_reasoning(messages[i]))
-            advice = (_closed_reasoning(render, tail) if has_reasoning else
-                      "Give the answer what the prefill opens (its reasoning, as reasoning_content or a <think> block, "
-                      "where the template renders it), pass the template a kwarg that changes its generation prompt "
-                      "(tokenizer.chat_template_kwargs, e.g. enable_thinking or thinking), or set ")
+            reasoning = reasoning_of(messages[i])
+            advice = (closed_reasoning_advice(render, tail, through[k:], reasoning) if reasoning else
+                      prefill_advice(render, tail))
             raise Refused(f"messages[{i}]", f"the chat template's generation prompt ends with {tail!r}, which this "
                           f"answer does not begin with as the template renders it ({through[k:k + 30]!r}): the model "
                           f"answers after it at inference. {advice}data.prefill=after (train the answer after the "
@@ -160,10 +162,12 @@ def _after_own_prompt(render: ChatRenderer, messages: list[dict], i: int, tools,
     header = prompt[len(before):] if prompt.startswith(before) else ""
     at = through.find(header, common_prefix(prompt, through)) if header else -1
     if at < 0 or rewritten_turns == "refuse":
-        if at < 0 and _reasoning(messages[i]) and any(tag in header for tag in THINK_TAGS):
+        if at < 0 and reasoning_of(messages[i]) and any(tag in header for block in REASONING_BLOCKS for tag in block):
             # the cause: a generation prompt that opens or closes the reasoning otherwise than this answer's rendering
             raise Refused(f"messages[{i}]", f"the chat template's generation prompt ({header.strip()!r}) is not where "
-                          "this answer, rendered with its reasoning, begins. " + _closed_reasoning(render, header)
+                          "this answer, rendered with its reasoning, begins. "
+                          + closed_reasoning_advice(render, header, through[common_prefix(prompt, through):],
+                                              reasoning_of(messages[i]))
                           + "tokenizer.chat_template to one that renders it")
         raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently once the "
                       f"turn is added ({divergence(prompt, through)}), so the turn cannot be located"
@@ -174,34 +178,30 @@ def _after_own_prompt(render: ChatRenderer, messages: list[dict], i: int, tools,
     return prompt + through[at + len(header):]
 
 
-# How templates open and close the reasoning in a generation prompt (Qwen3's, Hunyuan's, Granite's, Mistral's)
-THINK_TAGS = ("<think>", "</think>", "<thinking>", "</thinking>", "<|start_thinking|>", "<|end_thinking|>", "[THINK]",
-              "[/THINK]")
-
-
-def _closed_reasoning(render: ChatRenderer, prefill: str) -> str:
-    """What to say of an answer with reasoning that the generation prompt does not let follow: where it closes the
-    reasoning (`<think>\n\n</think>`: its no-thinking prompt, by a kwarg or by default), that, and the kwargs that turn
-    thinking on."""
-    kwargs = render.settings.kwargs
-    given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "none: its default"
-    closes = any(tag in prefill for tag in THINK_TAGS if "/" in tag or "end" in tag)
-    if not closes:  # it renders the reasoning, only not after what the prompt already wrote (Apriel's preamble)
-        return "The answer's reasoning is rendered, without what the prefill wrote before it: set "
-    return (f"This answer has reasoning, but the generation prompt closes the reasoning ({prefill.strip()!r}: the "
-            f"template's no-thinking prompt, with the kwargs {given}): turn thinking on with a template kwarg "
-            "(+tokenizer.chat_template_kwargs.enable_thinking=true, or reasoning_effort=high, thinking=true: as the "
-            "template names it), drop the rows' reasoning, or set ")
-
-
-def _reasoning(message: dict) -> str:
-    """A turn's reasoning text (its `reasoning_content`, or the `<think>` block its content opens with), stripped."""
-    if isinstance(message.get("reasoning_content"), str):
-        return message["reasoning_content"].strip()
-    content = message.get("content")
-    if isinstance(content, str) and "</think>" in content:
-        return content.split("</think>")[0].split("<think>")[-1].strip()
-    return ""
+def _refuse_inside_open_reasoning(render: ChatRenderer, messages: list[dict], i: int, turn: _Turn) -> None:
+    """Refuse (under `data.prefill=refuse`) an answer the template places inside a reasoning block that it opened after
+    the chat's last message and that the answer does not close: a template that writes its generation prompt's
+    `<think>` prefill into the finished chat too (Nemotron-Nano-v2's, in its last answer) escapes the prefill check,
+    and every answer would train inside the model's reasoning, never closing it."""
+    context = turn.text[:turn.start]
+    before = messages[i - 1].get("content") if i else None
+    if isinstance(before, str) and before.strip() and (at := context.rfind(before.strip())) >= 0:
+        context = context[at + len(before.strip()):]  # what the template wrote after the chat's last message
+    block = open_reasoning(context)
+    if block is None or block[1] in turn.text[turn.start:turn.end]:
+        return
+    opened = context[context.rfind(block[0]):]
+    given = ("this answer's reasoning is not rendered there: give it in the form the template renders (a "
+             f"{block[0]}...{block[1]} block in the content, or reasoning_content)" if reasoning_of(messages[i]) else
+             f"give the answer its reasoning (a {block[0]}...{block[1]} block in the content, or reasoning_content)")
+    switch = ("'/no_think' in the system prompt, which this template reads, or "
+              if "/no_think" in (render.tokenizer.chat_template or "") else "")
+    advice = (f"Either {given}, turn thinking off where the template can ({switch}a kwarg such as "
+              "+tokenizer.chat_template_kwargs.enable_thinking=false, as the template names it), or set ")
+    raise Refused(f"messages[{i}]", f"the chat template opens a reasoning block before this answer ({opened!r}) that "
+                  f"the answer, as the template renders it, does not close (no {block[1]!r}): the model would learn "
+                  f"to answer inside its reasoning and never close it. {advice}data.prefill=after (train the answer "
+                  "where the template puts it, as the model answers after that prompt)")
 
 
 def definitions_shown(render, messages: list[dict], tools: list[dict]) -> bool:

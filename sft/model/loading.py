@@ -22,6 +22,7 @@ from filelock import FileLock
 
 from sft.config.schema import Choice, Schema, config_schema, cuda_available, installed, knob
 from sft.data.cache import building, cache_dir
+from sft.files import in_package
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ class TokenizerConfig(Schema):
     gguf_file: Optional[str] = knob("${model.gguf_file}", "the model's, by default: the tokenizer and chat template "
                                     "of that GGUF file")
     chat_template: Optional[str] = knob(None, "a chat template to use instead of the tokenizer's: its text, or a "
-                                        ".jinja file")
+                                        ".jinja file (a path, or <package>/<file> inside an installed package)")
     trust_remote_code: bool = knob("${model.trust_remote_code}",  # type: ignore[arg-type]
                                    "the model's, by default")
     chat_template_kwargs: Dict[str, Any] = knob(help="keyword arguments the chat template is rendered with, in "
@@ -277,9 +278,11 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_re
     if chat_template is not None:
         name = "tokenizer.chat_template"
         if chat_template.endswith(".jinja") and "{" not in chat_template:
+            file = Path(chat_template).expanduser()
+            if not file.is_file():  # <package>/<file>: one shipped in an installed package (sft's own, for a base model)
+                file = in_package(chat_template)[0] or file
             try:
-                name, chat_template = f"tokenizer.chat_template ({Path(chat_template).name})", \
-                    Path(chat_template).read_text(encoding="utf-8")
+                name, chat_template = f"tokenizer.chat_template ({file.name})", file.read_text(encoding="utf-8")
             except OSError as e:
                 raise ConfigError("tokenizer.chat_template", chat_template, f"cannot be read ({e.strerror})") from None
         tokenizer.chat_template = chat_template

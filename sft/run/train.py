@@ -121,6 +121,7 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
 
     from sft import version
     from sft.training.checkpoints import CheckpointState, git_commit
+    from sft.training.arguments import learning_rate
     from sft.training.resume import LearningRateChange, check_resume_data
 
     trainer, data = recipe.trainer, recipe.data
@@ -136,8 +137,8 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
         if name in stateful:
             stateful[name].load_state_dict(state)
     for key, old, new in changes:
-        if key == "trainer.learning_rate" and old:
-            trainer.add_callback(LearningRateChange(old, new))
+        if key == "trainer.learning_rate" and learning_rate(cfg, old) != learning_rate(cfg, new):  # null: the default
+            trainer.add_callback(LearningRateChange(learning_rate(cfg, old), learning_rate(cfg, new)))
 
 
 def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:

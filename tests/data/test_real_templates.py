@@ -122,6 +122,17 @@ def test_reasoning_trains_where_the_template_renders_it_and_is_counted_where_it_
     assert untrained == sum("{r}" not in p for p in patterns)  # each answer whose reasoning is not trained, counted
 
 
+@pytest.mark.parametrize("name", sorted(n for n, s in FAMILIES.items() if "reasoning_refuses" in s))
+def test_an_answer_with_reasoning_is_refused_for_its_real_cause_naming_the_templates_switch(name):
+    """A template that closes the reasoning in its generation prompt (Gemma-4's empty thought block): the refusal of a
+    reasoning row says so and names the kwarg the template reads to open it."""
+    spec, tokenizer = FAMILIES[name], tokenizer_for(name)
+    with pytest.raises(Refused) as e:
+        chat_views(tokenizer, REASONED)
+    for part in spec["reasoning_refuses"]:
+        assert part in e.value.reason
+
+
 @pytest.mark.parametrize("name", sorted(n for n, s in FAMILIES.items() if s.get("tools")))
 def test_a_tool_call_trains_with_its_turn_and_the_arguments_reach_the_template_as_it_reads_them(name):
     spec, tokenizer = FAMILIES[name], tokenizer_for(name)
@@ -140,4 +151,5 @@ def test_the_profile_names_each_familys_stops_and_prefill():
             continue
         profile = ChatRenderer(tokenizer_for(name)).profile
         assert set(spec["stops"]) <= set(profile.stops), name
-        assert bool(profile.prefill) == ("prefill_after" in spec), (name, profile.prefill)
+        # a prefill the template also writes into the finished chat (Nemotron-Nano-v2's) is no prefill of the profile
+        assert bool(profile.prefill) == ("prefill_after" in spec and not spec.get("prefill_in_chat")), name

@@ -267,6 +267,55 @@ def test_a_prefilled_generation_prompt_is_refused_naming_it_or_trained_after_it_
     assert labelled(tokenizer, reasoned[2:]) == [["3 and 3.\n</think>\n\n6<|im_end|>"]]
 
 
+def test_a_prefill_the_template_writes_into_the_finished_chat_too_is_refused_not_trained_inside_open_reasoning():
+    """Nemotron-Nano-v2's template writes its generation prompt's `<think>\n\n` before the last answer of a finished
+    chat as well: the prefill check sees no prefill, and every answer would train inside an open think block. Refused,
+    naming the block and the ways out; '/no_think' (which this template reads) closes it, and the answers train."""
+    tokenizer = family_tokenizer("prefill_in_last_turn")
+    with pytest.raises(Refused) as e:
+        chat_views(tokenizer, PLAIN)
+    assert e.value.field == "messages[1]"  # the first answer: rendered with the prefill in a text of its own
+    assert r"opens a reasoning block before this answer ('<think>\n\n')" in e.value.reason
+    assert "does not close (no '</think>')" in e.value.reason and "'/no_think' in the system prompt" in e.value.reason
+    assert "data.prefill=after" in e.value.reason
+    no_think = [{**PLAIN[0], "content": PLAIN[0]["content"] + " /no_think"}] + PLAIN[1:]
+    assert labelled(tokenizer, no_think) == [["6<|im_end|>"], ["4<|im_end|>"]]  # after <think></think>, each
+    reasoned = PLAIN[:3] + [{"role": "assistant", "content": "3 and 3.\n</think>\n\n6"}]
+    assert labelled(tokenizer, reasoned[2:]) == [["3 and 3.\n</think>\n\n6<|im_end|>"]]  # it closes the block
+    assert labelled(tokenizer, PLAIN, prefill="after") == [["6<|im_end|>"], ["4<|im_end|>"]]  # as asked
+
+
+def test_reasoning_after_an_uppercase_closed_block_is_refused_naming_the_templates_own_switch():
+    """Command-R7B closes `<|START_THINKING|><|END_THINKING|>` in its generation prompt unless its own switch is passed:
+    the refusal says the prompt closes the reasoning (it said the reasoning was rendered, quoting an answer without it)
+    and names the kwarg the template reads; with it, the reasoning trains."""
+    from sft.data.chat_settings import configure_chat
+
+    chat = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]
+    with pytest.raises(Refused) as refused:
+        chat_views(family_tokenizer("upper_thinking_switch"), chat)
+    assert "the generation prompt closes the reasoning ('<|START_THINKING|><|END_THINKING|>'" in refused.value.reason
+    assert "the kwarg this template reads: +tokenizer.chat_template_kwargs.reasoning=true" in refused.value.reason
+    on = configure_chat(family_tokenizer("upper_thinking_switch"), {"reasoning": True})
+    assert labelled(on, chat) == [["<|START_THINKING|>Greet.<|END_THINKING|>Hello!<|im_end|>"]]
+
+
+def test_reasoning_after_a_suffixed_closed_block_names_reasoning_effort_the_kwarg_the_template_reads():
+    """Hunyuan Hy3's `<think:opensource>` tags, closed empty unless `reasoning_effort` asks for thinking: a reasoning
+    row's refusal names the closed block and that kwarg (it blamed the template's rendering of earlier text)."""
+    from sft.data.chat_settings import configure_chat
+
+    chat = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]
+    with pytest.raises(Refused) as refused:
+        chat_views(family_tokenizer("suffixed_think_effort"), chat)
+    assert "closes the reasoning ('<think:opensource>\\n\\n</think:opensource>'" in refused.value.reason
+    assert "+tokenizer.chat_template_kwargs.reasoning_effort=high" in refused.value.reason
+    on = configure_chat(family_tokenizer("suffixed_think_effort"), {"reasoning_effort": "high"})
+    assert labelled(on, chat) == [["<think:opensource>Greet.</think:opensource>Hello!<|im_end|>"]]
+
+
 def test_template_kwargs_reach_the_template_and_the_reasoning_it_then_drops_is_counted(tmp_path):
     from sft.data.chat_settings import configure_chat
 

@@ -149,19 +149,40 @@ def check_identity(proc, out):
     assert sum(served[i]["message"]["content"].strip() == compared["references"][i] for i in identity) >= 6
 
 
+def check_base_to_chat(proc, out):
+    """The base model, which wrote on to the token limit, answers held-out questions in the chat format and stops at
+    <end_of_turn>: through sft.commands.compare, and through plain `generate` on the merged model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    r = results(out / "run")
+    assert r["status"] == "ok" and r["eval_loss"] < r["eval_loss_initial"] / 10
+    compared = json.loads((out / "answers.json").read_text())
+    assert not any(compared["before"]["stopped"])  # the base model: every answer cut at the token limit
+    assert all(compared["after"]["stopped"])
+    assert sum(a.strip() == ref for a, ref in zip(compared["after"]["texts"], compared["references"])) >= 6
+    merged = out / "merged"
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of Italy?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    generated = model.generate(**prompt, max_new_tokens=48, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    text = tokenizer.decode(generated)
+    assert "Rome" in text and text.endswith("<end_of_turn>") and len(generated) < 48, text
+
+
 CHECKS = {"own_data_lora": check_own_data_lora, "zero3": check_sharded, "fsdp2": check_sharded,
           "mixture": check_mixture, "tool_calling": check_tool_calling, "own_loss": check_own_loss,
           "own_controller": check_own_controller, "seed_sweep": check_seed_sweep, "optuna": check_optuna,
-          "identity": check_identity}
+          "identity": check_identity, "base_to_chat": check_base_to_chat}
 
 
-REAL_MODEL = {"identity"}  # recipes on the real model (model=smollm2_135m)
+REAL_MODEL = {"identity": "smollm2_dir", "base_to_chat": "gemma3_dir"}  # recipes on a real model: its fixture
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPES)
 def test_the_example_runs_as_its_readme_says(tmp_path, name, request):
     if name in REAL_MODEL:
-        request.getfixturevalue("smollm2_dir")  # converted once for the session, or skipped saying why
+        request.getfixturevalue(REAL_MODEL[name])  # converted once for the session, or skipped saying why
     proc, out = run_recipe(name, tmp_path)
     CHECKS[name](proc, out)

@@ -253,3 +253,17 @@ def test_bf16_step_losses_follow_fp32_over_20_real_steps(real, tmp_path):
     assert max(abs(a - b) / b for a, b in zip(bf16, fp32)) < 0.06, list(zip(bf16, fp32))
     assert abs(sum(bf16) - sum(fp32)) / sum(fp32) < 0.02, list(zip(bf16, fp32))
     assert sum(fp32[-5:]) < 0.7 * sum(fp32[:5]) and sum(bf16[-5:]) < 0.7 * sum(bf16[:5])
+
+
+def test_a_full_fine_tune_at_the_tiny_models_rate_diverges_and_the_guard_stops_it_naming_the_rate(real, tmp_path):
+    """SmolLM2 fully fine-tuned at 2e-3 (the tiny model's rate): the loss goes 0.86, 0.86, 7.6, 8.7. The guard stops the
+    run at the fourth step, without a checkpoint of the run-away weights, and the one-line error names the learning
+    rate and the checkpoint before the rise; the real-model default (2e-5, trainer.learning_rate=null) trains."""
+    run = tmp_path / "run"
+    proc = run_train("model=smollm2_135m", "trainer.learning_rate=2e-3", "trainer.max_steps=8", "trainer.save_steps=2",
+                     "trainer.eval_strategy=no", f"hydra.run.dir={run}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert "the loss diverged" in error and "too high for this model: trainer.learning_rate=0.002" in error, error
+    assert f"resume={run / 'checkpoint-2'}" in error and "trainer.learning_rate=0.0002" in error
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]  # none of the run-away weights

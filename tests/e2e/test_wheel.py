@@ -92,7 +92,8 @@ def test_the_wheel_carries_the_configs_and_trains_and_inspects_from_another_dire
 
 @pytest.mark.slow
 def test_the_wheel_lists_every_config_file_of_the_package(tmp_path):
-    """What `pip install` gets: every YAML of sft/conf/ (and the sample data, the lm-eval tasks), no test or example."""
+    """What `pip install` gets: every YAML of sft/conf/ (and the sample data, the lm-eval tasks, the chat templates sft
+    supplies for base models), no test or example."""
     source = tree_copy(tmp_path / "source")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
@@ -101,4 +102,6 @@ def test_the_wheel_lists_every_config_file_of_the_package(tmp_path):
     configs = {str(p.relative_to(REPO)) for p in (REPO / "sft" / "conf").rglob("*.yaml")}
     assert configs and configs <= names, sorted(configs - names)
     assert {"sft/sample_data/train.jsonl", "sft/eval/tasks/sft_sample_addition.yaml"} <= names
+    templates = {str(p.relative_to(REPO)) for p in (REPO / "sft" / "model" / "chat_templates").glob("*.jinja")}
+    assert templates and templates <= names, sorted(templates - names)
     assert not any(n.startswith(("tests/", "examples/")) for n in names)

