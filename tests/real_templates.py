@@ -140,8 +140,10 @@ FAMILIES = {
     # --- DeepSeek ------------------------------------------------------------------------------------------
     "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": dict(
         family="DeepSeek-R1-Distill (Qwen)", special=DEEPSEEK, bos="<｜begin▁of▁sentence｜>",
-        eos="<｜end▁of▁sentence｜>", stops=["<｜end▁of▁sentence｜>"], refuses="generation prompt ends with '<think>\\n</think>'",
-        prefill_after="{a}<｜end▁of▁sentence｜>"),
+        # llama.cpp's copy prefilled '<think>\n</think>' in 2026-08 and '<think>\n' since: either refuses
+        eos="<｜end▁of▁sentence｜>", stops=["<｜end▁of▁sentence｜>"], refuses="generation prompt ends with '<think>\\n",
+        prefill_after="{a}<｜end▁of▁sentence｜>",
+        reasoning_refuses=["the template reads no kwarg that would change that: with it the reasoning cannot train"]),
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": dict(
         family="DeepSeek-R1-Distill (Llama)", special=DEEPSEEK, bos="<｜begin▁of▁sentence｜>",
         eos="<｜end▁of▁sentence｜>", stops=["<｜end▁of▁sentence｜>"], refuses="generation prompt ends with '<think>\\n'",

@@ -37,15 +37,19 @@ def closed_reasoning_advice(render: ChatRenderer, prefill: str, rendered: str, r
     at all (`rendered`, the answer as the template writes it), that."""
     kwargs = render.settings.kwargs
     given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "none: its default"
-    named = switches_named(render)
-    closes = any(block[1] in prefill for block in REASONING_BLOCKS)
-    if closes:
-        return (f"This answer has reasoning, but the generation prompt closes the reasoning ({prefill.strip()!r}: the "
-                f"template's no-thinking prompt, with the kwargs {given}): turn thinking on with a template kwarg "
-                f"({named}), drop the rows' reasoning, or set ")
+    has_switch = bool(reasoning_switches(render.tokenizer.chat_template or ""))
+    # no switch: DeepSeek-R1 distills, which drop an answer's reasoning from the chat whatever the caller passes
+    cannot = ("and the template reads no kwarg that would change that: with it the reasoning cannot train; drop the "
+              "rows' reasoning, set tokenizer.chat_template to one that renders it, or set ")
+    if any(block[1] in prefill for block in REASONING_BLOCKS):
+        head = (f"This answer has reasoning, but the generation prompt closes the reasoning ({prefill.strip()!r}: the "
+                f"template's no-thinking prompt, with the kwargs {given}), ")
+        return head + (f"turn thinking on with a template kwarg ({switches_named(render)}), drop the rows' reasoning, "
+                       "or set " if has_switch else cannot)
     if reasoning and reasoning not in rendered:
-        return (f"The template renders none of this answer's reasoning here (with the kwargs {given}): it may "
-                f"render it only with thinking on ({named}); or drop the rows' reasoning, or set ")
+        head = f"The template renders none of this answer's reasoning here (with the kwargs {given}), "
+        return head + (f"which it may only with thinking on ({switches_named(render)}); or drop the rows' reasoning, "
+                       "or set " if has_switch else cannot)
     # it renders the reasoning, only not after what the prompt already wrote (Apriel's preamble)
     return "The answer's reasoning is rendered, without what the prefill wrote before it: set "
 

@@ -316,6 +316,19 @@ def test_reasoning_after_a_suffixed_closed_block_names_reasoning_effort_the_kwar
     assert labelled(on, chat) == [["<think:opensource>Greet.</think:opensource>Hello!<|im_end|>"]]
 
 
+def test_reasoning_a_template_drops_and_has_no_switch_for_is_refused_saying_it_cannot_train():
+    """DeepSeek-R1 distills prefill `<think>\\n` and drop an answer's reasoning from the chat, reading no kwarg: the
+    refusal says the reasoning is not rendered and cannot be (it said the reasoning was rendered, quoting an answer
+    without it)."""
+    chat = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]
+    with pytest.raises(Refused) as refused:
+        chat_views(family_tokenizer("prefilled_think"), chat)
+    assert "renders none of this answer's reasoning here" in refused.value.reason
+    assert "reads no kwarg that would change that: with it the reasoning cannot train" in refused.value.reason
+    assert "is rendered" not in refused.value.reason
+
+
 def test_template_kwargs_reach_the_template_and_the_reasoning_it_then_drops_is_counted(tmp_path):
     from sft.data.chat_settings import configure_chat
 
