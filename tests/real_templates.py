@@ -142,8 +142,7 @@ FAMILIES = {
         family="DeepSeek-R1-Distill (Qwen)", special=DEEPSEEK, bos="<｜begin▁of▁sentence｜>",
         # llama.cpp's copy prefilled '<think>\n</think>' in 2026-08 and '<think>\n' since: either refuses
         eos="<｜end▁of▁sentence｜>", stops=["<｜end▁of▁sentence｜>"], refuses="generation prompt ends with '<think>\\n",
-        prefill_after="{a}<｜end▁of▁sentence｜>",
-        reasoning_refuses=["the template reads no kwarg that would change that: with it the reasoning cannot train"]),
+        prefill_after="{a}<｜end▁of▁sentence｜>"),
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": dict(
         family="DeepSeek-R1-Distill (Llama)", special=DEEPSEEK, bos="<｜begin▁of▁sentence｜>",
         eos="<｜end▁of▁sentence｜>", stops=["<｜end▁of▁sentence｜>"], refuses="generation prompt ends with '<think>\\n'",
@@ -228,8 +227,8 @@ FAMILIES.update({
     "NVIDIA-Nemotron-Nano-v2": dict(
         family="Nemotron-Nano-v2", special=["<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>"], added=THINK,
         eos="<SPECIAL_12>", stops=["<SPECIAL_12>"],
-        refuses="opens a reasoning block before this answer ('<think>\\n\\n') that the answer, as the template "
-                "renders it, does not close", prefill_after="{a}\n<SPECIAL_12>", prefill_in_chat=True,
+        refuses="opens a reasoning block before this answer ('<think>\\n", prefill_after="{a}\n<SPECIAL_12>",
+        prefill_in_chat=True,
         tools_refuses="renders the chat before this turn differently"),
     # Gemma-4 (llama.cpp's gemma4.jinja): an empty thought block closes every generation prompt unless enable_thinking
     # is passed; answers' thoughts are stripped from the chat (strip_thinking), so reasoning never trains
@@ -241,6 +240,23 @@ FAMILIES.update({
         prefill_after="{a}<turn|>",
         reasoning_refuses=["generation prompt closes the reasoning ('<|channel>thought\\n<channel|>'",
                            "+tokenizer.chat_template_kwargs.enable_thinking=true"]),
+    # Hunyuan Hy3 (llama.cpp's tencent-Hy3.jinja): every tag suffixed ':opensource'; reasoning_effort=no_think by
+    # default closes an empty think block in the generation prompt; with reasoning_effort=high the reasoning trains
+    "tencent-Hy3": dict(
+        family="Hy3", special=["<｜hy_eos:opensource｜>", "<｜hy_User:opensource｜>", "<｜hy_Assistant:opensource｜>",
+                               "<｜hy_begin_of_sentence:opensource｜>", "<｜reasoning_mode:opensource｜>",
+                               "<｜hy_pad:opensource｜>", "<think:opensource>", "</think:opensource>",
+                               "<tool_calls:opensource>", "</tool_calls:opensource>", "<tool_call:opensource>",
+                               "</tool_call:opensource>", "<tool_sep:opensource>", "<arg_key:opensource>",
+                               "</arg_key:opensource>", "<arg_value:opensource>", "</arg_value:opensource>",
+                               "<tool_responses:opensource>", "</tool_responses:opensource>",
+                               "<tool_response:opensource>", "</tool_response:opensource>"],
+        eos="<｜hy_eos:opensource｜>", stops=["<｜hy_eos:opensource｜>"], answer="{a}<｜hy_eos:opensource｜>",
+        reasoning_refuses=["the generation prompt closes the reasoning",
+                           "+tokenizer.chat_template_kwargs.reasoning_effort=high"],
+        tools="<tool_calls:opensource>\n<tool_call:opensource>get_weather<tool_sep:opensource>\n<arg_key:opensource>city"
+              "</arg_key:opensource>\n<arg_value:opensource>Paris</arg_value:opensource>\n</tool_call:opensource>\n"
+              "</tool_calls:opensource><｜hy_eos:opensource｜>"),
     # Kimi-K3: XML-like tags; thinking on by default, the generation prompt opens the think tag, every answer's
     # reasoning rendered in it; object arguments as typed <argument> tags
     "Kimi-K3": dict(

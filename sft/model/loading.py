@@ -57,6 +57,9 @@ TINY_ARCH = dict(
 )
 TINY_VOCAB_MERGES = 400
 TINY_SEED = 0
+# The peak learning rate it trains at where trainer.learning_rate is null: a random model this small wants about 100x a
+# real one's (sft.training.arguments.learning_rate)
+TINY_LEARNING_RATE = 2e-3
 
 
 def tiny_model_dir() -> Path:

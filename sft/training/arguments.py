@@ -16,10 +16,10 @@ from sft.training.trainer_fields import GENERATED_FROM, TrainingArgumentsFields
 
 log = logging.getLogger("sft")
 
-# The peak learning rates of trainer.learning_rate=null, for a real model (the tiny model's file sets its own):
-# TRL's SFTTrainer default for a full fine-tune, and the rate of PEFT's and TRL's LoRA recipes. Measured on
-# SmolLM2-135M-Instruct and Gemma-3-270M (docs/models.md): both train without diverging, full and LoRA, where
-# SmolLM2's full fine-tune at 2e-3 (the tiny model's) blows up at its third step.
+# The peak learning rates of trainer.learning_rate=null for a real model (the embedded tiny one has its own,
+# sft.model.loading.TINY_LEARNING_RATE): TRL's SFTTrainer default for a full fine-tune, and the rate of PEFT's and
+# TRL's LoRA recipes. Measured on SmolLM2-135M-Instruct and Gemma-3-270M (docs/models.md): both train without
+# diverging, full and LoRA, where SmolLM2's full fine-tune at 2e-3 (the tiny model's) blows up at its third step.
 FULL_FINE_TUNE_LEARNING_RATE = 2e-5
 LORA_LEARNING_RATE = 2e-4
 
@@ -66,7 +66,7 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     per_device_eval_batch_size: int = knob(32, "rows per evaluation batch on each device")
     gradient_accumulation_steps: int = knob(1, "micro-batches per optimizer step (the loss is exact over them)")
     learning_rate: Optional[float] = knob(None, "the peak learning rate; null: a real model's, 2e-5 for a full "
-                                          "fine-tune and 2e-4 with LoRA (the tiny model's file sets its own, 2e-3)")
+                                          "fine-tune and 2e-4 with LoRA (the embedded tiny model's: 2e-3)")
     weight_decay: float = knob(0.0, "AdamW's weight decay")
     adam_beta1: float = knob(0.9, "AdamW's beta1")
     adam_beta2: float = knob(0.98, "AdamW's beta2")
@@ -248,8 +248,11 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
     fields["learning_rate"] = learning_rate(cfg)
     if cfg.trainer.learning_rate is None:
-        log.info("trainer.learning_rate: %g (null: a real model's rate %s)", fields["learning_rate"],
-                 "with LoRA" if cfg.lora is not None else "for a full fine-tune")
+        from sft.model.loading import TINY
+
+        which = ("the embedded tiny model's rate" if cfg.model.name_or_path == TINY and not cfg.model.gguf_file else
+                 f"a real model's rate {'with LoRA' if cfg.lora is not None else 'for a full fine-tune'}")
+        log.info("trainer.learning_rate: %g (null: %s)", fields["learning_rate"], which)
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()
@@ -292,10 +295,16 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
 
 def learning_rate(cfg, rate: float | None = None) -> float:
     """The peak learning rate `rate` (`trainer.learning_rate` where not given) stands for: itself, or where it is null
-    a real model's, 2e-4 with LoRA and 2e-5 for a full fine-tune."""
+    the embedded tiny model's (`model.name_or_path=tiny`, random architectures built on its tokenizer included), else
+    a real model's, 2e-4 with LoRA and 2e-5 for a full fine-tune. Decided by the model, not by which model file the
+    config names: `model.name_or_path=<a real model's dir>` gets a real model's rate."""
+    from sft.model.loading import TINY, TINY_LEARNING_RATE
+
     rate = cfg.trainer.learning_rate if rate is None else rate
     if rate is not None:
         return rate
+    if cfg.model.name_or_path == TINY and not cfg.model.gguf_file:
+        return TINY_LEARNING_RATE
     return LORA_LEARNING_RATE if cfg.lora is not None else FULL_FINE_TUNE_LEARNING_RATE
 
 

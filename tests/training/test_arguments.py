@@ -99,3 +99,18 @@ def test_activation_offloading_where_it_cannot_work_is_one_config_error(override
     with pytest.raises(ConfigError) as e:
         check(composed(*overrides))
     assert e.value.key == "trainer.activation_offloading" and words in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, rate", [
+    ([], 2e-3),  # the embedded tiny model's own
+    (["model=smollm2_135m"], 2e-5),  # a real model, full fine-tune
+    (["model=smollm2_135m", "lora=default"], 2e-4),  # a real model with LoRA
+    (["model.name_or_path=/models/my-llama"], 2e-5),  # a real model's dir named in the tiny model's group
+    (["model=smollm2_135m", "trainer.learning_rate=5e-5"], 5e-5),  # as given
+])
+def test_a_null_learning_rate_is_the_models_own_kind_of_rate(overrides, rate):
+    """trainer.learning_rate=null (the default) is 2e-5 for a real model's full fine-tune and 2e-4 with LoRA, the tiny
+    model's own 2e-3 only for the tiny model: a real model named in any group gets a real model's rate."""
+    from sft.training.arguments import learning_rate
+
+    assert learning_rate(composed(*overrides)) == rate

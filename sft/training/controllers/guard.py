@@ -64,7 +64,7 @@ class TrainingGuard(Controller):
         self._output_dir = "."
         self.history: list[tuple[int, float, float | None]] = []  # (step, loss, the loss EMA before it): good steps
         self.lowest_ema: tuple[int, float] | None = None  # (step, the lowest the loss EMA has been)
-        self.diverged: dict | None = None  # where the loss ran away: steps, losses, the learning rate
+        self.diverged: dict | None = None  # where the loss ran away: its steps and losses
         self.diverged_stop_step: int | None = None
         self._learning_rate: float | None = None
 
