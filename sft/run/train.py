@@ -19,6 +19,7 @@ from sft.experiments.tracking import finish_mlflow, finish_trackers, in_sweep, l
 from sft.run.build import Recipe, build
 from sft.run.finish import benchmark_after_training, collect_results, evaluate_and_save
 from sft.training.advice import raise_if_failed, train_with_advice
+from sft.training.arguments import resolve_learning_rate
 from sft.training.distributed import end_process_group, set_cpu_threads, slurm_distributed_env
 from sft.training.engines import check_fsdp_resume
 from sft.training.metrics_file import read_metrics
@@ -38,6 +39,7 @@ def train(cfg: DictConfig) -> RunResults:
     no_bars_without_a_terminal()
     slurm_distributed_env()
     set_cpu_threads(log)
+    resolve_learning_rate(cfg)  # null: the model's kind of rate, which checkpoints and a resume then record
     name_the_run()
     run_dir = HydraConfig.get().runtime.output_dir
     output_dir = cfg.trainer.output_dir or run_dir
@@ -121,7 +123,6 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
 
     from sft import version
     from sft.training.checkpoints import CheckpointState, git_commit
-    from sft.training.arguments import learning_rate
     from sft.training.resume import LearningRateChange, check_resume_data
 
     trainer, data = recipe.trainer, recipe.data
@@ -137,8 +138,8 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
         if name in stateful:
             stateful[name].load_state_dict(state)
     for key, old, new in changes:
-        if key == "trainer.learning_rate" and learning_rate(cfg, old) != learning_rate(cfg, new):  # null: the default
-            trainer.add_callback(LearningRateChange(learning_rate(cfg, old), learning_rate(cfg, new)))
+        if key == "trainer.learning_rate" and old:
+            trainer.add_callback(LearningRateChange(old, new))
 
 
 def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:

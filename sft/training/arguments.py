@@ -247,12 +247,6 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
     fields["learning_rate"] = learning_rate(cfg)
-    if cfg.trainer.learning_rate is None:
-        from sft.model.loading import TINY
-
-        which = ("the embedded tiny model's rate" if cfg.model.name_or_path == TINY and not cfg.model.gguf_file else
-                 f"a real model's rate {'with LoRA' if cfg.lora is not None else 'for a full fine-tune'}")
-        log.info("trainer.learning_rate: %g (null: %s)", fields["learning_rate"], which)
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()
@@ -306,6 +300,18 @@ def learning_rate(cfg, rate: float | None = None) -> float:
     if cfg.model.name_or_path == TINY and not cfg.model.gguf_file:
         return TINY_LEARNING_RATE
     return LORA_LEARNING_RATE if cfg.lora is not None else FULL_FINE_TUNE_LEARNING_RATE
+
+
+def resolve_learning_rate(cfg) -> None:
+    """Set a null `trainer.learning_rate` to the rate it stands for (`learning_rate`), and say so: the run's checkpoints,
+    results and a later resume then record and compare the rate it trained at."""
+    if cfg.trainer.learning_rate is None:
+        from sft.model.loading import TINY
+
+        which = ("the embedded tiny model's rate" if cfg.model.name_or_path == TINY and not cfg.model.gguf_file else
+                 f"a real model's rate {'with LoRA' if cfg.lora is not None else 'for a full fine-tune'}")
+        cfg.trainer.learning_rate = learning_rate(cfg)
+        log.info("trainer.learning_rate: %g (null: %s)", cfg.trainer.learning_rate, which)
 
 
 def check_installed_fields(fields: dict) -> None:
