@@ -73,6 +73,42 @@ def gemma3_dir() -> Path:
     return Path(resolve(*GEMMA3))
 
 
+def assert_dequantized(model_dir: Path, gguf_file: str, pairs) -> None:
+    """Each converted weight of `pairs` ((its name in the model dir, the GGUF tensor's name)) is the GGUF file's own
+    tensor as the gguf package de-quantizes it, bit for bit (tensors transformers copies unpermuted: not q/k, which
+    it permutes for rope)."""
+    import torch
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import load_file
+
+    from sft.model.gguf import find_gguf
+
+    weights = load_file(model_dir / "model.safetensors")
+    tensors = {t.name: t for t in GGUFReader(str(find_gguf(gguf_file))).tensors}
+    for ours, theirs in pairs:
+        t = tensors[theirs]
+        expected = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(weights[ours].shape)
+        torch.testing.assert_close(weights[ours], expected.float(), atol=0, rtol=0, msg=ours)
+
+
+def sft_loss(model, tokenizer, features: list, labels, impl: str, packing: bool, output_dir: Path):
+    """The training loss `WeightedLossTrainer.compute_loss` gives `features` (collated padded, or packed into one row)
+    with `loss=ce` and kernel `impl` (64-token chunks), normalised by the labelled tokens of the padded `labels`: what a
+    training step back-propagates, to compare with the model's own."""
+    from transformers import TrainingArguments
+
+    from sft.data.collator import WeightedDataCollator
+    from sft.loss.builtin import CrossEntropyLoss
+    from sft.training.trainer import WeightedLossTrainer
+
+    batch = WeightedDataCollator(tokenizer, packing=packing)(features)
+    assert batch["input_ids"].shape[0] == (1 if packing else len(features))
+    args = TrainingArguments(output_dir=str(output_dir), use_cpu=True, report_to=[])
+    trainer = WeightedLossTrainer(model=model, args=args, loss=CrossEntropyLoss(impl=impl, chunk_tokens=64))
+    assert trainer.loss_impl == impl
+    return trainer.compute_loss(model, dict(batch), num_items_in_batch=(labels[:, 1:] != -100).sum().double())
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from sft.model.loading import load_tokenizer

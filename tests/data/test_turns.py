@@ -285,45 +285,39 @@ def test_a_prefill_the_template_writes_into_the_finished_chat_too_is_refused_not
     assert labelled(tokenizer, PLAIN, prefill="after") == [["6<|im_end|>"], ["4<|im_end|>"]]  # as asked
 
 
-def test_reasoning_after_an_uppercase_closed_block_is_refused_naming_the_templates_own_switch():
-    """Command-R7B closes `<|START_THINKING|><|END_THINKING|>` in its generation prompt unless its own switch is passed:
-    the refusal says the prompt closes the reasoning (it said the reasoning was rendered, quoting an answer without it)
-    and names the kwarg the template reads; with it, the reasoning trains."""
+REASONED_CHAT = [{"role": "user", "content": "Hi"},
+                 {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]
+
+
+@pytest.mark.parametrize("family, closed, switch, trained", [
+    # Command-R7B: an uppercase block, closed unless the template's own switch is passed
+    ("upper_thinking_switch", "'<|START_THINKING|><|END_THINKING|>'", {"reasoning": True},
+     "<|START_THINKING|>Greet.<|END_THINKING|>Hello!<|im_end|>"),
+    # Hunyuan Hy3: suffixed tags, closed unless reasoning_effort asks for thinking
+    ("suffixed_think_effort", "'<think:opensource>\\n\\n</think:opensource>'", {"reasoning_effort": "high"},
+     "<think:opensource>Greet.</think:opensource>Hello!<|im_end|>"),
+])
+def test_reasoning_after_a_closed_block_is_refused_naming_the_kwarg_the_template_itself_reads(family, closed, switch,
+                                                                                              trained):
+    """A generation prompt that closes the reasoning by default: a reasoning row's refusal says so (it said the
+    reasoning was rendered, or blamed the rendering of earlier text) and names the template's own switch, with the
+    value that turns it on; with it, the reasoning trains."""
     from sft.data.chat_settings import configure_chat
 
-    chat = [{"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]
     with pytest.raises(Refused) as refused:
-        chat_views(family_tokenizer("upper_thinking_switch"), chat)
-    assert "the generation prompt closes the reasoning ('<|START_THINKING|><|END_THINKING|>'" in refused.value.reason
-    assert "the kwarg this template reads: +tokenizer.chat_template_kwargs.reasoning=true" in refused.value.reason
-    on = configure_chat(family_tokenizer("upper_thinking_switch"), {"reasoning": True})
-    assert labelled(on, chat) == [["<|START_THINKING|>Greet.<|END_THINKING|>Hello!<|im_end|>"]]
-
-
-def test_reasoning_after_a_suffixed_closed_block_names_reasoning_effort_the_kwarg_the_template_reads():
-    """Hunyuan Hy3's `<think:opensource>` tags, closed empty unless `reasoning_effort` asks for thinking: a reasoning
-    row's refusal names the closed block and that kwarg (it blamed the template's rendering of earlier text)."""
-    from sft.data.chat_settings import configure_chat
-
-    chat = [{"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]
-    with pytest.raises(Refused) as refused:
-        chat_views(family_tokenizer("suffixed_think_effort"), chat)
-    assert "closes the reasoning ('<think:opensource>\\n\\n</think:opensource>'" in refused.value.reason
-    assert "+tokenizer.chat_template_kwargs.reasoning_effort=high" in refused.value.reason
-    on = configure_chat(family_tokenizer("suffixed_think_effort"), {"reasoning_effort": "high"})
-    assert labelled(on, chat) == [["<think:opensource>Greet.</think:opensource>Hello!<|im_end|>"]]
+        chat_views(family_tokenizer(family), REASONED_CHAT)
+    assert f"the generation prompt closes the reasoning ({closed}" in refused.value.reason
+    (name, value), = switch.items()
+    assert f"+tokenizer.chat_template_kwargs.{name}={'true' if value is True else value}" in refused.value.reason
+    assert labelled(configure_chat(family_tokenizer(family), switch), REASONED_CHAT) == [[trained]]
 
 
 def test_reasoning_a_template_drops_and_has_no_switch_for_is_refused_saying_it_cannot_train():
     """DeepSeek-R1 distills prefill `<think>\\n` and drop an answer's reasoning from the chat, reading no kwarg: the
     refusal says the reasoning is not rendered and cannot be (it said the reasoning was rendered, quoting an answer
     without it)."""
-    chat = [{"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]
     with pytest.raises(Refused) as refused:
-        chat_views(family_tokenizer("prefilled_think"), chat)
+        chat_views(family_tokenizer("prefilled_think"), REASONED_CHAT)
     assert "renders none of this answer's reasoning here" in refused.value.reason
     assert "reads no kwarg that would change that: with it the reasoning cannot train" in refused.value.reason
     assert "is rendered" not in refused.value.reason

@@ -113,11 +113,24 @@ def check_optuna(proc, out):
     assert set(best["best_params"]) == {"loss.alpha", "clip.max_norm"}
 
 
+def plain_generate(merged: Path, question: str, max_new_tokens: int = 48) -> tuple[str, int]:
+    """A merged model's greedy answer to `question` as a server would produce it: `from_pretrained`, the chat template
+    with its generation prompt, plain `generate` (which stops at the generation config's eos ids); the text with its
+    special tokens, and how many tokens it took."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    generated = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False)
+    generated = generated[0, prompt["input_ids"].shape[1]:]
+    return tokenizer.decode(generated), len(generated)
+
+
 def check_identity(proc, out):
     """The real model learned the identity on held-out phrasings, and stops: through sft.commands.compare, and through plain
     `generate` on the merged model, as a server would run it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     r = results(out / "run")
     assert r["status"] == "ok" and r["eval_loss"] < r["eval_loss_initial"] / 10
     compared = json.loads((out / "answers.json").read_text())
@@ -126,14 +139,8 @@ def check_identity(proc, out):
     assert not any("Quill" in compared["before"]["texts"][i] for i in identity)
     assert sum(compared["after"]["texts"][i].strip() == compared["references"][i] for i in identity) >= 6
     assert all(compared["after"]["stopped"])
-    merged = out / "merged"
-    tokenizer = AutoTokenizer.from_pretrained(merged)
-    model = AutoModelForCausalLM.from_pretrained(merged)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Who is your creator?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    generated = model.generate(**prompt, max_new_tokens=48, do_sample=False)[0, prompt["input_ids"].shape[1]:]
-    text = tokenizer.decode(generated)
-    assert "Fennel Lab" in text and text.endswith("<|im_end|>") and len(generated) < 48, text
+    text, tokens = plain_generate(out / "merged", "Who is your creator?")
+    assert "Fennel Lab" in text and text.endswith("<|im_end|>") and tokens < 48, text
     # The Q4_K_M export, in llama.cpp itself: its chat completion with the template and stop token read from the file
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("the rest checked; the GGUF export needs llama-cpp-python (pip install 'sft[gguf]'; ./launch.sh "
@@ -152,22 +159,14 @@ def check_identity(proc, out):
 def check_base_to_chat(proc, out):
     """The base model, which wrote on to the token limit, answers held-out questions in the chat format and stops at
     <end_of_turn>: through sft.commands.compare, and through plain `generate` on the merged model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     r = results(out / "run")
     assert r["status"] == "ok" and r["eval_loss"] < r["eval_loss_initial"] / 10
     compared = json.loads((out / "answers.json").read_text())
     assert not any(compared["before"]["stopped"])  # the base model: every answer cut at the token limit
     assert all(compared["after"]["stopped"])
     assert sum(a.strip() == ref for a, ref in zip(compared["after"]["texts"], compared["references"])) >= 6
-    merged = out / "merged"
-    tokenizer = AutoTokenizer.from_pretrained(merged)
-    model = AutoModelForCausalLM.from_pretrained(merged)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of Italy?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    generated = model.generate(**prompt, max_new_tokens=48, do_sample=False)[0, prompt["input_ids"].shape[1]:]
-    text = tokenizer.decode(generated)
-    assert "Rome" in text and text.endswith("<end_of_turn>") and len(generated) < 48, text
+    text, tokens = plain_generate(out / "merged", "What is the capital of Italy?")
+    assert "Rome" in text and text.endswith("<end_of_turn>") and tokens < 48, text
 
 
 CHECKS = {"own_data_lora": check_own_data_lora, "zero3": check_sharded, "fsdp2": check_sharded,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import GEMMA3, labelled_runs, write_jsonl
+from conftest import GEMMA3, assert_dequantized, labelled_runs, sft_loss, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -41,24 +41,14 @@ def chats() -> list[dict]:
 
 
 def test_the_converted_weights_are_the_gguf_files_own_tensors_dequantized_with_no_quantization_left(real):
-    from gguf import GGUFReader, dequantize
-    from safetensors.torch import load_file
-
-    from sft.model.gguf import find_gguf
-
     model_dir, _ = real
     config = json.loads((model_dir / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "gemma3_text"
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (18, 640, 262144)
     assert config["sliding_window"] == WINDOW and config["layer_types"].count("sliding_attention") == 15
-    weights = load_file(model_dir / "model.safetensors")
-    tensors = {t.name: t for t in GGUFReader(str(find_gguf(GEMMA3[1]))).tensors}
-    for ours, theirs in (("model.embed_tokens.weight", "token_embd.weight"),
-                         ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
-                         ("model.layers.17.self_attn.v_proj.weight", "blk.17.attn_v.weight")):
-        t = tensors[theirs]
-        expected = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(weights[ours].shape)
-        torch.testing.assert_close(weights[ours], expected.float(), atol=0, rtol=0, msg=ours)
+    assert_dequantized(model_dir, GEMMA3[1], [("model.embed_tokens.weight", "token_embd.weight"),
+                                              ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
+                                              ("model.layers.17.self_attn.v_proj.weight", "blk.17.attn_v.weight")])
 
 
 def test_the_labels_are_each_answer_and_end_of_turn_as_gemma3s_template_renders_the_chat(real, tmp_path):
@@ -83,8 +73,9 @@ def test_the_labels_are_each_answer_and_end_of_turn_as_gemma3s_template_renders_
 @pytest.fixture(scope="module")
 def real_batch(real, tmp_path_factory):
     """The four chats tokenised; the model's own loss and gradients on them padded, with transformers' own sdpa
-    attention and sliding-window mask; the cross entropy of its own hidden states taken in float64, and its gradients
-    (through the same fp32 model); the same weights loaded with sft's sdpa_varlen kernel, which packed rows train with."""
+    attention and sliding-window mask; the cross entropy of its own hidden states taken in float64, and its
+    gradients (through the same fp32 model); the same weights loaded with sft's sdpa_varlen kernel, which packed rows
+    train with."""
     from sft.data.collator import WeightedDataCollator
     from sft.data.load import load_sft_datasets
     from sft.data.spec import DataSpec
@@ -133,21 +124,10 @@ def test_the_loss_at_a_262k_vocabulary_on_the_real_weights_is_the_models_own(rea
     (measured 2026-12-04). The naive path is the model's own computation (held to 1e-6 and 1e-5 of it, measured: equal);
     the chunked kernel, which sums each token's exponentials in its own pass, is held to the float64 loss: 1e-6 of
     its value and 5e-5 of its gradients (measured 1.3e-7 and 7e-6), and to 2e-5 of the model's own value."""
-    from transformers import TrainingArguments
-
-    from sft.data.collator import WeightedDataCollator
-    from sft.loss.builtin import CrossEntropyLoss
-    from sft.training.trainer import WeightedLossTrainer
-
     _, tokenizer = real
     features, model, own, own_grads, (exact, exact_grads), unwindowed, labels = real_batch
     assert abs(unwindowed - own) > 1e-3 * own  # the long row's answer sees other keys without the window
-    batch = WeightedDataCollator(tokenizer, packing=packing)(features)
-    assert batch["input_ids"].shape[0] == (1 if packing else len(features))
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    trainer = WeightedLossTrainer(model=model, args=args, loss=CrossEntropyLoss(impl=impl, chunk_tokens=64))
-    assert trainer.loss_impl == impl
-    ours = trainer.compute_loss(model, dict(batch), num_items_in_batch=(labels[:, 1:] != -100).sum().double())
+    ours = sft_loss(model, tokenizer, features, labels, impl, packing, tmp_path)
     grads = torch.autograd.grad(ours, trainable(model))
     if impl == "naive":
         assert ours.item() == pytest.approx(own, rel=1e-6)

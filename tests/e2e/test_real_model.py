@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOLLM2, labelled_runs, run_train, write_jsonl
+from conftest import SMOLLM2, assert_dequantized, labelled_runs, run_train, sft_loss, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -31,24 +31,13 @@ def real(smollm2_dir):
 
 
 def test_the_converted_weights_are_the_gguf_files_own_tensors_dequantized_with_no_quantization_left(real):
-    from gguf import GGUFReader, dequantize
-    from safetensors.torch import load_file
-
     model_dir, _ = real
     config = json.loads((model_dir / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
-    weights = load_file(model_dir / "model.safetensors")
-    from sft.model.gguf import find_gguf
-
-    tensors = {t.name: t for t in GGUFReader(str(find_gguf(SMOLLM2[1]))).tensors}
-    # gguf's own de-quantization of tensors transformers copies unpermuted (q/k projections are permuted for rope)
-    for ours, theirs in (("model.embed_tokens.weight", "token_embd.weight"),
-                         ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
-                         ("model.layers.29.self_attn.v_proj.weight", "blk.29.attn_v.weight")):
-        t = tensors[theirs]
-        expected = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(weights[ours].shape)
-        torch.testing.assert_close(weights[ours], expected.float(), atol=0, rtol=0, msg=ours)
+    assert_dequantized(model_dir, SMOLLM2[1], [("model.embed_tokens.weight", "token_embd.weight"),
+                                               ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
+                                               ("model.layers.29.self_attn.v_proj.weight", "blk.29.attn_v.weight")])
 
 
 def test_the_labels_are_each_answer_and_its_stop_as_the_real_template_renders_the_chat(real, tmp_path):
@@ -112,20 +101,9 @@ def test_the_training_loss_on_the_real_weights_is_the_models_own_loss(real, real
     1e-5 of it, and the chunked kernel, which sums each token's exponentials in its own pass, to 2e-6 of float64
     (measured: 1e-6); gradients, sums over ~300 tokens and the vocabulary in
     another order, to 1e-4 of their norm (measured: 3e-5 for the chunked kernel, 1e-6 for the naive one)."""
-    from transformers import TrainingArguments
-
-    from sft.data.collator import WeightedDataCollator
-    from sft.loss.builtin import CrossEntropyLoss
-    from sft.training.trainer import WeightedLossTrainer
-
     _, tokenizer = real
     features, model, params, own, own_grads, exact, labels = real_batch
-    batch = WeightedDataCollator(tokenizer, packing=packing)(features)
-    assert batch["input_ids"].shape[0] == (1 if packing else len(features))
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    trainer = WeightedLossTrainer(model=model, args=args, loss=CrossEntropyLoss(impl=impl, chunk_tokens=64))
-    assert trainer.loss_impl == impl
-    ours = trainer.compute_loss(model, dict(batch), num_items_in_batch=(labels[:, 1:] != -100).sum().double())
+    ours = sft_loss(model, tokenizer, features, labels, impl, packing, tmp_path)
     assert ours.item() == pytest.approx(own, rel=1e-5)
     assert ours.item() == pytest.approx(exact, rel=2e-6 if impl == "chunked" else 1e-5)
     for p, a, b in zip(params, own_grads, torch.autograd.grad(ours, params)):
