@@ -331,8 +331,10 @@ PREFILL_IN_LAST_TURN = (
 )
 
 # Command-R7B's pattern: an uppercase reasoning block, closed empty in the generation prompt unless the caller passes
-# the template's own switch (here `reasoning`), and answers' reasoning rendered only with it.
+# the template's own switch (here `reasoning`), and answers' reasoning rendered only with it; a `{% break %}` (jinja's
+# loop controls, which transformers' template environment has) as its template has.
 UPPER_THINKING_SWITCH = (
+    "{%- for m in messages %}{% if m.role == 'assistant' %}{% break %}{% endif %}{% endfor -%}"
     "{% for m in messages %}"
     "{% if m.role == 'user' %}<|im_start|>user{{ '\n' + m.content }}<|im_end|>{{ '\n' }}"
     "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}"

@@ -55,7 +55,9 @@ FAMILIES = {
               '</tool_call><|im_end|>'),
     "Qwen-QwQ-32B": dict(
         family="QwQ", special=CHATML, added=THINK, eos="<|im_end|>", stops=QWEN_STOPS,
-        refuses="generation prompt ends with '<think>\\n</think>'", prefill_after="{a}<|im_end|>"),
+        refuses="generation prompt ends with '<think>\\n</think>'", prefill_after="{a}<|im_end|>",
+        reasoning_refuses=["the generation prompt closes the reasoning ('<think>\\n</think>'",
+                           "+tokenizer.chat_template_kwargs.enable_thinking=true"]),
     "Qwen3-Coder": dict(
         family="Qwen3-Coder", special=CHATML, eos="<|im_end|>", stops=QWEN_STOPS, answer="{a}<|im_end|>",
         reasoning=None,
@@ -116,7 +118,9 @@ FAMILIES = {
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use": dict(
         family="Command-R7B", bos="<BOS_TOKEN>", eos="<|END_OF_TURN_TOKEN|>", stops=["<|END_OF_TURN_TOKEN|>"],
         special=["<BOS_TOKEN>"], refuses="generation prompt ends with '<|START_THINKING|><|END_THINKING|>'",
-        prefill_after="<|START_RESPONSE|>{a}<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"),
+        prefill_after="<|START_RESPONSE|>{a}<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+        reasoning_refuses=["the generation prompt closes the reasoning ('<|START_THINKING|><|END_THINKING|>'",
+                           "+tokenizer.chat_template_kwargs.enable_thinking=true"]),
     "CohereForAI-c4ai-command-r-plus-tool_use": dict(
         family="Command-R+", bos="<BOS_TOKEN>", eos="<|END_OF_TURN_TOKEN|>", stops=["<|END_OF_TURN_TOKEN|>"],
         special=["<BOS_TOKEN>"], refuses="TypeError: 'NoneType' object is not iterable",

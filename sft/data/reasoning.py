@@ -82,13 +82,15 @@ def _on(switch: str) -> str:
 
 def reasoning_switches(template: str) -> list[str]:
     """The variables a chat template reads from its caller whose names speak of thinking or reasoning
-    (`enable_thinking`, `reasoning_effort`, `thinking`): the kwargs that turn its reasoning on or off."""
+    (`enable_thinking`, `reasoning_effort`, `thinking`): the kwargs that turn its reasoning on or off. Parsed in
+    transformers' own template environment, whose extensions (`{% break %}`, `{% generation %}`) templates use."""
     import jinja2
     from jinja2 import meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        names = meta.find_undeclared_variables(jinja2.Environment().parse(template))
-    except jinja2.TemplateSyntaxError:
+        names = meta.find_undeclared_variables(_compile_jinja_template(template).environment.parse(template))
+    except jinja2.TemplateError:
         return []
     return sorted(n for n in names if "think" in n.lower() or "reason" in n.lower())
 
