@@ -30,6 +30,11 @@ def open_reasoning(context: str) -> tuple[str, str] | None:
     return None
 
 
+def closes_reasoning(text: str) -> bool:
+    """Whether `text` closes a reasoning block (a generation prompt's `<think>\n\n</think>`: its no-thinking prompt)."""
+    return any(closing in text for _, closing in REASONING_BLOCKS)
+
+
 def closed_reasoning_advice(render: ChatRenderer, prefill: str, rendered: str, reasoning: str) -> str:
     """What to say of an answer with reasoning that the generation prompt does not let follow: where it closes the
     reasoning (`<think>\n\n</think>`, `<|START_THINKING|><|END_THINKING|>`: its no-thinking prompt, by a kwarg or by
@@ -41,7 +46,7 @@ def closed_reasoning_advice(render: ChatRenderer, prefill: str, rendered: str, r
     # no switch: DeepSeek-R1 distills, which drop an answer's reasoning from the chat whatever the caller passes
     cannot = ("and the template reads no kwarg that would change that: with it the reasoning cannot train; drop the "
               "rows' reasoning, set tokenizer.chat_template to one that renders it, or set ")
-    if any(block[1] in prefill for block in REASONING_BLOCKS):
+    if closes_reasoning(prefill):
         head = (f"This answer has reasoning, but the generation prompt closes the reasoning ({prefill.strip()!r}: the "
                 f"template's no-thinking prompt, with the kwargs {given}), ")
         return head + (f"turn thinking on with a template kwarg ({switches_named(render)}), drop the rows' reasoning, "
@@ -56,7 +61,7 @@ def closed_reasoning_advice(render: ChatRenderer, prefill: str, rendered: str, r
 
 def prefill_advice(render: ChatRenderer, prefill: str) -> str:
     """What to say of an answer without reasoning that a generation prompt's prefill comes before."""
-    if any(block[1] in prefill for block in REASONING_BLOCKS):  # Gemma-4's, Command-R7B's empty thought block
+    if closes_reasoning(prefill):  # Gemma-4's, Command-R7B's empty thought block
         return ("The prefill is an empty reasoning block (the template's no-thinking prompt) that the finished chat does "
                 f"not show: turn thinking on ({switches_named(render)}) and give the answers their reasoning, or set ")
     return ("Give the answer what the prefill opens (its reasoning, as reasoning_content or a <think> block, where the "
