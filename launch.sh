@@ -80,7 +80,7 @@ elif ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else
   args+=(--cpu)
 fi
 # A signal to this script (SIGTERM from a scheduler, Ctrl-C) reaches every process of the run: the run gets
-# a process group of its own, the signal is forwarded to the whole group (sft.training.preemption: finish the step,
+# a process group of its own, the signal is forwarded to the whole group (sft.training.step.preemption: finish the step,
 # save, exit 75), and this script waits for the run and exits with its status. No process outlives it.
 run_in_group() {
   setsid "$@" &

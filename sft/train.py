@@ -4,7 +4,7 @@
 from sft.commands.train import cli
 
 if __name__ == "__main__":
-    from sft.training.distributed import exit_without_teardown
+    from sft.training.processes.distributed import exit_without_teardown
 
     cli()
     exit_without_teardown()  # not in `cli`: tests call that in their own process

@@ -17,14 +17,21 @@ TESTS = REPO / "tests"
 # stage's schemas, --help, the command-line checks) above them; a training run (`sft.run`: build, train, finish)
 # above that, then the bench, which times what a run builds; the commands (`sft.commands`, one module per command,
 # and the top-level entry points `python -m sft` and `python -m sft.train`) on top. The package's root (`sft`:
-# `version()`) and the file writes every stage makes (`sft.files`) are at the base.
+# `version()`), the file writes every stage makes (`sft.files`) and which process this is (`sft.ranks`) are at the base.
 STAGES = [
     ("config base", ("sft", "sft.config.schema", "sft.config.validate", "sft.config.secrets", "sft.sample_data",
-                     "sft.files")),
+                     "sft.files", "sft.ranks")),
     ("data", ("sft.data",)),
     ("loss", ("sft.loss",)),
     ("model", ("sft.model",)),
     ("eval", ("sft.eval",)),
+    # the training stage's rooms (sft/training/__init__.py), lowest first; its trainer and arguments on top
+    ("training base", ("sft.training.compat", "sft.training.callbacks")),
+    ("training: processes", ("sft.training.processes",)),
+    ("training: checkpoints", ("sft.training.checkpoints",)),
+    ("training: observability", ("sft.training.observability",)),
+    ("training: controllers", ("sft.training.controllers",)),
+    ("training: a step's control", ("sft.training.step",)),
     ("training", ("sft.training",)),
     ("experiments", ("sft.experiments",)),
     ("config composition", ("sft.config",)),
@@ -126,8 +133,16 @@ def test_the_top_reads_as_the_stages_plus_the_commands():
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert packages == {prefix.split(".")[1] for _, prefixes in STAGES for prefix in prefixes
                         if prefix.count(".") == 1 and (PACKAGE / prefix.split(".")[1]).is_dir()}
+    # the training stage is rooms: each sub-package is a stage of STAGES, and its __init__ says what it may import
+    rooms = {p.name for p in (PACKAGE / "training").iterdir() if (p / "__init__.py").is_file()}
+    assert rooms == {prefix.split(".")[2] for _, prefixes in STAGES for prefix in prefixes
+                     if prefix.count(".") == 2 and prefix.startswith("sft.training.")
+                     and (PACKAGE / "training" / prefix.split(".")[2]).is_dir()}
+    for room in rooms:
+        assert "May import:" in (PACKAGE / "training" / room / "__init__.py").read_text(), room
     assert "commands" in packages
-    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py", "files.py", "train.py"]
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py", "files.py", "ranks.py",
+                                                                  "train.py"]
     assert {module for module, _ in COMMANDS.values()} - {"sft.bench.run"} == {
         module_name(p) for p in (PACKAGE / "commands").glob("*.py") if p.name != "__init__.py"}
 

@@ -20,6 +20,7 @@ from sft.bench import config as bench_config
 from sft.bench.device import memory_peak, memory_reset, on_gpu
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES, run_loss_case
 from sft.bench.matmul import MATMUL_CASES, run_matmul_case
+from sft.ranks import is_rank_zero
 
 # Each training case and what it trains with. `raw`, `hf`, `ce_naive` and `trl` compute the same full logits and
 # cross entropy (the framework's cost alone); `ce` and `packing` the lean loss that `loss.impl=auto` picks; the
@@ -146,7 +147,8 @@ def run_training_case(case: str, cfg) -> dict:
     import torch
 
     from sft.data.split import assistant_tokens, column
-    from sft.training.throughput import device_peak_tflops, flops_per_token, model_flops_per_token, peak_memory_gb
+    from sft.training.observability.throughput import (device_peak_tflops, flops_per_token, model_flops_per_token,
+                                                       peak_memory_gb)
 
     from sft.bench.profile import step_profiler
 
@@ -417,12 +419,12 @@ def run_stream_case(case: str, cfg) -> dict:
 
 def run_checksums_case(case: str, cfg) -> dict:
     """A checkpoint of `bench.checksum_gb` GB (four shards, as a 7B model's bf16 weights) written to a temporary
-    dir beside `bench.checksum_dir`, then its manifest (every file's CRC-32, `sft.training.checkpoints.manifest`)
+    dir beside `bench.checksum_dir`, then its manifest (every file's CRC-32, `sft.training.checkpoints.store.manifest`)
     timed twice: as at a save (the shards just written, in the page cache) and as at a resume after a restart
     (read from the disk: the page cache dropped first, where this process may; else reported as not measured)."""
     import os
 
-    from sft.training.checkpoints import manifest
+    from sft.training.checkpoints.store import manifest
 
     shard = int(cfg.bench.checksum_gb * 1e9 / 4)
     with tempfile.TemporaryDirectory(prefix="sft-bench-checksums-", dir=cfg.bench.checksum_dir) as tmp:
@@ -458,7 +460,7 @@ def child(case: str, config_file: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     bench_config.register()
     result = run_case(case, OmegaConf.load(config_file))
-    if int(os.environ.get("RANK", "0")) == 0:  # several processes (long_rows' sequence parallelism): rank 0 reports
+    if is_rank_zero():  # several processes (long_rows' sequence parallelism): rank 0 reports
         print(RESULT + json.dumps(result), flush=True)
 
 
@@ -467,7 +469,7 @@ def run_case(case: str, cfg) -> dict:
     if not on_gpu():  # every case the same threads (launch.sh's runs: one per core) and allocator (as sft's runs)
         import torch
 
-        from sft.training.distributed import reuse_freed_memory
+        from sft.training.processes.distributed import reuse_freed_memory
 
         torch.set_num_threads(threads(cfg))
         reuse_freed_memory()

@@ -1,5 +1,5 @@
 """The `checkpoint_memory` case of `python -m sft.bench` (on request): what a full fine-tune's checkpoint costs each
-rank's memory, sharded against gathered (`checkpoint.format`, `sft.training.sharded`).
+rank's memory, sharded against gathered (`checkpoint.format`, `sft.training.checkpoints.sharded`).
 
 Two processes under FSDP2 (gloo on a CPU), one optimizer step, one checkpoint, once in each format; each rank's peak
 resident memory during the save above its own at the save's start, as the run logs it

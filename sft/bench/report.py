@@ -73,7 +73,7 @@ def print_report(report: dict) -> None:
     if any(name in cases for name in MATMUL_CASES):
         print("hw exec: the FLOP/s of the products a case's step executes (GFLOP/s; the output layer at the positions "
               "whose logits are computed) over the best matmul rate in its dtype; hw 6N: the MFU convention's 6N FLOPs "
-              "per token plus attention over the same rate (sft.training.throughput)")
+              "per token plus attention over the same rate (sft.training.observability.throughput)")
     if not gpu and any("tokens_per_second" in c for c in cases.values()):
         print("(memory on a CPU: each case's whole-process peak resident memory, imports and data included)"
               if report.get("isolated", True) else "(bench.isolate=false: the cases shared one process, so memory "

@@ -30,12 +30,12 @@ when named, over `ce`), `packing_gain` (`packing` over `ce`), `packing_gain_spre
 `ce_vs_trl`,
 `packing_vs_trl_padding_free` (the same kernel) and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two
 kernels). Each case runs in a fresh process with the same torch threads (`bench.threads`) and, on a CPU, the same
-allocator settings (`sft.training.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the whole
-process's peak resident memory, imports and data included). The rounds interleave the cases, every other round
-in reverse order, and repeat `bench.repeats` times; a ratio is the median of its per-round ratios, with their
-spread. Each round records the load average, wall and CPU time; a round in which a training case got less than
-`bench.min_cpu_share` of its threads' time is loaded: flagged and run again (`bench.reruns`). Training cases are
-timed from the end of step `bench.warmup_steps` to the last step: input tokens (padding excluded) per second.
+allocator settings (`sft.training.processes.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the
+whole process's peak resident memory, imports and data included). The rounds interleave the cases, every other round in
+reverse order, and repeat `bench.repeats` times; a ratio is the median of its per-round ratios, with their spread. Each
+round records the load average, wall and CPU time; a round in which a training case got less than `bench.min_cpu_share`
+of its threads' time is loaded: flagged and run again (`bench.reruns`). Training cases are timed from the end of step
+`bench.warmup_steps` to the last step: input tokens (padding excluded) per second.
 
 Also: `preprocess`, tokenising `bench.preprocess_rows` rows into a fresh cache and then loading them
 from it; `tokenize`, the same `bench.tokenize_rows` multi-turn rows (about 300 tokens each) tokenised in
@@ -58,10 +58,10 @@ each row split over 2 processes (`sp=ulysses`): tokens/s and memory per token (d
 threads) in the model's dtype, `matmul_bf16` in bf16: the rate a step made of nothing but its matrix products would
 reach here. Each round reads it anew; the limit is the best reading of the run (the machine's rate moves between
 rounds: its spread is reported). Each training case is held to the limit of the dtype it trains in:
-`hw_exec_<case>`, the FLOP/s of the products its step executes (`sft.training.throughput.flops_per_token`: the
-output layer only at the positions whose logits are computed, LoRA's own products, frozen weights without their
-gradient) over the limit, and `hw_model_<case>`, the MFU convention's 6N per token plus attention over the same
-limit (`model_flops_per_token`): the CPU's analogues of MFU, measured rather than taken from a data sheet.
+`hw_exec_<case>`, the FLOP/s of the products its step executes (`sft.training.observability.throughput.flops_per_token`:
+the output layer only at the positions whose logits are computed, LoRA's own products, frozen weights without their
+gradient) over the limit, and `hw_model_<case>`, the MFU convention's 6N per token plus attention over the same limit
+(`model_flops_per_token`): the CPU's analogues of MFU, measured rather than taken from a data sheet.
 `bench.train_rows=multi_turn` trains every case on chats of about 300 tokens.
 
 `preset=smollm2` runs the training cases on the real model (SmolLM2-135M-Instruct) on such chats, with `matmul`
@@ -90,8 +90,8 @@ from omegaconf import OmegaConf
 
 from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, RESULT,
                              SPREAD_CASES, TRAINING_CASES, TRL_CASES, child, timed_training_overrides)
-from sft.bench.config import compose
 from sft.bench.checkpoint_memory import run_checkpoint_memory
+from sft.bench.config import compose
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
 from sft.bench.matmul import MATMUL_CASES
 from sft.bench.report import breakdowns, hardware_ratios, print_report
@@ -206,11 +206,11 @@ def bf16_missing() -> str | None:
     """Why the bf16 cases cannot run here (no GPU, and a CPU without bf16 instructions), or None."""
     import torch
 
-    from sft.training.precision import cpu_bf16_instructions
+    from sft.training.processes.precision import cpu_bf16_instructions
 
     if torch.cuda.is_available() or cpu_bf16_instructions():
         return None
-    return "no GPU, and this CPU has no bf16 instructions (sft.training.precision)"
+    return "no GPU, and this CPU has no bf16 instructions (sft.training.processes.precision)"
 
 
 def trl_missing() -> str | None:

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     if name == "train":
         sys.argv = ["sft train", *rest]  # Hydra reads sys.argv
         module.cli()
-        from sft.training.distributed import exit_without_teardown
+        from sft.training.processes.distributed import exit_without_teardown
 
         exit_without_teardown()
     code = module.main(rest)

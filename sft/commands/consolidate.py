@@ -23,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from sft.model.consolidate import ConsolidateError, consolidate
-    from sft.training.sharded import MODEL_DIR, sharded_checkpoint
+    from sft.training.checkpoints.sharded import MODEL_DIR, sharded_checkpoint
 
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     checkpoint = Path(args.checkpoint)

@@ -3,10 +3,10 @@
 What `./launch.sh --nproc N` (and each job of `./launch.sh --nproc N -m ...`) runs: `accelerate launch` itself, in
 this process, so that a failed launch ends the way a one-process run does. A refusal raised inside the ranks (a config
 that needs the model to be checked, bad data, a resume that cannot continue) is printed once, rank 0's words or the
-first failing rank's (`sft.training.rank_errors`), and the launch exits with its code (2), without the launcher's
-`ChildFailedError` traceback or the elastic agent's log lines. A rank that crashed printed its own traceback; the
-launcher then adds one line naming the rank and its exit code or signal, and exits 1. Preempted ranks (exit 75,
-`sft.training.preemption`) make the launch exit 75.
+first failing rank's (`sft.training.processes.rank_errors`), and the launch exits with its code (2), without the
+launcher's `ChildFailedError` traceback or the elastic agent's log lines. A rank that crashed printed its own traceback;
+the launcher then adds one line naming the rank and its exit code or signal, and exits 1. Preempted ranks (exit 75,
+`sft.training.step.preemption`) make the launch exit 75.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 
-from sft.training.rank_errors import ERRORS_ENV, first_error
+from sft.training.processes.rank_errors import ERRORS_ENV, first_error
 
 
 def failure_line(failures: dict) -> str:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from sft.training.preemption import PREEMPTED_EXIT_CODE
+    from sft.training.step.preemption import PREEMPTED_EXIT_CODE
 
     argv = sys.argv[1:] if argv is None else argv
     args = launch_command_parser().parse_args(argv)

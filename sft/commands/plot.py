@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from sft.experiments.curves import draw
-from sft.training.metrics_file import read_metrics
+from sft.training.observability.metrics_file import read_metrics
 
 
 def runs_of(paths: list[str]) -> dict[str, list[dict]]:

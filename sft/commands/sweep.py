@@ -1,5 +1,6 @@
 """`sft sweep -m [sweep overrides]` (what `./launch.sh -m` runs): each job of a sweep in turn through
-`accelerate launch`, one run dir per job, then the sweep's report (`sft.experiments.sweep`, `sft.experiments.report`)."""
+`accelerate launch`, one run dir per job, then the sweep's report (`sft.experiments.sweep`, `sft.experiments.report`).
+"""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def start_multirun(argv: list[str]) -> None:
     """Before Hydra runs a sweep in this process (`python -m sft.train -m`): every job's values checked, and the sweep
     dir, where given, claimed for this sweep (`claim_sweep_dir`); an error is one line and exit code 2."""
     from sft.config.schema import ConfigError
-    from sft.training.run_dir import claim_sweep_dir
+    from sft.training.checkpoints.run_dir import claim_sweep_dir
 
     refused = refused_job(argv)
     sweep_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.sweep.dir=")), None)
@@ -79,12 +80,12 @@ def start_multirun(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     from sft.config.registry import compose
     from sft.config.schema import ConfigError
+    from sft.config.secrets import secrets_to_environment
     from sft.experiments.report import ReportError, write_report
     from sft.experiments.results import RunResults
     from sft.experiments.tracking import log_sweep_report, sweep_experiment
-    from sft.training.preemption import PREEMPTED_EXIT_CODE
-    from sft.config.secrets import secrets_to_environment
-    from sft.training.run_dir import claim_sweep_dir
+    from sft.training.checkpoints.run_dir import claim_sweep_dir
+    from sft.training.step.preemption import PREEMPTED_EXIT_CODE
 
     argv = secrets_to_environment(sys.argv[1:] if argv is None else argv)  # the jobs inherit the environment
     overrides = [a for a in argv if a not in ("-m", "--multirun")]

@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from sft.training.noise import quiet_foreign_noise
+from sft.training.observability.noise import quiet_foreign_noise
 
-quiet_foreign_noise()  # before the imports below bring in DeepSpeed and PEFT (sft.training.noise)
+quiet_foreign_noise()  # before the imports below bring in DeepSpeed and PEFT (sft.training.observability.noise)
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
@@ -27,10 +27,12 @@ from sft.config.secrets import mask_saved_config, secrets_to_environment
 from sft.config.validate import check
 from sft.experiments.results import RunResults
 from sft.experiments.tracking import in_sweep, job_overrides
+from sft.ranks import is_rank_zero
 from sft.run.train import train
-from sft.training.advice import TrainingStopped
-from sft.training.distributed import exit_without_teardown, rank_overrides, refuse_multirun_in_launch, share_run_dir
-from sft.training.rank_errors import report
+from sft.training.observability.advice import TrainingStopped
+from sft.training.processes.distributed import (exit_without_teardown, rank_overrides, refuse_multirun_in_launch,
+                                                share_run_dir)
+from sft.training.processes.rank_errors import report
 
 log = logging.getLogger("sft")
 register()
@@ -40,7 +42,7 @@ def fail(message: str, code: int = 2) -> None:
     """From an `except` block: stop with the reason and `code` (a traceback with HYDRA_FULL_ERROR=1)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise
-    report(message, code)  # printed here, or once for all ranks by the launcher (sft.training.rank_errors)
+    report(message, code)  # printed here, or once for all ranks by the launcher (sft.training.processes.rank_errors)
     sys.exit(code)
 
 
@@ -49,10 +51,10 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.errors import InstantiationException
 
     from sft.data.rows import DataError
-    from sft.training.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from sft.training.step.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     started = time.time()
-    if os.environ.get("RANK", "0") == "0":
+    if is_rank_zero():
         mask_saved_config(HydraConfig.get().runtime.output_dir)
     finished = start_sweep_job(cfg) if in_sweep() else None
     if finished is not None:
@@ -64,7 +66,7 @@ def main(cfg: DictConfig) -> float | None:
         # instantiate wraps what the built function raised; the user needs that reason, not the wrapper.
         reason = e.__cause__ if isinstance(e, InstantiationException) else e
         if isinstance(reason, Preempted):  # also inside a sweep: the machine is going away, so is the sweep
-            if os.environ.get("RANK", "0") == "0":
+            if is_rank_zero():
                 print_summary(HydraConfig.get().runtime.output_dir)
             print(f"preempted: {reason}", file=sys.stderr)
             sys.exit(PREEMPTED_EXIT_CODE)
@@ -78,7 +80,7 @@ def main(cfg: DictConfig) -> float | None:
         if isinstance(reason, TrainingStopped):
             fail(str(reason), code=1)
         raise
-    if os.environ.get("RANK", "0") == "0":
+    if is_rank_zero():
         print_summary(HydraConfig.get().runtime.output_dir)
         print(f"run dir: {HydraConfig.get().runtime.output_dir}")
     return results.eval_ce  # the objective of sweeps: comparable across loss weights, unlike eval_loss
@@ -122,7 +124,7 @@ def cli() -> None:
             print(text, end="")
             return
     from sft.config.argv import check_only, refused_override
-    from sft.training.run_dir import unlink_planted, unwritable_dir
+    from sft.training.checkpoints.run_dir import unlink_planted, unwritable_dir
 
     sys.argv[1:] = secrets_to_environment(sys.argv[1:])  # before Hydra writes or W&B records the command line
     if "--check" in sys.argv[1:]:  # compose and check only (./launch.sh, before several processes)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from sft.config.registry import CONF_DIR, compose
 from sft.config.schema import ConfigError
 from sft.training.arguments import TrainerConfig
-from sft.training.engines import ENGINE_OPTIONS
+from sft.training.processes.engines import ENGINE_OPTIONS
 
 
 def refused_override(overrides: list[str]) -> ConfigError | None:

@@ -1,6 +1,6 @@
 """The composition root: the primary schema (`TrainConfig`, one field per config group), every stage's schemas
 gathered into Hydra's config store, and `compose`. A stage's schemas live beside the classes they configure
-(`sft.data.spec`, `sft.loss.builtin`, `sft.training.clipping`, `sft.training.controllers.*` ...) and register
+(`sft.data.spec`, `sft.loss.builtin`, `sft.training.step.clipping`, `sft.training.controllers.*` ...) and register
 themselves with `config_schema`; importing them here is what makes `sft/conf/`'s `<name>_schema` entries resolve.
 
 Each default is stated once, in those schemas: the YAML options of `sft/conf/` carry only what differs, and the
@@ -18,23 +18,29 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-import sft.training.controllers  # noqa: F401 - registers the built-in controllers' schemas
+import sft.training.controllers
 from sft import sample_data
 from sft.config.schema import SCHEMAS, Choice, Schema, config_schema, knob
-from sft.data.spec import CollatorConfig, DataSpec  # noqa: F401 - registers data_schema
-from sft.eval.generation import ExactMatchConfig  # noqa: F401 - registers exact_match_schema
-from sft.eval.harness import EvalHarness  # noqa: F401 - registers eval_harness_schema
-from sft.eval.samples import EvalGeneration  # noqa: F401 - registers eval_generation_schema
+from sft.data.spec import CollatorConfig, DataSpec
+from sft.eval.generation import ExactMatchConfig
+from sft.eval.harness import EvalHarness
+from sft.eval.samples import EvalGeneration
 from sft.experiments.sweep import SweepConfig
-from sft.loss import builtin  # noqa: F401 - registers the built-in losses' schemas
-from sft.model.loading import ModelConfig, TokenizerConfig  # noqa: F401 - registers model_schema
-from sft.model.lora import LoraConfig  # noqa: F401 - registers lora_schema
-from sft.training import clipping  # noqa: F401 - registers the clip policies' schemas
-from sft.training.arguments import TrainerConfig  # noqa: F401 - registers trainer_schema
-from sft.training.engines import FsdpConfig, check_deepspeed, load_deepspeed_file  # noqa: F401 - fsdp_schema
-from sft.training.sequence_parallel import SequenceParallelConfig
-from sft.training.sharded import CheckpointConfig  # noqa: F401 - registers sp_schema
-from sft.training.throughput import ThroughputMeter
+from sft.loss import builtin
+from sft.model.loading import ModelConfig, TokenizerConfig
+from sft.model.lora import LoraConfig
+from sft.training.arguments import TrainerConfig
+from sft.training.checkpoints.sharded import CheckpointConfig
+from sft.training.observability.throughput import ThroughputMeter
+from sft.training.processes.engines import FsdpConfig, check_deepspeed, load_deepspeed_file
+from sft.training.processes.sequence_parallel import SequenceParallelConfig
+from sft.training.step import clipping
+
+# Imported for their schemas, which each class's `@config_schema` registers as it is defined: the data, evaluation,
+# model, LoRA, trainer, checkpoint, FSDP schemas, and the modules of the built-in losses, controllers and clip policies.
+REGISTERING = (CollatorConfig, DataSpec, ExactMatchConfig, EvalHarness, EvalGeneration, ModelConfig, TokenizerConfig,
+               LoraConfig, TrainerConfig, CheckpointConfig, FsdpConfig, SequenceParallelConfig, builtin,
+               sft.training.controllers, clipping)
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # sft/conf/: the config groups, shipped in the package
 
@@ -90,7 +96,7 @@ class TrainConfig(Schema):
                                                      "the page cache, the disk's speed otherwise) | small (files up "
                                                      "to 64 MiB; sizes of all)")
     signal_grace_s: float = knob(600.0, "SIGTERM/SIGINT: at most this long to finish the step and save a "
-                                 "checkpoint (sft.training.preemption)")
+                                 "checkpoint (sft.training.step.preemption)")
 
     def check(self, cfg=None):
         self.require("eval_buckets", all(math.isfinite(edge) for edge in self.eval_buckets),

@@ -31,10 +31,10 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
     trainer pops before the forward; from a stream, `stream_state`, the stream's position after the micro-batch's
     last sequence (`sft.data.streaming`), which the trainer keeps.
 
-    `sequence_parallel` > 1 (`sft.training.sequence_parallel`: that many ranks split each sequence): every batch's
-    length is a multiple of it (a packed row padded at its end, its last sample's positions going on), and every
-    batch has `position_ids` (a padded batch's 0, 1, ... per row), which tell the split attention the sequence;
-    no `cu_seq_lens`/`max_length` (they would describe the whole row to each slice).
+    `sequence_parallel` > 1 (`sft.training.processes.sequence_parallel`: that many ranks split each sequence): every
+    batch's length is a multiple of it (a packed row padded at its end, its last sample's positions going on), and every
+    batch has `position_ids` (a padded batch's 0, 1, ... per row), which tell the split attention the sequence; no
+    `cu_seq_lens`/`max_length` (they would describe the whole row to each slice).
     """
 
     def __init__(self, tokenizer, pad_to_multiple_of: int | None = None, packing: bool = False,

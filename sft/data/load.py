@@ -19,6 +19,7 @@ from sft.data.sources import SourceError
 from sft.data.spec import DataSpec
 from sft.data.split import column, row_keys
 from sft.data.weights import require_scores, scores_used_by, with_static_weights
+from sft import ranks
 
 if TYPE_CHECKING:
     import datasets
@@ -151,8 +152,8 @@ def load_sft_datasets(spec: DataSpec, tokenizer, loss=None, scores_needed_by: li
     if spec.streaming:
         import os
 
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        train = stream(parts, spec, tokenizer, loss, scores_needed_by, rank, world)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        train = stream(parts, spec, tokenizer, loss, scores_needed_by, ranks.rank(), world)
     else:
         train = splits["train"][0] if not spec.mixture else _mixed(parts, splits["train"], spec.mixture_seed)
     return SFTData(train=train, eval=evaluation, identity=identity, spec=spec, summary=summaries, parts=parts)

@@ -33,7 +33,7 @@ from sft.data.weights import missing_score_reason
 if TYPE_CHECKING:
     import datasets
 
-    from sft.data.spec import DataSpec, Labelling
+    from sft.data.spec import DataSpec
 
 
 
@@ -132,9 +132,9 @@ def untrained_stop(tokenizer, labelling: Labelling = LABELLING) -> str | None:
     if "refused" in table.column_names and any(table.column("refused").to_pylist()):
         return None
     stops = set(stop_token_ids(tokenizer))
-    for ids, labels in zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist()):
-        for end in (i for i, label in enumerate(labels) if label != -100 and (i + 1 == len(labels)
-                                                                             or labels[i + 1] == -100)):
+    for ids, row_labels in zip(table.column("input_ids").to_pylist(), table.column("labels").to_pylist()):
+        for end in (i for i, label in enumerate(row_labels) if label != -100 and (i + 1 == len(row_labels)
+                                                                                 or row_labels[i + 1] == -100)):
             if ids[end] not in stops:
                 tail = tokenizer.decode(ids[max(0, end - 3):end + 1])
                 names = ", ".join(tokenizer.convert_ids_to_tokens(sorted(stops)))

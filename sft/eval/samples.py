@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from typing import Dict
 
 from sft.config.schema import ConfigError, Schema, config_schema, import_target, knob, missing
-from sft.eval.generation import exact_match  # noqa: F401 - the default metric's import path: sft.eval.samples.exact_match
+from sft.eval.generation import exact_match
+
+# the default metric, by the import path configs name it with: sft.eval.samples.exact_match
+DEFAULT_METRICS = {exact_match.__name__: f"{__name__}.{exact_match.__name__}"}
 
 log = logging.getLogger("sft")
 
@@ -67,7 +70,7 @@ class EvalGeneration(Schema):
     max_new_tokens: int = knob(64, "the longest answer generated")
     metrics: Dict[str, str] = knob(help="name -> import path of a function (answer, reference) -> float; logged as "
                                    "eval_gen/<name> (the mean)",
-                                   factory=lambda: {"exact_match": "sft.eval.samples.exact_match"})
+                                   factory=lambda: dict(DEFAULT_METRICS))
     tool_calls: bool = knob(True, "score the calls of prompts whose reference answer makes tool calls, read in the "
                             "chat template's own form: eval_gen/tool_call_accuracy (per call), "
                             "eval_gen/tool_turn_accuracy (per turn), eval_gen/tool_calls_malformed")

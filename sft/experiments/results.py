@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import ClassVar, Optional
 
 from sft.files import own_path, write_text
+from sft.ranks import is_rank_zero
 
 FILE = "results.json"
 EVAL_ROWS = "eval_rows.jsonl"  # the final evaluation, one line per eval sequence (see write_eval_rows)
@@ -134,10 +135,9 @@ class RunResults:
     def record(self, run_dir: str | Path) -> None:
         """A failed job of a sweep (`failed`): its error in the log, and in `results.json` (rank 0); the sweep goes on."""
         import logging
-        import os
 
         logging.getLogger("sft").error("job failed (sweep.continue_on_error=true, the sweep goes on): %s", self.error)
-        if os.environ.get("RANK", "0") == "0":
+        if is_rank_zero():
             self.write(run_dir)
 
     @classmethod

@@ -1,7 +1,7 @@
 """What a run says when it ends (`summary_text`): whether the model got better and by how much, the best evaluation,
 how long and how fast, where the model or adapter is, and the commands that come next, with this run's paths. Read
-from the run's record of every log (`metrics.jsonl`, `sft.training.step_log.MetricsFile`); printed and written to
-`summary.txt` in the run dir (`write_summary`), also when a signal stops the run.
+from the run's record of every log (`metrics.jsonl`, `sft.training.observability.step_log.MetricsFile`); printed and
+written to `summary.txt` in the run dir (`write_summary`), also when a signal stops the run.
 
     run finished: 30 steps in 1m34s, 161 tokens/s
     eval_loss 3.2600 -> 0.0330 (-3.2270), best 0.0330 at step 30

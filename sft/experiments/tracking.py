@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from sft.ranks import is_rank_zero
 
 
 def in_sweep() -> bool:
@@ -88,7 +89,7 @@ def start_mlflow(cfg: DictConfig, run_dir: str) -> None:
     evaluation and the artifacts (`finish_mlflow`). Experiment: MLFLOW_EXPERIMENT_NAME, the sweep's in a sweep,
     else `sft`; run name: `trainer.run_name`, a sweep job's overrides, else the run dir's name; params: the
     resolved config, flattened (`loss.alpha`), beside the callback's TrainingArguments fields."""
-    if "mlflow" not in (cfg.trainer.report_to or []) or os.environ.get("RANK", "0") != "0":
+    if "mlflow" not in (cfg.trainer.report_to or []) or not is_rank_zero():
         return
     import mlflow
 

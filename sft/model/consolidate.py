@@ -38,9 +38,19 @@ def tensors_of(shards: Path) -> dict:
             if isinstance(m, TensorStorageMetadata)}
 
 
-def tied_copies(config_dir: Path, names: set[str]) -> set[str]:
-    """The tensors `save_pretrained` would leave out as copies of another (a tied output layer): the model built from
-    the config on the meta device says which."""
+def tied_copies(model, names) -> set[str]:
+    """Of the tensor `names` (a state dict's), those that are copies of another of them by `model`'s tied weights (a
+    tied output layer): what `save_pretrained` leaves out, as a gathered state dict carries both.
+
+        model ties lm_head.weight to embed_tokens.weight, names {"...embed_tokens.weight", "lm_head.weight"}
+          -> {"lm_head.weight"}
+    """
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return {name for name, source in tied.items() if name in names and source in names}
+
+
+def tied_copies_by_config(config_dir: Path, names: set[str]) -> set[str]:
+    """`tied_copies` of the model a config dir describes (built on the meta device); none without a config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,8 +59,7 @@ def tied_copies(config_dir: Path, names: set[str]) -> set[str]:
     config = AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
-    return {name for name, source in tied.items() if name in names and source in names}
+    return tied_copies(model, names)
 
 
 def file_groups(sizes: dict[str, int], max_file_bytes: int) -> list[list[str]]:
@@ -81,7 +90,7 @@ def consolidate(shards: str | os.PathLike, out: str | os.PathLike, config_dir: s
     tensors = {key[len(PREFIX):]: spec for key, spec in tensors_of(shards).items() if key.startswith(PREFIX)}
     if not tensors:
         raise ConsolidateError(f"{shards}: no model tensors (keys under '{PREFIX}')")
-    for name in tied_copies(config_dir, set(tensors)):
+    for name in tied_copies_by_config(config_dir, set(tensors)):
         del tensors[name]
     sizes = {name: torch.Size(shape).numel() * dtype.itemsize for name, (shape, dtype) in tensors.items()}
     groups = file_groups(sizes, max_file_bytes)

@@ -13,8 +13,8 @@ from omegaconf import DictConfig
 
 from sft.config.schema import ConfigError
 from sft.training.arguments import evaluates, training_arguments
-from sft.training.engines import check_fsdp_layers
-from sft.training.sequence_parallel import sequence_parallel_size
+from sft.training.processes.engines import check_fsdp_layers
+from sft.training.processes.sequence_parallel import sequence_parallel_size
 
 if TYPE_CHECKING:
     from sft.data.load import SFTData
@@ -48,12 +48,12 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     from sft.data.weights import scores_used_by
     from sft.loss.base import build_loss
     from sft.training.controllers import build_controllers
-    from sft.training.preemption import Preemption
+    from sft.training.step.preemption import Preemption
     from sft.training.trainer import WeightedLossTrainer
 
     clip_policy = instantiate(cfg.clip)
     # 0 for a policy that does not clip (at first): Trainer then calls no clipping, and the step still goes to
-    # WeightedLossTrainer._get_grad_norm (sft.training.step_control)
+    # WeightedLossTrainer._get_grad_norm (sft.training.step.control)
     args = training_arguments(cfg, run_dir, resuming=checkpoint is not None,
                               max_grad_norm=clip_policy.initial_threshold())
     set_seed(args.seed)

@@ -12,8 +12,8 @@ from omegaconf import DictConfig
 from sft.experiments.results import RunResults
 from sft.files import own_path, write_text
 from sft.run.build import Recipe
-from sft.training.advice import TrainingStopped, stop_on_full_disk
 from sft.training.arguments import evaluates
+from sft.training.observability.advice import TrainingStopped, stop_on_full_disk
 
 
 def evaluate_and_save(recipe: Recipe, cfg: DictConfig, run_dir: str) -> dict:

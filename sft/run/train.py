@@ -16,24 +16,25 @@ from omegaconf import DictConfig, OmegaConf
 from sft.experiments.results import RunResults
 from sft.experiments.summary import summary_text, write_summary
 from sft.experiments.tracking import finish_mlflow, finish_trackers, in_sweep, log_hparams, name_the_run, start_mlflow
+from sft.ranks import is_rank_zero
 from sft.run.build import Recipe, build
 from sft.run.finish import benchmark_after_training, collect_results, evaluate_and_save
-from sft.training.advice import raise_if_failed, train_with_advice
 from sft.training.arguments import resolve_learning_rate
-from sft.training.distributed import end_process_group, set_cpu_threads, slurm_distributed_env
-from sft.training.engines import check_fsdp_resume
-from sft.training.metrics_file import read_metrics
-from sft.training.run_dir import lock_run_dirs
-from sft.training.sharded import format_of_checkpoint
+from sft.training.checkpoints.run_dir import lock_run_dirs
+from sft.training.checkpoints.sharded import format_of_checkpoint
+from sft.training.observability.advice import raise_if_failed, train_with_advice
+from sft.training.observability.metrics_file import read_metrics
+from sft.training.processes.distributed import end_process_group, set_cpu_threads, slurm_distributed_env
+from sft.training.processes.engines import check_fsdp_resume
 
 log = logging.getLogger("sft")
 
 
 def train(cfg: DictConfig) -> RunResults:
     """Run the recipe for a checked config; return the results written to `results.json`."""
-    from sft.training.checkpoints import find_checkpoint, step_of
-    from sft.training.preemption import Preempted, Preemption
-    from sft.training.step_log import MetricsFile, no_bars_without_a_terminal
+    from sft.training.checkpoints.store import find_checkpoint, step_of
+    from sft.training.observability.step_log import MetricsFile, no_bars_without_a_terminal
+    from sft.training.step.preemption import Preempted, Preemption
 
     started = time.time()
     no_bars_without_a_terminal()
@@ -95,10 +96,10 @@ def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) 
     """A resume continues the checkpoint's run: the settings that differ from its config are logged, and
     refused where the checkpoint cannot follow them (`check_resume_config`); returns them. On another number of
     processes the trainer's batch fields change to keep the step's rows (`check_resume_processes`). A new run may not
-    start over another run's outputs (`sft.training.run_dir.claim`, `overwrite=true`)."""
-    from sft.training.checkpoints import inside
-    from sft.training.resume import check_resume_config
-    from sft.training.run_dir import claim
+    start over another run's outputs (`sft.training.checkpoints.run_dir.claim`, `overwrite=true`)."""
+    from sft.training.checkpoints.resume import check_resume_config
+    from sft.training.checkpoints.run_dir import claim
+    from sft.training.checkpoints.store import inside
 
     if cfg.resume != "auto" and not inside(checkpoint, output_dir):
         claim(output_dir, cfg.overwrite, sweep_job=in_sweep())
@@ -122,8 +123,8 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
     import uuid
 
     from sft import version
-    from sft.training.checkpoints import CheckpointState, git_commit
-    from sft.training.resume import LearningRateChange, check_resume_data
+    from sft.training.checkpoints.resume import LearningRateChange, check_resume_data
+    from sft.training.checkpoints.store import CheckpointState, git_commit
 
     trainer, data = recipe.trainer, recipe.data
     stateful = {"clip": recipe.clip_policy, "trainer": trainer, **recipe.controllers}  # build refuses those names
@@ -143,9 +144,9 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
 
 
 def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
-    """After a signal (`sft.training.preemption`): `results.json` says preempted and where the checkpoint is; raise
+    """After a signal (`sft.training.step.preemption`): `results.json` says preempted and where the checkpoint is; raise
     `Preempted`."""
-    from sft.training.preemption import Preempted
+    from sft.training.step.preemption import Preempted
 
     checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{preemption.stopped_at}")
     continue_with = f"the same command plus resume=auto hydra.run.dir={run_dir}"
@@ -179,9 +180,9 @@ def record_preempted(trainer, run_dir: str, started: float, output_dir: str | No
     """A run that exits at a signal without finishing (in its start-up, `trainer` None; a second signal, or past
     `signal_grace_s`; also after training): `results.json` says preempted, with the newest complete checkpoint to
     continue from."""
-    from sft.training.checkpoints import latest_complete, step_of
+    from sft.training.checkpoints.store import latest_complete, step_of
 
-    if os.environ.get("RANK", "0") == "0":
+    if is_rank_zero():
         last = latest_complete(output_dir or trainer.args.output_dir)
         step = trainer.state.global_step if trainer is not None else (step_of(last) if last else 0)
         results = RunResults(status="preempted", checkpoint=str(last) if last else None, global_step=step,

@@ -149,7 +149,7 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
                      "must be >= 1 (or null to keep every checkpoint)")
         self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
         if self.bf16 and (self.use_cpu or not cuda_available()):
-            from sft.training.precision import NO_BF16_CPU, cpu_bf16_instructions
+            from sft.training.processes.precision import NO_BF16_CPU, cpu_bf16_instructions
 
             self.require("bf16", cpu_bf16_instructions() is not None, NO_BF16_CPU)
         if self.activation_offloading:
@@ -240,15 +240,15 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     from omegaconf import OmegaConf
     from transformers import TrainingArguments
 
-    from sft.training.distributed import process_fields
-    from sft.training.engines import announce_deepspeed_comm_build, fsdp_fields
-    from sft.training.sharded import sharded
+    from sft.training.checkpoints.sharded import sharded
+    from sft.training.processes.distributed import process_fields
+    from sft.training.processes.engines import announce_deepspeed_comm_build, fsdp_fields
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
     fields["learning_rate"] = learning_rate(cfg)
     fields["output_dir"] = fields["output_dir"] or run_dir
-    fields["save_total_limit"] = None  # sft.training.checkpoints rotates, counting complete checkpoints only
+    fields["save_total_limit"] = None  # sft.training.checkpoints.store rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()
     fields["dataloader_pin_memory"] &= on_gpu  # pinning without a GPU only warns
     has_eval = evaluates(cfg)
@@ -261,8 +261,8 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
         fields["ignore_data_skip"] = True
     if cfg.fsdp is not None:
         fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"], sharded(cfg)))
-    if fields.get("disable_tqdm") is None:  # no bars where nobody watches them (sft.training.step_log)
-        from sft.training.step_log import has_terminal
+    if fields.get("disable_tqdm") is None:  # no bars where nobody watches them (sft.training.observability.step_log)
+        from sft.training.observability.step_log import has_terminal
 
         fields["disable_tqdm"] = not has_terminal()
     check_installed_fields(fields)
@@ -274,7 +274,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     try:
         return TrainingArguments(
             **fields,
-            max_grad_norm=max_grad_norm,  # the clip policy's; sft.training.step_control moves it as the policy says
+            max_grad_norm=max_grad_norm,  # the clip policy's; sft.training.step.control moves it as the policy says
             remove_unused_columns=False,  # weights must reach compute_loss; the collator drops the rest
             label_names=["labels"],
             include_num_input_tokens_seen="non_padding",

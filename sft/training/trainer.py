@@ -5,7 +5,7 @@ still has each one, with the same parameters):
 - `get_batch_samples` (public) gives no batch once `max_steps` are trained (Trainer, resumed from a run's last
   checkpoint, would train a step past them); it sums the loss's denominator over the optimizer step's micro-batches and
   all ranks (Trainer's own `num_items_in_batch` counts tokens, not weight mass) and hands it to
-  `compute_loss`; it also opens the step in `sft.training.step_control` (DeepSpeed's clip threshold is set there);
+  `compute_loss`; it also opens the step in `sft.training.step.control` (DeepSpeed's clip threshold is set there);
 - `compute_loss` (public) pops `labels`/`weights`/`source_lines`/`source_views`/`source_ids`/`aux_*` (the
   model's forward never sees them) and divides the micro-batch's numerator by that global denominator, times the world
   size because DDP and DeepSpeed average gradients over ranks. A mixture of experts' router aux loss (when
@@ -18,12 +18,12 @@ still has each one, with the same parameters):
   from the decoder, and the projection's weight (gathered under ZeRO-3);
 - `_clip_grad_norm` and `_get_grad_norm` (private: Trainer's only hooks between the backward passes and
   `optimizer.step()` that receive the model; Trainer calls the first where `max_grad_norm > 0`, the second always)
-  hand the step to `sft.training.step_control.StepControl.finish` (controllers' verdicts, skip, clip policy) with a
+  hand the step to `sft.training.step.control.StepControl.finish` (controllers' verdicts, skip, clip policy) with a
   `StepContext`, the step's number and the objects it acts on;
 - `get_train_dataloader` (public) reads a stream (`sft.data.streaming`) as this rank's share, not split again;
 - `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
   curriculum's) when one provides it (`Controller.train_sampler`), under sequence parallelism given to the ranks of
-  a group alike (`sft.training.sequence_parallel`);
+  a group alike (`sft.training.processes.sequence_parallel`);
 - `training_step` (public) runs under sequence parallelism with DeepSpeed's Ulysses attention installed (forward and
   backward), where `compute_loss` gives the model this rank's slice of the positions and takes the numerator of
   the targets predicted there, the denominator and per-sample sums being the whole micro-batch's;
@@ -36,12 +36,12 @@ still has each one, with the same parameters):
 - with `eval_generation`, `evaluation_loop` also adds `eval_gen/<metric>` of greedy answers to fixed prompts
   (`sft.eval.samples`), their samples going to TensorBoard and W&B;
 - `create_accelerator_and_postprocess` (public) lets accelerate's FSDP2 plugin take a CPU process group too
-  (`sft.training.distributed.fsdp_without_gpus`), and refuses to go on where FSDP was asked for and is not on;
-- the checkpoint and model saving overrides are its base's, `sft.training.saving.CheckpointSaving`;
+  (`sft.training.processes.distributed.fsdp_without_gpus`), and refuses to go on where FSDP was asked for and is not on;
+- the checkpoint and model saving overrides are its base's, `sft.training.checkpoints.saving.CheckpointSaving`;
 - `log` (public) adds `ce` and `weight_mean` (the mean weight of an assistant token) next to `loss`,
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
-  throughput values (`sft.training.throughput`), the clip policy's and the controllers' `log_values`.
+  throughput values (`sft.training.observability.throughput`), the clip policy's and the controllers' `log_values`.
 
 Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
 difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`, and
@@ -66,15 +66,15 @@ from sft.loss.auxiliary import AuxBatch
 from sft.loss.base import WeightedTokenLoss
 from sft.loss.kernels import choose_impl
 from sft.loss.logits import LogitTransform, router_aux_loss_coef
-from sft.training.clipping import GradClipPolicy
+from sft.training.checkpoints.saving import CheckpointSaving
 from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.controllers.base import Controller
-from sft.training.saving import CheckpointSaving
-from sft.training.distributed import fsdp_without_gpus
-from sft.training.sequence_parallel import SequenceParallel
-from sft.training.step_control import StepContext, StepControl, StepReport
-from sft.training.step_log import use_step_log
-from sft.training.throughput import ThroughputMeter
+from sft.training.observability.step_log import use_step_log
+from sft.training.observability.throughput import ThroughputMeter
+from sft.training.processes.distributed import fsdp_without_gpus
+from sft.training.processes.sequence_parallel import SequenceParallel
+from sft.training.step.clipping import GradClipPolicy
+from sft.training.step.control import StepContext, StepControl, StepReport
 
 log = logging.getLogger("sft")
 

@@ -1,5 +1,5 @@
 """`sft launch`: what it says of ranks that failed without a recorded error (the recorded ones:
-tests/training/test_rank_errors.py; whole launches: tests/e2e/test_distributed.py)."""
+tests/training/processes/test_rank_errors.py; whole launches: tests/e2e/test_distributed.py)."""
 
 from sft.commands.launch import failure_line
 

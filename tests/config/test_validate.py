@@ -83,7 +83,7 @@ def test_cli_bad_data_names_file_line_and_field(tmp_path):
     (["loss._target_=shutil.copyfile"], "loss._target_", "must be sft.loss.base.WeightedTokenLoss or a class extending it"),
     (["+loss.aux.x._target_=shutil.copyfile"], "loss.aux.x._target_", "must be sft.loss.auxiliary.AuxTerm"),
     (["clip._target_=sft.training.controllers.EarlyStopping"], "clip._target_",
-     "must be sft.training.clipping.GradClipPolicy or a class extending it"),
+     "must be sft.training.step.clipping.GradClipPolicy or a class extending it"),
     (["collator._target_=os.system"], "collator._target_", "must be sft.data.collator.WeightedDataCollator"),
     (["model._target_=shutil.rmtree"], "model._target_", "must be sft.model.loading.load_model"),
     (["+model.random_init.x._target_=shutil.rmtree"], "model.random_init.x._target_",
@@ -107,7 +107,7 @@ def test_targets_of_your_own_that_extend_the_nodes_class_pass(tmp_path):
     sys.path.insert(0, str(REPO / "examples" / "own_loss"))
     try:
         check(composed(f"hydra.searchpath=[file://{REPO}/examples/own_loss/conf]", "loss=domain_weighted"))
-        check(composed("clip._target_=sft.training.clipping.ZClip", "+controllers=early_stopping"))
+        check(composed("clip._target_=sft.training.step.clipping.ZClip", "+controllers=early_stopping"))
     finally:
         sys.path.remove(str(REPO / "examples" / "own_loss"))
 

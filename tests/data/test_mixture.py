@@ -105,7 +105,7 @@ def test_epochs_repeat_a_source_and_a_fraction_takes_part_of_it(tokenizer, sourc
 
 
 def test_the_data_hash_covers_the_mixture_and_a_change_is_named(tokenizer, sources):
-    from sft.training.resume import data_changes
+    from sft.training.checkpoints.resume import data_changes
 
     base = load(tokenizer, mixture(sources, {"ratio": 1}, {"ratio": 1}))
     changed = {"ratio": load(tokenizer, mixture(sources, {"ratio": 1}, {"ratio": 3})),

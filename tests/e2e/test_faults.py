@@ -25,7 +25,7 @@ KILL_STEP, KILL_MICRO_BATCH = _draw.randint(9, 11), _draw.randint(1, 2)
 
 KILL_AFTER_CHECKPOINT_8 = """
 import os, signal
-from sft.training.checkpoints import CheckpointState
+from sft.training.checkpoints.store import CheckpointState
 _on_save = CheckpointState.on_save
 def on_save(self, args, state, control, **kwargs):
     _on_save(self, args, state, control, **kwargs)
@@ -210,7 +210,7 @@ SHORT = ["trainer.max_steps=4", "trainer.save_steps=2", "trainer.eval_strategy=n
 SIGTERM_TWICE_AT_STEP_2 = """
 import os, signal, time
 from transformers import Trainer
-from sft.training.preemption import Preemption
+from sft.training.step.preemption import Preemption
 _on_step_end = Preemption.on_step_end
 def on_step_end(self, args, state, control, **kwargs):
     if state.global_step == 2:
@@ -272,7 +272,7 @@ def test_a_sigterm_after_training_lets_the_run_finish(tmp_path):
 
 SIGTERM_IN_THE_FIRST_JOB = """
 import os, signal
-from sft.training.preemption import Preemption
+from sft.training.step.preemption import Preemption
 _on_step_end = Preemption.on_step_end
 def on_step_end(self, args, state, control, **kwargs):
     if state.global_step == 2 and args.output_dir.endswith("/0"):
@@ -326,7 +326,7 @@ def test_sigterm_anywhere_in_a_job_stops_an_in_process_sweep_with_75(tmp_path, p
 
 SIGTERM_AGAIN_AFTER_THE_CHECKPOINT = """
 import os, signal, time
-from sft.training.preemption import Preemption
+from sft.training.step.preemption import Preemption
 _on_step_end, _on_save = Preemption.on_step_end, Preemption.on_save
 def on_step_end(self, args, state, control, **kwargs):
     if state.global_step == 2:

@@ -205,12 +205,12 @@ def test_the_real_model_experiment_runs_and_reports_at_toy_size(real, tmp_path):
 
 
 def test_bf16_step_losses_follow_fp32_over_20_real_steps(real, tmp_path):
-    """`trainer.bf16=true` on a CPU with bf16 instructions (sft.training.precision): twenty full fine-tuning steps of
-    the real model follow fp32's step losses to bf16's resolution, and both learn."""
+    """`trainer.bf16=true` on a CPU with bf16 instructions (sft.training.processes.precision): twenty full fine-tuning
+    steps of the real model follow fp32's step losses to bf16's resolution, and both learn."""
     from conftest import composed
 
     from sft.run.build import build
-    from sft.training.precision import cpu_bf16_instructions
+    from sft.training.processes.precision import cpu_bf16_instructions
 
     if cpu_bf16_instructions() is None or torch.cuda.is_available():
         pytest.skip("needs a CPU with bf16 instructions and no GPU")

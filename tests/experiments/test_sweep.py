@@ -145,7 +145,7 @@ def test_an_interrupted_sweep_resumes_to_the_results_of_an_uninterrupted_one(tmp
 
 
 def test_a_sweep_started_into_a_dir_another_sweep_runs_in_is_refused(tmp_path):
-    from sft.training.run_dir import RunDirLock
+    from sft.training.checkpoints.run_dir import RunDirLock
 
     lock = RunDirLock(tmp_path / "busy", "hydra.sweep.dir")
     lock.acquire()  # the first sweep, still running
@@ -254,8 +254,8 @@ def test_slurm_launcher_preset_composes():
 def test_the_loss_zoo_sweeps_each_loss_of_its_group_over_three_seeds():
     from hydra.utils import get_class
 
-    from sft.config import compose
     from sft.commands.sweep import expand
+    from sft.config import compose
 
     jobs = [sorted(o for o in job if not o.startswith("+experiment=")) for job in expand(["+experiment=loss_zoo"])]
     zoo = {"ce": "CrossEntropyLoss", "hard_sample": "HardSampleLoss", "keywords": "KeywordLoss", "focal": "FocalLoss",

@@ -41,7 +41,7 @@ def test_deepspeed_engine_clips_to_the_threshold_set_on_it():
 import os, torch, deepspeed
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(%d), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 deepspeed.init_distributed("gloo")
-from sft.training.step_control import set_deepspeed_clip
+from sft.training.step.control import set_deepspeed_clip
 model = torch.nn.Linear(4, 4, bias=False)
 config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
           "zero_allow_untested_optimizer": True}  # a torch optimizer, as Trainer hands DeepSpeed

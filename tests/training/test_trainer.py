@@ -18,11 +18,11 @@ from sft.training.trainer import WeightedLossTrainer
 def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parameters():
     # Six of them are private hooks of transformers (_clip_grad_norm, _get_grad_norm, _get_train_sampler, _save,
     # _save_checkpoint, _save_optimizer_and_scheduler): a rename or a new parameter there would silently bypass
-    # sft.training.step_control, the curriculum's sampler, the tied-copy filter, the mark that tells sft's crash debris
+    # sft.training.step.control, the curriculum's sampler, the tied-copy filter, the mark that tells sft's crash debris
     # from others' checkpoints, or the sharded checkpoints' background writer.
     from transformers import Trainer
 
-    from sft.training.saving import CheckpointSaving
+    from sft.training.checkpoints.saving import CheckpointSaving
 
     overrides = {name: f for cls in (WeightedLossTrainer, CheckpointSaving) for name, f in vars(cls).items()
                  if getattr(f, "__override__", False)}

@@ -1,6 +1,11 @@
 """Training controllers: Trainer callbacks with checkpointed state, built from the `controllers` node.
 
-See `base.Controller` for the protocol and docs/control.md for adding your own.
+See `base.Controller` for the protocol and docs/control.md for adding your own. The built-ins: the guard (NaN,
+spikes, divergence), the hang watchdog, early stopping, LR on plateau, a curriculum and its sampler, an adaptive
+evaluation interval.
+
+May import: `sft.config` base, the stages below training, the training base (`compat`, `callbacks`),
+`sft.training.processes`, `sft.training.checkpoints`, `sft.training.observability`.
 """
 
 from sft.training.controllers.adaptive_eval import AdaptiveEvalInterval

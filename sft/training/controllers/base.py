@@ -8,7 +8,7 @@ Trainer's events (`on_evaluate`, `on_step_end` ...) the trainer and the recipe r
   `sft_state.json` and restored on resume, so a resumed run takes the same decisions;
 - `log_values`: its current setting, added to each training log;
 - `judge_step`: an optional verdict on each optimizer step once its loss and gradient norm are known
-  (`sft.training.step_control`): a `StepVerdict` can skip the update and asks for a report of the step's rows;
+  (`sft.training.step.control`): a `StepVerdict` can skip the update and asks for a report of the step's rows;
 - `requests_stop` / `stop_agreed`: this rank asks the run to stop after the current step (preemption's signal);
   every rank learns whether any rank asked in the step's one all-reduce, and each controller that asks is told
   (`stop_agreed`, on every rank, before the optimizer step) so that all ranks stop at the same step;

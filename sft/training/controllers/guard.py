@@ -1,7 +1,7 @@
 """Non-finite, spiking and diverging steps: skip the update, record the rows, stop after too many in a row, or where
 the loss has run away.
 
-`sft.training.step_control` asks for a verdict on each optimizer step once its global gradient norm is known
+`sft.training.step.control` asks for a verdict on each optimizer step once its global gradient norm is known
 (`judge_step`). A step whose loss or gradient norm is not finite is skipped: gradients are dropped before
 the optimizer step, so parameters and optimizer state stay bit-identical, and the scheduler does not
 advance. A step whose loss exceeds `spike_factor` times the running EMA of step losses is a spike:
@@ -158,7 +158,7 @@ class TrainingGuard(Controller):
         return f"trainer.learning_rate={self._learning_rate:g}" if self._learning_rate else "trainer.learning_rate"
 
     def divergence_failure(self) -> str:
-        from sft.training.checkpoints import checkpoints
+        from sft.training.checkpoints.store import checkpoints
 
         d, out = self.diverged, self._output_dir
         before = [path for step, path, complete in checkpoints(out) if complete and step < d["since"]]
@@ -173,7 +173,7 @@ class TrainingGuard(Controller):
     def failure(self) -> str | None:
         if self.stopped_at_step is None:
             return self.divergence_failure() if self.diverged_stop_step is not None else None
-        from sft.training.checkpoints import checkpoints
+        from sft.training.checkpoints.store import checkpoints
 
         out = self._output_dir
         head = (f"{self.consecutive} bad steps in a row (non-finite loss or gradient, or skipped spikes), the last at "

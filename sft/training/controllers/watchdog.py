@@ -5,22 +5,22 @@ fires even inside a stuck collective) and re-arms it after every step and evalua
 fires, the rank's `hangs/rank-<k>.txt` in the run dir gets the stack of every thread under a header
 naming the rank and its last completed step, and the process exits with status 1 instead of hanging. The armed
 header is only a report once the stacks follow it: a run that ends otherwise removes it (`_disarm` at exit; after a
-SIGKILL or an immediate exit on a second signal, the process's sentinel, `sft.training.sentinel`).
+SIGKILL or an immediate exit on a second signal, the process's sentinel, `sft.training.processes.sentinel`).
 """
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from sft.config.schema import config_schema, knob
 from sft.files import own_dir, own_path
-from sft.training.sentinel import guard
+from sft.ranks import rank
 from sft.training.controllers.base import Controller
+from sft.training.processes.sentinel import guard
 
 
 @config_schema("controllers", "watchdog")
@@ -42,7 +42,7 @@ class HangWatchdog(Controller):
     def __post_init__(self):
         super().__post_init__()
         self._file = None
-        self._rank = int(os.environ.get("RANK", "0"))
+        self._rank = rank()
 
     def state_dict(self) -> dict:
         return {}  # nothing to carry over: a resumed run arms its own timer

@@ -82,8 +82,8 @@ def test_a_misspelt_knob_of_your_own_controller_is_refused_naming_it(tmp_path):
 def test_on_resume_the_knobs_come_from_the_config_and_only_the_learned_state_from_the_checkpoint():
     """`resume=auto clip.z_threshold=1` applies the new threshold: a checkpoint carries statistics, not
     settings (and a knob an older checkpoint did carry is ignored)."""
-    from sft.training.clipping import ZClip
     from sft.training.controllers import TrainingGuard
+    from sft.training.step.clipping import ZClip
 
     old = ZClip(warmup_steps=2, z_threshold=2.5)
     for norm in (1.0, 2.0, 3.0):

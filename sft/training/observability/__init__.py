@@ -1,0 +1,6 @@
+"""What a run shows: the console's short lines and `metrics.jsonl` (`step_log`, `metrics_file`), tokens per second
+and MFU (`throughput`), the stack's warnings that ask nothing of the user kept out (`noise`), and what a failed or
+stopped run says, with the checkpoint to continue from (`advice`).
+
+May import: `sft.config` base, the stages below training, `sft.training.compat`, `sft.training.callbacks`,
+`sft.training.processes`, `sft.training.checkpoints`."""
