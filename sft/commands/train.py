@@ -40,7 +40,7 @@ register()
 
 def fail(message: str, code: int = 2) -> None:
     """From an `except` block: stop with the reason and `code` (a traceback with HYDRA_FULL_ERROR=1)."""
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" and _full_error.composed:
         raise
     report(message, code)  # printed here, or once for all ranks by the launcher (sft.training.processes.rank_errors)
     sys.exit(code)
@@ -54,6 +54,7 @@ def main(cfg: DictConfig) -> float | None:
     from sft.training.step.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     started = time.time()
+    _full_error.restore()  # composed: from here Hydra reports what fails as the user asked (compose_then_run)
     if is_rank_zero():
         mask_saved_config(HydraConfig.get().runtime.output_dir)
     finished = start_sweep_job(cfg) if in_sweep() else None
@@ -123,7 +124,7 @@ def cli() -> None:
         if text is not None:  # else Hydra's own --help (a pkg:// search path, or an error to report)
             print(text, end="")
             return
-    from sft.config.argv import check_only, refused_override
+    from sft.config.argv import check_only, refused_before_composing
     from sft.training.checkpoints.run_dir import unlink_planted, unwritable_dir
 
     sys.argv[1:] = secrets_to_environment(sys.argv[1:])  # before Hydra writes or W&B records the command line
@@ -131,7 +132,7 @@ def cli() -> None:
         sys.exit(check_only([a for a in sys.argv[1:] if a != "--check"]))
 
     # before Hydra, whose errors would not name the knob, and which writes into the run dir first
-    if refused := refused_override(sys.argv[1:]) or unwritable_dir(sys.argv[1:]):
+    if refused := refused_before_composing(sys.argv[1:]) or unwritable_dir(sys.argv[1:]):
         report(f"config: {refused}", 2)
         sys.exit(2)
     unlink_planted(sys.argv[1:])
@@ -142,7 +143,52 @@ def cli() -> None:
         start_multirun(sys.argv[1:])
     share_run_dir()
     sys.argv.extend(rank_overrides())
-    main()
+    compose_then_run(sys.argv[1:])
+
+
+class _FullError:
+    """HYDRA_FULL_ERROR as the user set it, while `compose_then_run` sets it to have Hydra raise a composition error."""
+
+    def __init__(self):
+        self.composed, self.saved = True, None
+
+    def raise_until_composed(self) -> None:
+        self.composed, self.saved = False, os.environ.get("HYDRA_FULL_ERROR")
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+
+    def restore(self) -> None:
+        if not self.composed:
+            self.composed = True
+            if self.saved is None:
+                os.environ.pop("HYDRA_FULL_ERROR", None)
+            else:
+                os.environ["HYDRA_FULL_ERROR"] = self.saved
+
+
+_full_error = _FullError()
+
+
+def compose_then_run(overrides: list[str]) -> None:
+    """`main` under Hydra, which composes the config once (nothing composes it before): a composition that fails
+    (a misspelt knob, a value its type refuses, an option that does not exist) is said in one line naming the knob
+    (`sft.config.argv.composition_error`), exit code 2, before Hydra writes anything; what fails once the config is
+    composed, Hydra reports as it always does."""
+    from sft.config.argv import composition_error
+
+    _full_error.raise_until_composed()  # until `main` starts, Hydra raises what fails instead of printing it
+    try:
+        main()
+    except Exception as e:
+        if _full_error.composed:  # the run's own failure, with HYDRA_FULL_ERROR=1 set by the user
+            raise
+        _full_error.restore()
+        plain = [o for o in overrides if "=" in o and not o.startswith(("-", "hydra/"))
+                 and (not o.startswith("hydra.") or o.startswith("hydra.searchpath="))]
+        refused = composition_error(e, plain)
+        if refused is None:
+            refused = ConfigError("command line", None, str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+        report(f"config: {refused}", 2)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

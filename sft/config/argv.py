@@ -20,9 +20,15 @@ from sft.training.processes.engines import ENGINE_OPTIONS
 
 def refused_override(overrides: list[str]) -> ConfigError | None:
     """The first command-line override that Hydra would refuse without naming the knob to use, as the error that
-    does; None where there is none."""
-    return (owned_field_override(overrides) or hydra_target_override(overrides) or key_of_engine_left_off(overrides)
-            or refused_value(overrides))
+    does; None where there is none. Composes the config to find out (`refused_value`): where the config is composed
+    next anyway, `refused_before_composing` and `composition_error` on its failure say the same, composing once."""
+    return refused_before_composing(overrides) or refused_value(overrides)
+
+
+def refused_before_composing(overrides: list[str]) -> ConfigError | None:
+    """The refusals that composing would not make, or not name: a field the recipe owns, a `_target_` under `hydra.`,
+    a key of an engine the config leaves off."""
+    return owned_field_override(overrides) or hydra_target_override(overrides) or key_of_engine_left_off(overrides)
 
 
 def refused_value(overrides: list[str]) -> ConfigError | None:
@@ -164,7 +170,7 @@ def check_only(overrides: list[str]) -> int:
 
     from sft.config.validate import check
 
-    refused = refused_override(overrides)
+    refused = refused_before_composing(overrides)
     if refused is None:
         try:
             check(compose("train", overrides))
