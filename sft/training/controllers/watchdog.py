@@ -50,9 +50,14 @@ class HangWatchdog(Controller):
     def _arm(self, step: int) -> None:
         self._file.seek(0)
         self._file.truncate()
+        # Written before any hang, and read only after one or after a death that nothing tidied: it says both
         self._file.write(
-            f"rank {self._rank}: no optimizer step completed within {self.timeout_s:g} s after step {step} "
-            f"(armed {time.strftime('%Y-%m-%d %H:%M:%S')}); the stacks of every thread follow.\n\n"
+            f"rank {self._rank}: watching for a hang after step {step} (armed {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+            f"controllers.watchdog.timeout_s={self.timeout_s:g}).\n"
+            f"Where the stacks of every thread follow, no optimizer step completed within {self.timeout_s:g} s after "
+            f"step {step}, and they show where each thread was.\n"
+            "Where none follow, there was no hang: the process ended otherwise (killed, or it exited at once) before "
+            "it or its sentinel could remove this file.\n\n"
         )
         self._file.flush()
         faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._file)

@@ -36,6 +36,11 @@ def train_with_advice(trainer, cfg, checkpoint: str | None):
             mismatch = next(line.strip() for line in str(e).splitlines() if "size mismatch" in line)
             raise ConfigError("resume", checkpoint, f"its weights do not fit this model ({mismatch}): a checkpoint "
                               "of another model or LoRA shape") from e
+        if "Expected to have finished reduction in the prior iteration" in str(e):  # DDP, find_unused_parameters off
+            raise ConfigError("trainer.ddp_find_unused_parameters", trainer.args.ddp_find_unused_parameters,
+                              "some trainable parameters of this model had no gradient in a step (a part no forward "
+                              "reached), which DDP must then look for: set trainer.ddp_find_unused_parameters=true "
+                              "(or freeze that part)") from e
         if not disk_full(e):
             raise
         raise TrainingStopped(disk_full_message(trainer.args.output_dir,

@@ -45,3 +45,41 @@ def test_a_report_the_disk_cannot_hold_is_one_line_and_exit_1(tmp_path, monkeypa
     assert exited.value.code == 1
     assert capsys.readouterr().err == (f"error: the report cannot be written into {tmp_path}: No space left on device "
                                        f"({tmp_path / 'sweep_summary.png'})\n")
+
+
+def test_a_parameter_ddp_found_unused_is_one_line_naming_the_knob(tmp_path, monkeypatch):
+    """A model whose forward leaves a trainable part without a gradient, under DDP without the search for unused
+    parameters (sft's default for a dense text model): torch's own error, met in a real DDP step, becomes one line
+    naming `trainer.ddp_find_unused_parameters`."""
+    import torch
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from sft.config.schema import ConfigError
+    from sft.training.observability.advice import train_with_advice
+
+    class HalfUsed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    class Trainer:
+        args = namedtuple("args", "ddp_find_unused_parameters output_dir")(False, str(tmp_path))
+
+        def train(self, resume_from_checkpoint=None):
+            model = torch.nn.parallel.DistributedDataParallel(HalfUsed(), find_unused_parameters=False)
+            for _ in range(2):
+                model(torch.ones(1, 2)).sum().backward()
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=r"^trainer.ddp_find_unused_parameters=False: some trainable parameters "
+                           r".*set trainer.ddp_find_unused_parameters=true"):
+            train_with_advice(Trainer(), cfg=None, checkpoint=None)
+    finally:
+        dist.destroy_process_group()
