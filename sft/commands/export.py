@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> None:
                         "merged into its base first)")
     parser.add_argument("--outtype", default="q8_0", choices=OUTTYPES,
                         help="f32, f16, bf16, q8_0: llama.cpp's converter; the others (q4_k_m, ...): its quantizer, "
-                        f"through llama-cpp-python=={LLAMA_CPP_PYTHON} (pip install 'sft[gguf]')")
+                        f"through llama-cpp-python=={LLAMA_CPP_PYTHON}, installed the first time (it builds llama.cpp: "
+                        "about 5 minutes on 2 cores)")
     parser.add_argument("-o", "--output", help="the file (default: <source>/model-<outtype>.gguf)")
     parser.add_argument("--llama-cpp", help="a llama.cpp checkout whose convert_hf_to_gguf.py to use (default: the "
                         f"one of llama-cpp-python {LLAMA_CPP_PYTHON}'s source, fetched once into the sft cache)")

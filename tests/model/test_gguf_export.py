@@ -138,8 +138,8 @@ def test_a_quantized_type_without_llama_cpp_python_names_the_extra(monkeypatch, 
         "No module named 'llama_cpp'")) if name == "llama_cpp" else real_import(name, *a, **k))
     monkeypatch.setattr(gguf_export, "converter", lambda llama_cpp=None: tmp_path / "convert_hf_to_gguf.py")
     with pytest.raises(ExportError, match=r"quantized types need llama.cpp's quantizer through llama-cpp-python .*"
-                                          r"pip install 'sft\[gguf\]' \(llama-cpp-python==0.3.36\), or --outtype one "
-                                          r"of f32, f16, bf16, q8_0"):
+                                          r"pip install llama-cpp-python==0.3.36 \(or pip install 'sft\[gguf\]'\), or "
+                                          r"--outtype one of f32, f16, bf16, q8_0"):
         export(tmp_path, tmp_path / "m.gguf", "q4_k_m")
 
 
