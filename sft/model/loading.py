@@ -23,6 +23,7 @@ from filelock import FileLock
 from sft.config.schema import Choice, Schema, config_schema, cuda_available, installed, knob
 from sft.data.cache import building, cache_dir
 from sft.files import in_package
+from sft.model.tokenizer_ids import IdsFrom
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +220,9 @@ class TokenizerConfig(Schema):
                                                 factory=dict)
     stop_tokens: List[str] = knob(help="the tokens an answer ends at, each one token; empty: the model's own (the eos "
                                   "ids of its generation_config.json and the tokenizer's eos_token)", factory=list)
+    ids_from: IdsFrom = knob(IdsFrom.checked, "where transformers' class for the model type (Qwen2Tokenizer for any "
+                             "qwen2 config) tokenizes otherwise than the dir's own tokenizer.json: checked (refuse, "
+                             "naming both), file (the file's ids), class (the class's, logged)")
 
 
 def resolve(name_or_path: str, gguf_file: str | None = None) -> str:
@@ -263,19 +267,24 @@ def check_reachable(name_or_path: str, key: str = "name_or_path") -> None:
 
 def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_remote_code: bool = False,
                    chat_template_kwargs: dict | None = None, stop_tokens: list[str] | None = None,
-                   gguf_file: str | None = None):
+                   gguf_file: str | None = None, ids_from: str = "checked"):
     """Load a tokenizer for training: right padding, a pad token, a chat template (`chat_template`: its Jinja text,
     or the path of a `.jinja` file holding it, as llama.cpp keeps them), and the settings the labelling reads
     (`sft.data.chat_settings.configure_chat`): the template's kwargs and the model's stop tokens (those of its
     `generation_config.json` and the tokenizer's eos; `stop_tokens` replaces them). `gguf_file`: the tokenizer of
-    that GGUF file (`resolve`)."""
+    that GGUF file (`resolve`). `ids_from`: the class's ids checked against the dir's own `tokenizer.json`, or either
+    taken (`sft.model.tokenizer_ids`)."""
     from transformers import AutoTokenizer
 
     from sft.config.schema import ConfigError
     from sft.data.chat_settings import configure_chat
+    from sft.model.tokenizer_ids import check_ids, load_file_tokenizer
 
     path = resolve(name_or_path, gguf_file)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if str(ids_from) == "file" and Path(path, "tokenizer.json").is_file():
+        tokenizer = load_file_tokenizer(path, trust_remote_code=trust_remote_code)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "right"
     name = f"{name_or_path}'s chat template"
     if chat_template is not None:
@@ -294,6 +303,7 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_re
                           "tokenizer.chat_template (its text, or a .jinja file)")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    check_ids(tokenizer, path, str(ids_from))  # with the chat template the rows are rendered with
     try:
         return configure_chat(tokenizer, chat_template_kwargs, stop_tokens, path, name)
     except ValueError as e:
