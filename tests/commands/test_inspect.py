@@ -35,7 +35,9 @@ def test_rows_show_the_trained_answers_marked_with_their_weight_and_the_totals(t
     assert totals == (f"train: 2 rows read, 1 rejected, 0 dropped; 2 sequences (0 truncated, 0 turns trained from "
                       f"their own rendering); {tokens} tokens, {trained} trained ({100 * trained / tokens:.1f}%)")
     # the tiny model's generation_config.json says where answers end
-    assert template == "template: tiny's chat template; answers end at '<|im_end|>' (generation_config.json's eos_token_id)"
+    assert template == ("template: tiny's chat template; answers end at '<|im_end|>' (generation_config.json's "
+                        "eos_token_id)\ntokenizer: Qwen2Tokenizer, tokenizer.ids_from=checked (its ids checked against "
+                        "the tokenizer.json it came from: sft.model.tokenizer_ids)")
 
 
 def test_a_stream_shows_its_first_sequences_as_the_rows_read_whole(tmp_path, no_model):
