@@ -315,6 +315,18 @@ PREFILLED_THINK = (
     "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}<think>{{ '\n' }}{% endif %}"
 )
 
+# QwQ's and the R1 distills' current copies: every answer's reasoning dropped from the chat (the last one's too); the
+# generation prompt closes the think block unless enable_thinking is passed, which opens it but renders no reasoning.
+SWITCH_DROPS_REASONING = (
+    "{% for m in messages %}"
+    "{% if m.role == 'user' %}<|im_start|>user{{ '\n' + m.content }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}{{ m.content.split('</think>')[-1].lstrip('\n') }}"
+    "<|im_end|>{{ '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}<think>{{ '\n' }}"
+    "{% if not enable_thinking %}</think>{{ '\n\n' }}{% endif %}{% endif %}"
+)
+
 # NVIDIA Nemotron-Nano-v2's pattern: the generation prompt prefills an open <think> block, and the finished chat's last
 # answer is written after that same prefill (earlier answers without it); '/no_think' in a message closes it instead.
 PREFILL_IN_LAST_TURN = (
@@ -403,6 +415,8 @@ QUIRKS = {
                           bos="<|begin_of_text|>", eos="<|eot_id|>", answer="{a}<|eot_id|>"),
     "prefilled_think": dict(template=PREFILLED_THINK, special=[], added=["<think>", "</think>"], bos=None,
                             eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "switch_drops_reasoning": dict(template=SWITCH_DROPS_REASONING, special=[], added=["<think>", "</think>"],
+                                   bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
     "prefill_in_last_turn": dict(template=PREFILL_IN_LAST_TURN, special=[], added=["<think>", "</think>"], bos=None,
                                  eos="<|im_end|>", answer="{a}<|im_end|>"),
     "upper_thinking_switch": dict(template=UPPER_THINKING_SWITCH, special=["<|START_THINKING|>", "<|END_THINKING|>"],

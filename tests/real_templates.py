@@ -12,7 +12,8 @@ the model's published configs, not from this project's output:
 - `answer`: what each answer of a plain chat trains as (`{a}` the answer; `{r}` its reasoning); `reasoning`: the
   same for answers with reasoning (None: the template renders no reasoning; a list: each answer's); `refuses`:
   the refusal a plain chat gets instead, a part of its reason; `no_system`: what it trains without its system
-  turn; `prefill_after`: what it trains with `data.prefill=after`; `no_stop`: the template writes no stop;
+  turn; `prefill_after`: what it trains with `data.prefill=after` (`prefill_after_refused`: refused, as it would train
+  inside the prefill's open reasoning block); `no_stop`: the template writes no stop;
 - `tools`: what an answer that calls a tool trains as (`{call}`: where the call is written), None where not checked;
 - `reasoning_refuses`: parts of the refusal an answer with reasoning gets (where the family refuses plain chats);
   `prefill_in_chat`: the template writes its prefill into the finished chat too (the profile sees none).
@@ -150,7 +151,7 @@ FAMILIES = {
     "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": dict(
         family="DeepSeek-R1-Distill (Llama)", special=DEEPSEEK, bos="<｜begin▁of▁sentence｜>",
         eos="<｜end▁of▁sentence｜>", stops=["<｜end▁of▁sentence｜>"], refuses="generation prompt ends with '<think>\\n'",
-        prefill_after="{a}<｜end▁of▁sentence｜>",
+        prefill_after_refused=True,
         tools_refuses="does not render the tool definitions"),
     "deepseek-ai-DeepSeek-V3.1": dict(
         family="DeepSeek-V3.1", special=DEEPSEEK, added=THINK, bos="<｜begin▁of▁sentence｜>",
@@ -188,7 +189,7 @@ FAMILIES = {
               '{{"city": "Paris"}}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'),
     "MiniMax-M2": dict(
         family="MiniMax-M2", special=["]~!b[", "]~b]", "[e~["], added=THINK, bos="]~!b[", eos="[e~[", stops=["[e~["],
-        refuses="generation prompt ends with '<think>\\n'", prefill_after="{a}[e~["),
+        refuses="generation prompt ends with '<think>\\n'", prefill_after_refused=True),
     "LFM2-8B-A1B": dict(
         family="LFM2", special=CHATML + ["<|startoftext|>"], bos="<|startoftext|>", eos="<|im_end|>",
         stops=["<|im_end|>"], answer="{a}<|im_end|>", reasoning=None,
@@ -231,7 +232,7 @@ FAMILIES.update({
     "NVIDIA-Nemotron-Nano-v2": dict(
         family="Nemotron-Nano-v2", special=["<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>"], added=THINK,
         eos="<SPECIAL_12>", stops=["<SPECIAL_12>"],
-        refuses="opens a reasoning block before this answer ('<think>\\n", prefill_after="{a}\n<SPECIAL_12>",
+        refuses="opens a reasoning block before this answer ('<think>\\n", prefill_after_refused=True,
         prefill_in_chat=True,
         tools_refuses="renders the chat before this turn differently"),
     # Gemma-4 (llama.cpp's gemma4.jinja): an empty thought block closes every generation prompt unless enable_thinking

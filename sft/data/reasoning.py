@@ -1,7 +1,7 @@
 """Reasoning in chat templates: the blocks templates open and close it with (`REASONING_BLOCKS`), one a rendering leaves
 open (`open_reasoning`), the kwargs a template reads to turn it on (`reasoning_switches`), a turn's own reasoning
-(`reasoning_of`), and what a refusal says when a template's generation prompt and an answer's reasoning disagree
-(`closed_reasoning_advice`, `prefill_advice`): the cause, and the switch this template itself reads."""
+(`reasoning_of`), and why a template's generation prompt and an answer's reasoning disagree (`reasoning_cause`,
+`prefill_cause`); the ways out a refusal offers are tried first (`sft.data.remedies`)."""
 
 from __future__ import annotations
 
@@ -35,54 +35,50 @@ def closes_reasoning(text: str) -> bool:
     return any(closing in text for _, closing in REASONING_BLOCKS)
 
 
-def closed_reasoning_advice(render: ChatRenderer, prefill: str, rendered: str, reasoning: str) -> str:
-    """What to say of an answer with reasoning that the generation prompt does not let follow: where it closes the
-    reasoning (`<think>\n\n</think>`, `<|START_THINKING|><|END_THINKING|>`: its no-thinking prompt, by a kwarg or by
-    default), that, and the kwargs of the template that turn thinking on; where it renders no reasoning of the answer
-    at all (`rendered`, the answer as the template writes it), that."""
-    kwargs = render.settings.kwargs
-    given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "none: its default"
-    has_switch = bool(reasoning_switches(render.tokenizer.chat_template or ""))
-    # no switch: DeepSeek-R1 distills, which drop an answer's reasoning from the chat whatever the caller passes
-    cannot = ("and the template reads no kwarg that would change that: with it the reasoning cannot train; drop the "
-              "rows' reasoning, set tokenizer.chat_template to one that renders it, or set ")
+def reasoning_cause(render: ChatRenderer, prefill: str, rendered: str, reasoning: str) -> str:
+    """Why an answer with reasoning does not follow the generation prompt: the prompt closes the reasoning
+    (`<think>\n\n</think>`, `<|START_THINKING|><|END_THINKING|>`: its no-thinking prompt, by a kwarg or by default),
+    the template renders none of the answer's reasoning (`rendered`: the answer as it writes it), or it renders it
+    without what the prompt wrote before it (Apriel's preamble). The ways out are tried and said by
+    `sft.data.remedies`."""
+    given = ", ".join(f"{k}={v!r}" for k, v in render.settings.kwargs.items()) or "none: its default"
     if closes_reasoning(prefill):
-        head = (f"This answer has reasoning, but the generation prompt closes the reasoning ({prefill.strip()!r}: the "
-                f"template's no-thinking prompt, with the kwargs {given}), ")
-        return head + (f"turn thinking on with a template kwarg ({switches_named(render)}), drop the rows' reasoning, "
-                       "or set " if has_switch else cannot)
+        return (f"This answer has reasoning, but the generation prompt closes the reasoning ({prefill.strip()!r}: the "
+                f"template's no-thinking prompt, with the kwargs {given})")
     if reasoning and reasoning not in rendered:
-        head = f"The template renders none of this answer's reasoning here (with the kwargs {given}), "
-        return head + (f"which it may only with thinking on ({switches_named(render)}); or drop the rows' reasoning, "
-                       "or set " if has_switch else cannot)
-    # it renders the reasoning, only not after what the prompt already wrote (Apriel's preamble)
-    return "The answer's reasoning is rendered, without what the prefill wrote before it: set "
+        return f"The template renders none of this answer's reasoning here (with the kwargs {given})"
+    return "The answer's reasoning is rendered, without what the prefill wrote before it"
 
 
-def prefill_advice(render: ChatRenderer, prefill: str) -> str:
-    """What to say of an answer without reasoning that a generation prompt's prefill comes before."""
+def prefill_cause(prefill: str) -> str:
+    """Why an answer without reasoning does not follow a prefilling generation prompt, where the prefill says more."""
     if closes_reasoning(prefill):  # Gemma-4's, Command-R7B's empty thought block
-        return ("The prefill is an empty reasoning block (the template's no-thinking prompt) that the finished chat does "
-                f"not show: turn thinking on ({switches_named(render)}) and give the answers their reasoning, or set ")
-    return ("Give the answer what the prefill opens (its reasoning, as reasoning_content or a <think> block, where the "
-            f"template renders it), pass the template a kwarg that changes its generation prompt "
-            f"({switches_named(render)}), or set ")
+        return "The prefill is an empty reasoning block (the template's no-thinking prompt) that the finished chat does not show"
+    return ""
 
 
-def switches_named(render: ChatRenderer) -> str:
-    """The kwargs that turn the template's reasoning on, as overrides: those it reads, else the usual names."""
-    switches = reasoning_switches(render.tokenizer.chat_template or "")
-    if switches:
-        return f"the kwarg{'s' if len(switches) > 1 else ''} this template reads: " + ", ".join(
-            f"+tokenizer.chat_template_kwargs.{name}={_on(name)}" for name in switches)
-    return ("+tokenizer.chat_template_kwargs.enable_thinking=true, or reasoning_effort=high, thinking=true: as the "
-            "template names it")
+def switches_on(template: str) -> list[dict]:
+    """The template kwargs that would turn its reasoning on, one dict each: `{enable_thinking: True}`,
+    `{reasoning_effort: "high"}`."""
+    return [{name: _on(name)} for name in reasoning_switches(template) if "budget" not in name]
 
 
-def _on(switch: str) -> str:
-    """The value that turns a template's reasoning switch on, as such kwargs go: `enable_thinking=true`,
-    `reasoning_effort=high`."""
-    return "high" if "effort" in switch else "true" if "budget" not in switch else "<tokens>"
+def switches_off(template: str) -> list[dict]:
+    """The template kwargs that would turn its reasoning off, one dict each (an effort has no off every template
+    names alike: none)."""
+    return [{name: False} for name in reasoning_switches(template) if "effort" not in name and "budget" not in name]
+
+
+def as_override(kwargs: dict) -> str:
+    """`{enable_thinking: True}` -> `+tokenizer.chat_template_kwargs.enable_thinking=true`."""
+    return ", ".join(f"+tokenizer.chat_template_kwargs.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                     for k, v in kwargs.items())
+
+
+def _on(switch: str):
+    """The value that turns a template's reasoning switch on, as such kwargs go: `enable_thinking=True`,
+    `reasoning_effort="high"`."""
+    return "high" if "effort" in switch else True
 
 
 def reasoning_switches(template: str) -> list[str]:
@@ -97,7 +93,8 @@ def reasoning_switches(template: str) -> list[str]:
         names = meta.find_undeclared_variables(_compile_jinja_template(template).environment.parse(template))
     except jinja2.TemplateError:
         return []
-    return sorted(n for n in names if "think" in n.lower() or "reason" in n.lower())
+    # a message's own field read as a variable (MiniMax's `reasoning_content`) is no kwarg
+    return sorted(n for n in names if ("think" in n.lower() or "reason" in n.lower()) and n != "reasoning_content")
 
 
 def reasoning_of(message: dict) -> str:

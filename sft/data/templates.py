@@ -44,9 +44,9 @@ class ChatRenderer:
             == tokenizer.apply_chat_template([...], tokenize=False, add_generation_prompt=True)
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, settings=None):
         self.tokenizer = tokenizer
-        self.settings = chat_settings(tokenizer)
+        self.settings = settings or chat_settings(tokenizer)
         self.variables = {**tokenizer.special_tokens_map, **self.settings.kwargs}
         self._templates: dict[bool, object] = {}  # compiled, by whether tools are given (a template may be named)
         self._context: dict[bool, dict] = {}  # each one's globals and the variables, merged once
@@ -57,6 +57,12 @@ class ChatRenderer:
             return self._render(messages, tools, add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template is code: TypeError, RecursionError, ... as well as its own
             raise self._refusal(e, messages, tools, add_generation_prompt) from e
+
+    def with_kwargs(self, kwargs: dict) -> ChatRenderer:
+        """This template rendered with `kwargs` added to its own (`enable_thinking=True`): a way out a refusal tries."""
+        from dataclasses import replace
+
+        return ChatRenderer(self.tokenizer, replace(self.settings, kwargs={**self.settings.kwargs, **kwargs}))
 
     def _render(self, messages, tools, add_generation_prompt) -> str:
         template = self._template(tools)

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sft.data.spec import Labelling
-from sft.data.reasoning import (REASONING_BLOCKS, closed_reasoning_advice, open_reasoning, prefill_advice,
-                                reasoning_of)
+from sft.data.reasoning import REASONING_BLOCKS, open_reasoning, prefill_cause, reasoning_cause, reasoning_of
 from sft.data.templates import ChatRenderer, Refused
 from sft.data.chat_text import divergence, first_stop, stop_at, tool_name, common_prefix
 
@@ -31,7 +30,7 @@ class _Turn:
 
 
 def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None, labelling: Labelling = LABELLING,
-               render: ChatRenderer | None = None) -> Views:
+               render: ChatRenderer | None = None, advise: bool = True) -> Views:
     """The texts a chat trains as, each with the character spans of its trained assistant turns and their
     weights (a message's `weight`, as `sft.data.rows.scan_jsonl` sets it: 0 leaves the turn untrained; default 1).
 
@@ -53,7 +52,11 @@ def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None,
     A generation prompt that prefills text the answer does not begin with (`TemplateProfile.prefill`), by
     `labelling.prefill`: `refuse` (`Refused`, naming the prefill and the ways out), `after` (the answer trains after the
     prefill, as the model answers at inference: a text of its own per turn), `drop` (the answer trains as the
-    template renders it in the whole chat, its prompt without the prefill).
+    template renders it in the whole chat, its prompt without the prefill). Whatever the setting, an answer is never
+    trained inside a reasoning block it does not close, nor opening one its prompt already opened (`Refused`).
+
+    A refusal's ways out are tried on the chat before they are offered (`sft.data.remedies`; `advise=False`: the
+    refusal alone, as the trying itself labels).
 
     Tool calls are part of their assistant turn and train with it; `tool` results are context. `tools` (the
     row's definitions) go to the template. A template that renders neither a turn's calls nor the tools
@@ -63,7 +66,7 @@ def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None,
     rendering being the whole chat's, and one more for a last turn that only a following stop token ends.
     """
     render = render or ChatRenderer(tokenizer)
-    rewritten_turns, prefill = labelling.rewritten_turns, labelling.prefill
+    rewritten_turns = labelling.rewritten_turns
     weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
     messages, tools = render.prepare(messages), render.prepare_tools(tools)
     full = render(messages, tools=tools)
@@ -76,11 +79,10 @@ def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None,
     for i, m in enumerate(messages):
         if weights[i] == 0:  # context: not trained
             continue
-        turn = _locate(render, messages, i, tools, full, prefill, rewritten_turns)
+        turn = _locate(render, messages, i, tools, full, labelling, advise)
         if turn is None:  # its prompt is rendered otherwise in the chat, and data.rewritten_turns=skip
             continue
-        if prefill == "refuse":
-            _refuse_inside_open_reasoning(render, messages, i, turn)
+        _refuse_misplaced_reasoning(render, messages, i, turn, tools, labelling, advise)
         answer = turn.text[turn.start:turn.end]
         for call in m.get("tool_calls") or []:
             if call["function"]["name"] not in answer:
@@ -105,9 +107,10 @@ def chat_views(tokenizer, messages: list[dict], tools: list[dict] | None = None,
     return views
 
 
-def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str, prefill: str,
-            rewritten_turns: str) -> _Turn | None:
+def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str, labelling: Labelling,
+            advise: bool) -> _Turn | None:
     """Where assistant turn `i` is trained: its text, and the answer's start and end in it (see `chat_views`)."""
+    prefill = labelling.prefill
     prompt = render(messages[:i], tools=tools, add_generation_prompt=True)
     last = i == len(messages) - 1
     through = full if last else render(messages[: i + 1], tools=tools)
@@ -116,18 +119,17 @@ def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str
         tail = render.profile.prefill  # the generation prompt's prefill, which this answer does not begin with
         k = len(prompt) - len(tail)
         if not tail or not prompt.endswith(tail) or not through.startswith(prompt[:k]):
-            placed = _after_own_prompt(render, messages, i, tools, prompt, through, rewritten_turns)
+            placed = _after_own_prompt(render, messages, i, tools, prompt, through, labelling, advise)
             if placed is None:
                 return None
             text, start, own_text = placed, len(prompt), True
         elif prefill == "refuse":
             reasoning = reasoning_of(messages[i])
-            advice = (closed_reasoning_advice(render, tail, through[k:], reasoning) if reasoning else
-                      prefill_advice(render, tail))
+            cause = reasoning_cause(render, tail, through[k:], reasoning) if reasoning else prefill_cause(tail)
             raise Refused(f"messages[{i}]", f"the chat template's generation prompt ends with {tail!r}, which this "
                           f"answer does not begin with as the template renders it ({through[k:k + 30]!r}): the model "
-                          f"answers after it at inference. {advice}data.prefill=after (train the answer after the "
-                          "prefill, as the model answers) or data.prefill=drop (as the template renders it)")
+                          f"answers after it at inference.{' ' + cause + '.' if cause else ''}"
+                          + _ways_out(render, messages, i, tools, labelling, advise))
         elif prefill == "after":  # what the prefill already wrote is not written twice (DeepSeek-V3.2's </think>)
             rest = through[k:]
             overlap = next((n for n in range(len(tail), 0, -1) if rest.startswith(tail[-n:])), 0)
@@ -152,23 +154,26 @@ def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str
 
 
 def _after_own_prompt(render: ChatRenderer, messages: list[dict], i: int, tools, prompt: str, through: str,
-                      rewritten_turns: str) -> str | None:
+                      labelling: Labelling, advise: bool) -> str | None:
     """A turn whose prompt the template renders otherwise once the turn follows (Hermes-3 writes a last tool result
     without the newline it writes before a following turn), by `rewritten_turns`: `split`, its text of its own, the
     prompt the model answers and the answer after it (found in the chat through the turn after the generation
     prompt); `skip`, None (untrained); `refuse`, `Refused`. Where the generation prompt cannot place the answer (a
     template without one, or that moves earlier text, as Mistral's system prompt into the last user turn), refused."""
+    rewritten_turns = labelling.rewritten_turns
     before = render(messages[:i], tools=tools)
     header = prompt[len(before):] if prompt.startswith(before) else ""
     at = through.find(header, common_prefix(prompt, through)) if header else -1
     if at < 0 or rewritten_turns == "refuse":
         if at < 0 and reasoning_of(messages[i]) and any(tag in header for block in REASONING_BLOCKS for tag in block):
-            # the cause: a generation prompt that opens or closes the reasoning otherwise than this answer's rendering
+            # the cause: a generation prompt that opens or closes the reasoning otherwise than this answer's rendering,
+            # unless the turn without its reasoning is refused too: then that refusal names the true cause
+            _refuse_as_without_reasoning(render, messages, i, tools, labelling, advise)
             raise Refused(f"messages[{i}]", f"the chat template's generation prompt ({header.strip()!r}) is not where "
                           "this answer, rendered with its reasoning, begins. "
-                          + closed_reasoning_advice(render, header, through[common_prefix(prompt, through):],
-                                              reasoning_of(messages[i]))
-                          + "tokenizer.chat_template to one that renders it")
+                          + reasoning_cause(render, header, through[common_prefix(prompt, through):],
+                                            reasoning_of(messages[i])) + "."
+                          + _ways_out(render, messages, i, tools, labelling, advise))
         raise Refused(f"messages[{i}]", "the chat template renders the chat before this turn differently once the "
                       f"turn is added ({divergence(prompt, through)}), so the turn cannot be located"
                       + ("" if at < 0 else "; data.rewritten_turns=split trains it after its own prompt")
@@ -178,30 +183,56 @@ def _after_own_prompt(render: ChatRenderer, messages: list[dict], i: int, tools,
     return prompt + through[at + len(header):]
 
 
-def _refuse_inside_open_reasoning(render: ChatRenderer, messages: list[dict], i: int, turn: _Turn) -> None:
-    """Refuse (under `data.prefill=refuse`) an answer the template places inside a reasoning block that it opened after
-    the chat's last message and that the answer does not close: a template that writes its generation prompt's
-    `<think>` prefill into the finished chat too (Nemotron-Nano-v2's, in its last answer) escapes the prefill check,
-    and every answer would train inside the model's reasoning, never closing it."""
+def _refuse_misplaced_reasoning(render: ChatRenderer, messages: list[dict], i: int, turn: _Turn, tools,
+                                labelling: Labelling, advise: bool) -> None:
+    """Refuse an answer trained inside a reasoning block it does not close, or opening a block its prompt already
+    opened: a template that writes its generation prompt's `<think>` prefill into the finished chat too
+    (Nemotron-Nano-v2's, before its last answer) escapes the prefill check, and every answer would train inside the
+    model's reasoning, never closing it (`data.prefill=after` likewise, after an open prefill); a `<think>...</think>`
+    block in such an answer's content trains a second `<think>`. Only the text after the chat's last message counts:
+    an earlier answer's block is its own."""
     context = turn.text[:turn.start]
     before = messages[i - 1].get("content") if i else None
     if isinstance(before, str) and before.strip() and (at := context.rfind(before.strip())) >= 0:
         context = context[at + len(before.strip()):]  # what the template wrote after the chat's last message
+    answer = turn.text[turn.start:turn.end]
     block = open_reasoning(context)
-    if block is None or block[1] in turn.text[turn.start:turn.end]:
+    if block is None:
         return
     opened = context[context.rfind(block[0]):]
-    given = ("this answer's reasoning is not rendered there: give it in the form the template renders (a "
-             f"{block[0]}...{block[1]} block in the content, or reasoning_content)" if reasoning_of(messages[i]) else
-             f"give the answer its reasoning (a {block[0]}...{block[1]} block in the content, or reasoning_content)")
-    switch = ("'/no_think' in the system prompt, which this template reads, or "
-              if "/no_think" in (render.tokenizer.chat_template or "") else "")
-    advice = (f"Either {given}, turn thinking off where the template can ({switch}a kwarg such as "
-              "+tokenizer.chat_template_kwargs.enable_thinking=false, as the template names it), or set ")
-    raise Refused(f"messages[{i}]", f"the chat template opens a reasoning block before this answer ({opened!r}) that "
-                  f"the answer, as the template renders it, does not close (no {block[1]!r}): the model would learn "
-                  f"to answer inside its reasoning and never close it. {advice}data.prefill=after (train the answer "
-                  "where the template puts it, as the model answers after that prompt)")
+    if answer.lstrip().startswith(block[0]):
+        problem = (f"the chat template opens a reasoning block before this answer ({opened!r}) and the answer, as the "
+                   f"template renders it, opens another ({answer[:30]!r}): the model would learn to write "
+                   f"{block[0]!r} twice")
+    elif block[1] not in answer:
+        problem = (f"the chat template opens a reasoning block before this answer ({opened!r}) that the answer, as the "
+                   f"template renders it, does not close (no {block[1]!r}): the model would learn to answer inside its "
+                   "reasoning and never close it")
+    else:
+        return
+    raise Refused(f"messages[{i}]", problem + "." + _ways_out(render, messages, i, tools, labelling, advise))
+
+
+def _ways_out(render: ChatRenderer, messages: list[dict], i: int, tools, labelling: Labelling, advise: bool) -> str:
+    """` ` + the refusal's ways out, each tried first (`sft.data.remedies`); nothing while trying them."""
+    if not advise:
+        return ""
+    from sft.data.remedies import ways_out
+
+    return " " + ways_out(render, messages, i, tools, labelling)
+
+
+def _refuse_as_without_reasoning(render: ChatRenderer, messages: list[dict], i: int, tools, labelling: Labelling,
+                                 advise: bool) -> None:
+    """Raise the refusal turn `i` gets once its reasoning is taken out, where it gets one: the reasoning is then not
+    the cause (a call turn refused for its reasoning was refused without it too, for another reason)."""
+    from sft.data.remedies import WayOut, _applied
+
+    chat = _applied(WayOut("", form="none"), messages[:i + 1], i)
+    try:
+        chat_views(render.tokenizer, chat, tools, labelling, render, advise=False)
+    except Refused:
+        chat_views(render.tokenizer, chat, tools, labelling, render, advise=advise)  # raises it, with its ways out
 
 
 def definitions_shown(render, messages: list[dict], tools: list[dict]) -> bool:

@@ -105,6 +105,10 @@ def test_every_answer_trains_as_the_template_writes_it_through_its_stop_token(na
             runs, _ = trained(tokenizer, [SYSTEM, *PLAIN], prefill="after")
             assert runs == expected(prefill_after, ANSWERS)
             check_the_oracle_properties(spec, runs, ANSWERS)
+        if spec.get("prefill_after_refused"):  # after an open <think> prefill: inside the block, never closed
+            with pytest.raises(Refused, match="does not close"):
+                trained(tokenizer, [SYSTEM, *PLAIN], prefill="after")
+            assert "data.prefill=after" not in e.value.reason  # nor offered
         return
     runs, untrained = trained(tokenizer, [SYSTEM, *PLAIN])
     assert runs == expected(spec["answer"], ANSWERS)
@@ -153,4 +157,5 @@ def test_the_profile_names_each_familys_stops_and_prefill():
         profile = ChatRenderer(tokenizer_for(name)).profile
         assert set(spec["stops"]) <= set(profile.stops), name
         # a prefill the template also writes into the finished chat (Nemotron-Nano-v2's) is no prefill of the profile
-        assert bool(profile.prefill) == ("prefill_after" in spec and not spec.get("prefill_in_chat")), name
+        has_prefill = "prefill_after" in spec or spec.get("prefill_after_refused")
+        assert bool(profile.prefill) == bool(has_prefill and not spec.get("prefill_in_chat")), name
