@@ -327,15 +327,53 @@ SWITCH_DROPS_REASONING = (
     "{% if not enable_thinking %}</think>{{ '\n\n' }}{% endif %}{% endif %}"
 )
 
+# Apertus's pattern: one assistant turn holds its calls and their results; a call ends with <|tools_suffix|>, and the
+# turn with <|assistant_end|> only once a user speaks again (no stop token after a call, in the chat or once it goes on).
+CALL_WITHOUT_STOP = (
+    "{%- set ns = namespace(open=false) -%}"
+    "{%- if tools %}<|developer_start|>{{ tools | tojson }}<|developer_end|>{% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{% if ns.open %}<|assistant_end|>{% set ns.open = false %}{% endif -%}"
+    "<|user_start|>{{ m.content }}<|user_end|>"
+    "{%- elif m.role == 'assistant' -%}{% if not ns.open %}<|assistant_start|>{% set ns.open = true %}{% endif -%}"
+    "{{ m.content or '' }}{% if m.tool_calls %}<|tools_prefix|>["
+    "{%- for c in m.tool_calls %}{{ '{\"' + c.function.name + '\": ' }}{{ c.function.arguments | tojson }}}"
+    "{% endfor %}]<|tools_suffix|>{% endif -%}"
+    "{%- elif m.role == 'tool' %}[{{ m.content }}]{% endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|assistant_start|>{% endif -%}"
+)
+
+# Apertus's first import: a call's arguments concatenated into the text, so an object fails in the template itself
+# (`TypeError: can only concatenate str (not "dict") to str`); `strict` also refuses a chat without a system turn
+# (the probe chat has none, so the probe cannot tell which form it takes).
+ARGUMENTS_CONCATENATED = (
+    "{%- if strict and messages[0].role != 'system' %}{{ raise_exception('a system turn comes first') }}{% endif -%}"
+    "{%- if tools %}<|im_start|>tools{{ '\n' + tools | tojson }}<|im_end|>{{ '\n' }}{% endif -%}"
+    "{% for m in messages %}"
+    "{% if m.role in ('system', 'user') %}<|im_start|>{{ m.role + '\n' + m.content }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'tool' %}<|im_start|>tool{{ '\n' + m.content }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}{{ '<call>' + c.function.name + ' ' + c.function.arguments + '</call>' }}"
+    "{% endfor %}<|im_end|>{{ '\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}{% endif %}"
+)
+
 # NVIDIA Nemotron-Nano-v2's pattern: the generation prompt prefills an open <think> block, and the finished chat's last
 # answer is written after that same prefill (earlier answers without it); '/no_think' in a message closes it instead.
+# A call is written without the prefill (its tools shown first).
 PREFILL_IN_LAST_TURN = (
     "{%- set ns = namespace(think=true) -%}"
     "{%- for m in messages %}{% if m.role != 'assistant' and '/no_think' in m.content %}{% set ns.think = false %}"
     "{% endif %}{% endfor -%}"
     "{%- set prefill = '<think>\n\n' if ns.think else '<think></think>' -%}"
+    "{%- if tools %}<|im_start|>system{{ '\n' + tools | tojson }}<|im_end|>{{ '\n' }}{% endif -%}"
     "{% for m in messages %}"
     "{% if m.role == 'user' %}<|im_start|>user{{ '\n' + m.content.replace('/no_think', '').strip() }}<|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'tool' %}<|im_start|>user{{ '\n<tool_response>' + m.content }}</tool_response><|im_end|>{{ '\n' }}"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant{{ '\n' }}"
+    "{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>{{ '\n' }}"
     "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\n' }}{% if loop.last %}{{ prefill }}{% endif %}"
     "{{ m.content }}<|im_end|>{{ '\n' }}"
     "{% endif %}{% endfor %}"
@@ -415,6 +453,12 @@ QUIRKS = {
                           bos="<|begin_of_text|>", eos="<|eot_id|>", answer="{a}<|eot_id|>"),
     "prefilled_think": dict(template=PREFILLED_THINK, special=[], added=["<think>", "</think>"], bos=None,
                             eos="<|im_end|>", answer="{a}<|im_end|>"),
+    "arguments_concatenated": dict(template=ARGUMENTS_CONCATENATED, special=[], bos=None, eos="<|im_end|>",
+                                   answer="{a}<|im_end|>"),
+    "call_without_stop": dict(template=CALL_WITHOUT_STOP, special=[
+        "<|developer_start|>", "<|developer_end|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+        "<|assistant_end|>", "<|tools_prefix|>", "<|tools_suffix|>"], bos=None, eos="<|assistant_end|>",
+        answer="{a}<|assistant_end|>"),
     "switch_drops_reasoning": dict(template=SWITCH_DROPS_REASONING, special=[], added=["<think>", "</think>"],
                                    bos=None, eos="<|im_end|>", answer="{a}<|im_end|>"),
     "prefill_in_last_turn": dict(template=PREFILL_IN_LAST_TURN, special=[], added=["<think>", "</think>"], bos=None,

@@ -15,6 +15,7 @@ the model's published configs, not from this project's output:
   turn; `prefill_after`: what it trains with `data.prefill=after` (`prefill_after_refused`: refused, as it would train
   inside the prefill's open reasoning block); `no_stop`: the template writes no stop;
 - `tools`: what an answer that calls a tool trains as (`{call}`: where the call is written), None where not checked;
+  `call_ends_with`: the token a call ends with where no stop token follows it (a chat ending with a call is refused);
 - `reasoning_refuses`: parts of the refusal an answer with reasoning gets (where the family refuses plain chats);
   `prefill_in_chat`: the template writes its prefill into the finished chat too (the profile sees none).
 """
@@ -214,7 +215,7 @@ FAMILIES.update({
                                    "<|assistant_end|>", "<|inner_prefix|>", "<|inner_suffix|>"],
         bos="<s>", eos="<|assistant_end|>", stops=["<|assistant_end|>"], answer="{a}<|assistant_end|>",
         reasoning=None,
-        tools_refuses="renders the chat before this turn differently"),
+        tools_refuses="renders the chat before this turn differently", call_ends_with="<|tools_suffix|>"),
     "moonshotai-Kimi-K2-Thinking": dict(
         family="Kimi-K2-Thinking", special=["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
                                             "<|im_end|>", "[EOS]", "[BOS]"], added=THINK, bos="[BOS]", eos="[EOS]",

@@ -89,6 +89,11 @@ class ChatRenderer:
             return Refused("messages", f"the chat template refuses this chat: {error} (data.on_error=skip leaves such "
                            "rows out, counted, and trains the others)")
         message = f"{type(error).__name__}: {str(error)[:300]}"
+        form = self._arguments_form_that_renders(messages, tools, add_generation_prompt)
+        if form is not None:
+            given, wanted = ("an object", "a JSON string") if form == "text" else ("JSON text", "an object")
+            return Refused("messages", f"the chat template takes tool-call arguments as {wanted} and fails on them as "
+                           f"{given} ({message}): give each call's arguments as {wanted}")
         if tools is not None:
             try:  # the chat with definitions known to be well-formed instead of the row's
                 self._render(messages, _PROBE_TOOLS, add_generation_prompt)
@@ -101,6 +106,31 @@ class ChatRenderer:
         return Refused("messages", f"the chat template fails on this chat ({message})"
                        + ("; a tool-use template may need the row's tools" if tools is None and "NoneType" in message
                           else ""))
+
+    def _arguments_form_that_renders(self, messages, tools, add_generation_prompt) -> str | None:
+        """Where the chat has tool calls and fails, the other form of their arguments (`text`: JSON strings, `object`)
+        if the chat renders with it: the form the template takes (Apertus's first import concatenated them as text,
+        `TypeError: can only concatenate str (not "dict") to str`), which its probe could not tell."""
+        calls = [c for m in messages for c in m.get("tool_calls") or [] if isinstance(c, dict) and "function" in c]
+        forms = {"text" if isinstance(c["function"].get("arguments"), str) else "object" for c in calls}
+        if len(forms) != 1:
+            return None
+        other = "object" if forms == {"text"} else "text"
+        try:
+            converted = [{**m, "tool_calls": [self._in_form(c, other) for c in m["tool_calls"]]}
+                         if m.get("tool_calls") else m for m in messages]
+            self._render(converted, tools, add_generation_prompt)
+        except Exception:  # noqa: BLE001 - the other form fails too: the arguments are not the cause
+            return None
+        return other
+
+    @staticmethod
+    def _in_form(call: dict, form: str) -> dict:
+        """A call with its `arguments` as an object or as their JSON text."""
+        arguments = call["function"].get("arguments")
+        converted = (json.dumps(arguments, ensure_ascii=False) if form == "text" and not isinstance(arguments, str)
+                     else json.loads(arguments) if form == "object" and isinstance(arguments, str) else arguments)
+        return {**call, "function": {**call["function"], "arguments": converted}}
 
     def compile(self) -> None:
         """Compile the template now: a syntax error is jinja's `TemplateSyntaxError`, not a refusal of each chat."""
@@ -148,13 +178,11 @@ class ChatRenderer:
         return [_definition(t, shown) for t in tools] if shown else tools
 
     def _call(self, call: dict) -> dict:
-        arguments = call["function"].get("arguments")
-        form = "text" if isinstance(arguments, str) else "object"
+        form = "text" if isinstance(call["function"].get("arguments"), str) else "object"
         usable = self.profile.arguments
         if form in usable or not usable:
             return call
-        converted = json.dumps(arguments, ensure_ascii=False) if form == "object" else json.loads(arguments)
-        return {**call, "function": {**call["function"], "arguments": converted}}
+        return self._in_form(call, usable[0])
 
 
 def _undefined_errors() -> tuple:

@@ -150,7 +150,29 @@ def _locate(render: ChatRenderer, messages: list[dict], i: int, tools, full: str
     following = following or profile.following["call" if messages[i].get("tool_calls") else "answer"]
     if following:
         return _Turn(text[:end] + following, start, end + len(following), own_text)
+    if messages[i].get("tool_calls"):
+        _refuse_call_without_stop(render, i, text[start:end])
     return _Turn(text, start, end, own_text)  # no stop at all: `TemplateProfile.notes` says so once
+
+
+def _refuse_call_without_stop(render: ChatRenderer, i: int, call: str) -> None:
+    """Refuse a tool-calling turn the template ends with no stop token, in the chat or once it goes on (Apertus's
+    `<|tools_prefix|>...<|tools_suffix|>`, followed by the tool's result in the same turn): trained so, the model
+    would write on past its call instead of stopping for the result. Where the call ends with a special token of its
+    own, the refusal names the stop tokens that would train it (that token added, where the server stops there)."""
+    from sft.data.chat_text import special_tokens
+
+    stops = render.profile.stops
+    ending = next((t for t in special_tokens(render.tokenizer) if call.rstrip().endswith(t)), None)
+    if ending is not None and len(render.tokenizer.encode(ending, add_special_tokens=False)) == 1:
+        way = (f"where the model's server stops at {ending!r} after a call (to run the tool), add it to the stop "
+               f"tokens: tokenizer.stop_tokens=[{','.join([*stops, ending])}]; else set ")
+    else:
+        way = "set "
+    raise Refused(f"messages[{i}]", f"the chat template ends this tool-calling turn with no token the model could stop "
+                  f"at ({call[-100:]!r}; the stop tokens: {', '.join(map(repr, stops)) or 'none'}), nor writes one "
+                  "once the chat goes on: the model would learn to write on past its call instead of stopping for the "
+                  f"tool's result; {way}tokenizer.chat_template to a template that ends calls with a stop token")
 
 
 def _after_own_prompt(render: ChatRenderer, messages: list[dict], i: int, tools, prompt: str, through: str,

@@ -138,6 +138,22 @@ def test_an_answer_with_reasoning_is_refused_for_its_real_cause_naming_the_templ
         assert part in e.value.reason
 
 
+@pytest.mark.parametrize("name", sorted(n for n, s in FAMILIES.items() if s.get("tools") or s.get("call_ends_with")))
+def test_a_chat_that_ends_with_a_call_trains_the_token_the_model_stops_at(name):
+    """The call turn, last: through a stop token, or (Apertus: `<|tools_suffix|>` and no end of turn) refused naming
+    the stop tokens that would train it (it trained with none, and no word)."""
+    spec, tokenizer = FAMILIES[name], tokenizer_for(name)
+    if spec.get("call_ends_with"):
+        with pytest.raises(Refused) as e:
+            trained(tokenizer, AGENT[:2], tools=TOOLS)
+        assert "ends this tool-calling turn with no token the model could stop at" in e.value.reason
+        assert f"add it to the stop tokens: tokenizer.stop_tokens=[{','.join(spec['stops'])}," \
+               f"{spec['call_ends_with']}]" in e.value.reason
+        return
+    runs, _ = trained(tokenizer, AGENT[:2], tools=TOOLS)
+    assert any(runs[-1].endswith(stop) for stop in ChatRenderer(tokenizer).profile.stops), runs[-1]
+
+
 @pytest.mark.parametrize("name", sorted(n for n, s in FAMILIES.items() if s.get("tools")))
 def test_a_tool_call_trains_with_its_turn_and_the_arguments_reach_the_template_as_it_reads_them(name):
     spec, tokenizer = FAMILIES[name], tokenizer_for(name)

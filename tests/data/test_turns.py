@@ -569,3 +569,59 @@ def test_an_answer_with_reasoning_after_a_no_thinking_prompt_is_refused_naming_t
     assert "This answer has reasoning, but the generation prompt closes the reasoning ('<think>\\n\\n</think>': the " \
            "template's no-thinking prompt, with the kwargs enable_thinking=False)" in reason
     assert "+tokenizer.chat_template_kwargs.enable_thinking=true" in reason and "Give the answer" not in reason
+
+
+def test_a_chat_ending_with_a_call_the_template_ends_with_no_stop_is_refused_naming_the_stop_that_trains_it():
+    """Apertus: a call ends with <|tools_suffix|> and the turn goes on with the tool's result, so no stop token follows
+    a call, in the chat or once it goes on; it trained `<|tools_prefix|>...<|tools_suffix|>` with nothing the model
+    could stop at, and no word. Refused, naming the stop tokens that train it; with them, it trains through the token."""
+    from sft.data.chat_settings import configure_chat
+
+    chat = WEATHER_CHAT[:2]
+    with pytest.raises(Refused) as refused:
+        chat_views(family_tokenizer("call_without_stop"), chat, WEATHER_TOOLS)
+    assert refused.value.field == "messages[1]"
+    assert ("ends this tool-calling turn with no token the model could stop at ('<|tools_prefix|>[{\"get_weather\": "
+            "{\"city\": \"Paris\"}}]<|tools_suffix|>'; the stop tokens: '<|assistant_end|>')") in refused.value.reason
+    assert ("add it to the stop tokens: tokenizer.stop_tokens=[<|assistant_end|>,<|tools_suffix|>]"
+            in refused.value.reason)
+    stopping = configure_chat(family_tokenizer("call_without_stop"), None, ["<|assistant_end|>", "<|tools_suffix|>"])
+    assert labelled(stopping, chat, tools=WEATHER_TOOLS) == [
+        ['<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>']]
+
+
+def test_a_call_turn_refused_without_its_reasoning_too_is_refused_for_that_cause_not_its_reasoning():
+    """Nemotron-Nano-v2's generation prompt opens <think>, but a call turn is written without it: the turn cannot be
+    placed whether or not it has reasoning. With reasoning it was refused for the reasoning (and advice about it);
+    refused the same way as without, the true cause is named."""
+    tokenizer = family_tokenizer("prefill_in_last_turn")
+    call = {**WEATHER_CHAT[1], "content": ""}
+    refusals = []
+    for turn in (call, {**call, "reasoning_content": "Look it up."}):
+        with pytest.raises(Refused) as refused:
+            chat_views(tokenizer, [WEATHER_CHAT[0], turn, *WEATHER_CHAT[2:]], WEATHER_TOOLS)
+        refusals.append((refused.value.field, refused.value.reason))
+    assert refusals[0] == refusals[1]
+    assert refusals[0][0] == "messages[1]" and "renders the chat before this turn differently" in refusals[0][1]
+    assert "reasoning" not in refusals[1][1]
+
+
+def test_a_template_that_fails_on_an_argument_form_gets_the_form_it_takes_or_one_line_naming_it():
+    """Apertus's first import concatenated a call's arguments as text: an object failed inside the template
+    (`TypeError: can only concatenate str (not "dict") to str`). Where the form probe can tell, rows are converted to
+    the text it takes and train; where it cannot (the probe chat refused), the refusal names the form."""
+    from sft.data.chat_settings import configure_chat
+
+    chat = [WEATHER_CHAT[0], {**WEATHER_CHAT[1], "content": ""}, WEATHER_CHAT[2], WEATHER_CHAT[3]]
+    runs = labelled(family_tokenizer("arguments_concatenated"), chat, tools=WEATHER_TOOLS)
+    assert sorted(run for sequence in runs for run in sequence) == [
+        '<call>get_weather {"city": "Paris"}</call><|im_end|>', "It is 18 C and sunny.<|im_end|>"]
+    strict = configure_chat(family_tokenizer("arguments_concatenated"), {"strict": True})
+    with pytest.raises(Refused) as refused:
+        chat_views(strict, [{"role": "system", "content": "Be brief."}, *chat], WEATHER_TOOLS)
+    assert refused.value.reason == (
+        'the chat template takes tool-call arguments as a JSON string and fails on them as an object (TypeError: can '
+        'only concatenate str (not "dict") to str): give each call\'s arguments as a JSON string')
+    as_text = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": '{"city": "Paris"}'}}
+                                    for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in chat]
+    assert chat_views(strict, [{"role": "system", "content": "Be brief."}, *as_text], WEATHER_TOOLS)
