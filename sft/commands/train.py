@@ -31,7 +31,7 @@ from sft.ranks import is_rank_zero
 from sft.run.train import train
 from sft.training.observability.advice import TrainingStopped
 from sft.training.processes.distributed import (exit_without_teardown, rank_overrides, refuse_multirun_in_launch,
-                                                share_run_dir)
+                                                share_run_dir, slurm_distributed_env)
 from sft.training.processes.rank_errors import report
 
 log = logging.getLogger("sft")
@@ -51,6 +51,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.errors import InstantiationException
 
     from sft.data.rows import DataError
+    from sft.training.processes.slurm import SlurmJob
     from sft.training.step.preemption import PREEMPTED_EXIT_CODE, Preempted
 
     started = time.time()
@@ -70,9 +71,12 @@ def main(cfg: DictConfig) -> float | None:
             if is_rank_zero():
                 print_summary(HydraConfig.get().runtime.output_dir)
             print(f"preempted: {reason}", file=sys.stderr)
+            requeue_slurm_job()
             sys.exit(PREEMPTED_EXIT_CODE)
         if in_sweep() and cfg.sweep.continue_on_error:
-            RunResults.failed(reason, time.time() - started).record(HydraConfig.get().runtime.output_dir)
+            job = SlurmJob.current()
+            RunResults.failed(reason, time.time() - started, job.id if job else None).record(
+                HydraConfig.get().runtime.output_dir)
             return None
         if isinstance(reason, ConfigError):
             fail(f"config: {reason}")
@@ -85,6 +89,24 @@ def main(cfg: DictConfig) -> float | None:
         print_summary(HydraConfig.get().runtime.output_dir)
         print(f"run dir: {HydraConfig.get().runtime.output_dir}")
     return results.eval_ce  # the objective of sweeps: comparable across loss weights, unlike eval_loss
+
+
+def requeue_slurm_job() -> None:
+    """Under SLURM, rank 0 of a run stopped at a signal (its checkpoint complete, every rank done) asks SLURM to
+    requeue the job (`sft.training.processes.slurm`); the next attempt continues the run. Said either way."""
+    from sft.training.processes.slurm import SlurmJob
+
+    job = SlurmJob.current()
+    if job is None or not is_rank_zero():
+        return
+    sys.stderr.flush()
+    why = job.requeue()
+    if why is None:
+        print(f"SLURM job {job.id}: requeued; attempt {job.restart + 2} continues this run from its checkpoint",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"SLURM job {job.id}: not requeued ({why}); exit code 75 (RequeueExit=75 requeues it where the "
+              "cluster sets that; else submit it again: it continues the run)", file=sys.stderr, flush=True)
 
 
 def print_summary(run_dir: str) -> None:
@@ -126,6 +148,7 @@ def cli() -> None:
             return
     from sft.config.argv import check_only, refused_before_composing
     from sft.training.checkpoints.run_dir import unlink_planted, unwritable_dir
+    from sft.training.processes.slurm import set_run_dir as set_slurm_run_dir
 
     sys.argv[1:] = secrets_to_environment(sys.argv[1:])  # before Hydra writes or W&B records the command line
     if "--check" in sys.argv[1:]:  # compose and check only (./launch.sh, before several processes)
@@ -136,6 +159,8 @@ def cli() -> None:
         report(f"config: {refused}", 2)
         sys.exit(2)
     unlink_planted(sys.argv[1:])
+    slurm_distributed_env()  # srun's tasks as ranks, before the run dir is shared among them
+    set_slurm_run_dir(sys.argv[1:])  # a requeueable batch job: every attempt's run dir
     refuse_multirun_in_launch(sys.argv[1:])
     if {"-m", "--multirun"} & set(sys.argv[1:]):
         from sft.commands.sweep import start_multirun
@@ -182,6 +207,11 @@ def compose_then_run(overrides: list[str]) -> None:
         if _full_error.composed:  # the run's own failure, with HYDRA_FULL_ERROR=1 set by the user
             raise
         _full_error.restore()
+        from sft.training.processes.slurm import SlurmRefused
+
+        if isinstance(e, SlurmRefused):  # a sweep's jobs, which SLURM refused to queue
+            report(f"slurm: sbatch refused the sweep's jobs: {e}", 2)
+            sys.exit(2)
         plain = [o for o in overrides if "=" in o and not o.startswith(("-", "hydra/"))
                  and (not o.startswith("hydra.") or o.startswith("hydra.searchpath="))]
         refused = composition_error(e, plain)

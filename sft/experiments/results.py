@@ -52,6 +52,9 @@ class RunResults:
     eval_exact_match_hardest: Optional[float] = None
     wall_time_s: Optional[float] = None
     eval_history: list = field(default_factory=list)  # [{step, eval_loss, eval_ce}] of every evaluation
+    # each stop at a signal the run went on from: [{signal, step, checkpoint, time, slurm_job, attempt}]
+    preemptions: list = field(default_factory=list)
+    slurm_job: Optional[str] = None  # the SLURM job (its last attempt) that ran it, where one did
     # fields the run's controllers contribute (`Controller.results`), each under its own name in the file
     extra: dict = field(default_factory=dict)
 
@@ -80,16 +83,17 @@ class RunResults:
                 self.extra[key] = value
 
     @classmethod
-    def failed(cls, error: BaseException | str, wall_time_s: float) -> RunResults:
-        """A failed run: the error's type and first line."""
+    def failed(cls, error: BaseException | str, wall_time_s: float, slurm_job: str | None = None) -> RunResults:
+        """A failed run: the error's type and first line (and the SLURM job that ran it, where one did)."""
         if isinstance(error, BaseException):
             text = str(error).strip()
             error = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-        return cls(status="failed", error=error, wall_time_s=round(wall_time_s, 1))
+        return cls(status="failed", error=error, wall_time_s=round(wall_time_s, 1), slurm_job=slurm_job)
 
     def to_json(self) -> dict:
         if self.status == "failed":
-            return {"status": self.status, "error": self.error, "wall_time_s": self.wall_time_s}
+            return {"status": self.status, "error": self.error, "wall_time_s": self.wall_time_s,
+                    **({"slurm_job": self.slurm_job} if self.slurm_job else {})}
         out = {}
         for key, value in asdict(self).items():
             if key == "eval_loss_buckets":
@@ -98,6 +102,8 @@ class RunResults:
                 out.update(sorted(value.items()))
             elif key == "extra":
                 out.update(value)
+            elif key in ("preemptions", "slurm_job") and not value:
+                continue  # only where there were some
             elif key not in ("error", "checkpoint") or value is not None:
                 out[key] = value
         return out

@@ -45,6 +45,11 @@ def train(cfg: DictConfig) -> RunResults:
     run_dir = HydraConfig.get().runtime.output_dir
     output_dir = cfg.trainer.output_dir or run_dir
     locks = lock_run_dirs(run_dir, output_dir)  # one run in a dir at a time
+    before = RunResults.read(run_dir)  # a stopped attempt's record: its preemptions go on into this one's
+    if (finished := continue_slurm_job(cfg, run_dir, output_dir, before)) is not None:
+        for lock in locks:
+            lock.release()
+        return finished
     preemption = Preemption(grace_s=cfg.signal_grace_s)
     preemption.install()  # a signal now stops the start-up; in training, after a checkpoint; after it, once finished
     try:
@@ -55,20 +60,23 @@ def train(cfg: DictConfig) -> RunResults:
         recipe = build(cfg, run_dir, checkpoint, preemption)
         recipe.trainer.add_callback(MetricsFile(Path(run_dir, "metrics.jsonl"), step_of(checkpoint) if checkpoint
                                                 else None))  # every number of every log
+        preemptions = before.preemptions if before is not None and checkpoint else []
         track_checkpoints(recipe, cfg, checkpoint, changes)
         start_mlflow(cfg, run_dir)
-        preemption.on_exit = lambda: record_preempted(recipe.trainer, run_dir, started)
+        preemption.on_exit = lambda: record_preempted(recipe.trainer, run_dir, started, preemptions=preemptions,
+                                                      signal=preemption.signal)
         train_output = train_with_advice(recipe.trainer, cfg, checkpoint)
         if checkpoint and recipe.trainer.state.global_step == step_of(checkpoint):  # (then nothing trained)
             log.info("resume: %s holds every step of the run (%d): nothing trained; the final evaluation and "
                      "model/ again", checkpoint, recipe.trainer.state.global_step)
         preemption.training_done = True
         if preemption.stopped_at is not None:
-            stop_preempted(recipe.trainer, preemption, run_dir, started)
+            stop_preempted(recipe.trainer, preemption, run_dir, started, preemptions)
         raise_if_failed(recipe.controllers)
         final_eval = evaluate_and_save(recipe, cfg, run_dir)
         final_eval.update(benchmark_after_training(recipe, cfg, run_dir, final_eval))
         results = collect_results(recipe, final_eval, train_output, run_dir, checkpoint, started)
+        results.preemptions, results.slurm_job = preemptions, slurm_job_id()
         log_hparams(cfg, run_dir, results.to_json(), recipe.trainer.args)
         finish_trackers()
         if recipe.trainer.is_world_process_zero():
@@ -77,7 +85,8 @@ def train(cfg: DictConfig) -> RunResults:
         finish_mlflow(run_dir, "FINISHED")
     except BaseException as e:
         if isinstance(e, Preempted) and e.at_start:  # nothing trained: results.json says so, with what to resume
-            record_preempted(None, run_dir, started, output_dir)
+            record_preempted(None, run_dir, started, output_dir, signal=preemption.signal,
+                             preemptions=before.preemptions if before is not None else [])
         with contextlib.suppress(Exception):  # the run's own error is the one to report
             finish_mlflow(run_dir, "KILLED" if isinstance(e, Preempted) else "FAILED")
         raise
@@ -90,6 +99,48 @@ def train(cfg: DictConfig) -> RunResults:
         raise Preempted(f"{preemption.signal} after training: this job finished ({run_dir}); the sweep stops here "
                         "(the same command with sweep.resume=true goes on)", None)
     return results
+
+
+def continue_slurm_job(cfg: DictConfig, run_dir: str, output_dir: str, before: RunResults | None) -> RunResults | None:
+    """A requeued SLURM job's next attempt (`sft.training.processes.slurm`) continues its run, without the user adding
+    `resume=auto`: a run that finished stays finished (its results returned, nothing trained); one stopped at a signal
+    goes on from its newest complete checkpoint; one whose checkpoint is gone is refused (it would train its steps
+    twice)."""
+    from sft.config.schema import ConfigError
+    from sft.training.processes.slurm import SlurmJob
+
+    job = SlurmJob.current()
+    if job is None or not job.continuation:
+        return None
+    if before is not None and before.status == "ok":
+        log.info("SLURM job %s, attempt %d: this run finished before (%s/results.json): nothing to train", job.id,
+                 job.restart + 1, run_dir)
+        return before
+    if before is not None and before.checkpoint and not Path(before.checkpoint).is_dir():
+        raise ConfigError("resume", "auto", f"SLURM job {job.id}, attempt {job.restart + 1}: the checkpoint this run "
+                          f"stopped at ({before.checkpoint}, results.json) is gone, so it cannot go on without "
+                          "training its steps again: submit it anew with overwrite=true to start over")
+    if cfg.resume is None:
+        cfg.resume = "auto"
+    log.info("SLURM job %s, attempt %d: continuing the run in %s (resume=%s)", job.id, job.restart + 1, output_dir,
+             cfg.resume)
+    return None
+
+
+def slurm_job_id() -> str | None:
+    from sft.training.processes.slurm import SlurmJob
+
+    job = SlurmJob.current()
+    return job.id if job else None
+
+
+def preemption_record(signal: str, step: int, checkpoint: str | None) -> dict:
+    """One stop at a signal, as `results.json`'s `preemptions` lists it."""
+    from sft.training.processes.slurm import SlurmJob
+
+    job = SlurmJob.current()
+    return {"signal": signal, "step": step, "checkpoint": checkpoint, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **({"slurm_job": job.id, "attempt": job.restart + 1} if job else {})}
 
 
 def continue_or_claim(cfg: DictConfig, output_dir: str, checkpoint: str | None) -> list:
@@ -143,7 +194,7 @@ def track_checkpoints(recipe: Recipe, cfg: DictConfig, checkpoint: str | None, c
             trainer.add_callback(LearningRateChange(old, new))
 
 
-def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
+def stop_preempted(trainer, preemption, run_dir: str, started: float, preemptions: list) -> None:
     """After a signal (`sft.training.step.preemption`): `results.json` says preempted and where the checkpoint is; raise
     `Preempted`."""
     from sft.training.step.preemption import Preempted
@@ -152,7 +203,9 @@ def stop_preempted(trainer, preemption, run_dir: str, started: float) -> None:
     continue_with = f"the same command plus resume=auto hydra.run.dir={run_dir}"
     if trainer.is_world_process_zero():
         results = RunResults(status="preempted", checkpoint=checkpoint, global_step=preemption.stopped_at,
-                             resumed_from=None, wall_time_s=round(time.time() - started, 1))
+                             resumed_from=None, wall_time_s=round(time.time() - started, 1),
+                             preemptions=[*preemptions, preemption_record(preemption.signal, preemption.stopped_at,
+                                                                          checkpoint)], slurm_job=slurm_job_id())
         results.write(run_dir)
         write_summary(run_dir, summary_text(run_dir, read_metrics(Path(run_dir, "metrics.jsonl")), "preempted",
                                             preemption.stopped_at, results.wall_time_s, continue_with=continue_with))
@@ -176,7 +229,8 @@ def picture_and_summary(cfg: DictConfig, run_dir: str, results: RunResults) -> N
                                         eval_rows=cfg.data.get("eval_file")))
 
 
-def record_preempted(trainer, run_dir: str, started: float, output_dir: str | None = None) -> None:
+def record_preempted(trainer, run_dir: str, started: float, output_dir: str | None = None,
+                     preemptions: list | None = None, signal: str | None = None) -> None:
     """A run that exits at a signal without finishing (in its start-up, `trainer` None; a second signal, or past
     `signal_grace_s`; also after training): `results.json` says preempted, with the newest complete checkpoint to
     continue from."""
@@ -186,7 +240,10 @@ def record_preempted(trainer, run_dir: str, started: float, output_dir: str | No
         last = latest_complete(output_dir or trainer.args.output_dir)
         step = trainer.state.global_step if trainer is not None else (step_of(last) if last else 0)
         results = RunResults(status="preempted", checkpoint=str(last) if last else None, global_step=step,
-                             resumed_from=None, wall_time_s=round(time.time() - started, 1))
+                             resumed_from=None, wall_time_s=round(time.time() - started, 1),
+                             preemptions=[*(preemptions or []), preemption_record(signal or "a signal", step, str(last) if
+                                                                                 last else None)],
+                             slurm_job=slurm_job_id())
         results.write(run_dir)
         # the summary too (a summary.txt of an earlier run in this dir would otherwise be printed as this one's)
         continue_with = f"the same command plus resume=auto hydra.run.dir={run_dir}" if last else None

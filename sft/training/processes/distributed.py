@@ -24,15 +24,38 @@ from sft.ranks import is_rank_zero
 
 
 def slurm_distributed_env() -> None:
-    """Under SLURM (hydra/launcher=slurm), one task per GPU: torch.distributed's variables from SLURM's.
+    """Under a SLURM job step of several tasks (`srun`, hydra/launcher=slurm), one task per process (per GPU):
+    torch.distributed's variables from SLURM's. A process of the batch script itself is no rank, however many tasks
+    the allocation has (it would wait for peers that never come), nor one a launcher numbered (torchrun's RANK).
 
-    MASTER_ADDR and MASTER_PORT come from the launcher preset's setup lines.
+    MASTER_ADDR and MASTER_PORT, where not set (the example sbatch script and the launcher presets set them): the
+    step's first node's address (its NodeAddr) and a port from the job's id, the same on every task.
     """
-    if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if "RANK" in os.environ or tasks <= 1:
         return
-    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                      LOCAL_RANK=os.environ["SLURM_LOCALID"],
-                      LOCAL_WORLD_SIZE=os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=str(tasks), LOCAL_RANK=os.environ["SLURM_LOCALID"],
+                      LOCAL_WORLD_SIZE=os.environ.get("SLURM_STEP_TASKS_PER_NODE",
+                                                      os.environ.get("SLURM_NTASKS_PER_NODE", "1")).split("(")[0])
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
+    if "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = first_node_address(os.environ.get("SLURM_STEP_NODELIST",
+                                                                      os.environ.get("SLURM_JOB_NODELIST", "")))
+
+
+def first_node_address(nodelist: str) -> str:
+    """The address of a SLURM node list's first node: its NodeAddr (what SLURM itself reaches it at; a node's name
+    need not resolve), else its name."""
+    import subprocess
+
+    try:
+        first = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               timeout=30).stdout.split()[0]
+        node = subprocess.run(["scontrol", "show", "node", "-o", first], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return nodelist.split(",")[0]
+    return next((item.split("=", 1)[1] for item in node.split() if item.startswith("NodeAddr=")), first)
 
 
 def single_process_distributed_env() -> None:

@@ -42,6 +42,14 @@ log = logging.getLogger("sft")
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL ("try again"): SLURM's --requeue, a Kubernetes restart policy
 DUPLICATE_S = 2.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Under SLURM, also the warnings it sends some seconds before the time limit (`--signal=USR1@60`) and submitit's
+# (SIGUSR2, before the limit or a preemption): the same stop, saved and requeued (sft.training.processes.slurm)
+SLURM_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def signals() -> tuple:
+    """The signals a run stops at: SIGTERM and SIGINT; under SLURM, SIGUSR1 and SIGUSR2 too."""
+    return SIGNALS + (SLURM_SIGNALS if "SLURM_JOB_ID" in os.environ else ())
 
 
 class Preempted(RuntimeError):
@@ -89,7 +97,7 @@ class Preemption(Controller):
         """Take over SIGTERM and SIGINT (from the main thread, where Python runs signal handlers)."""
         if threading.current_thread() is threading.main_thread():
             self._pid = os.getpid()
-            for sig in SIGNALS:
+            for sig in signals():
                 signal.signal(sig, self._on_signal)
 
     def uninstall(self) -> None:
@@ -98,8 +106,8 @@ class Preemption(Controller):
         if self._timer is not None:
             self._timer.cancel()
         if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
-                default = signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler
+            for sig in signals():
+                default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
                 signal.signal(sig, default if self.signal is None else self._after_stop)
 
     def _after_stop(self, signum, frame) -> None:
@@ -121,12 +129,13 @@ class Preemption(Controller):
             if not self.training_started and not self.training_done:  # start-up: nothing to save, stop at once
                 raise Preempted(f"{self.signal} during start-up: nothing trained yet; the same command starts the run "
                                 "again (resume=auto, where it had checkpoints)", None, at_start=True)
+            where = _under_slurm(self.signal)
             if self.training_done:
-                log.warning("%s after training: finishing the run (final evaluation and save; a second signal "
-                            "exits at once; at most signal_grace_s=%g s)", self.signal, self.grace_s)
+                log.warning("%s%s after training: finishing the run (final evaluation and save; a second signal "
+                            "exits at once; at most signal_grace_s=%g s)", where, self.signal, self.grace_s)
             else:
-                log.warning("%s: finishing the current step, then saving a checkpoint and stopping (a second "
-                            "signal exits at once; at most signal_grace_s=%g s)", self.signal, self.grace_s)
+                log.warning("%s%s: finishing the current step, then saving a checkpoint and stopping (a second "
+                            "signal exits at once; at most signal_grace_s=%g s)", where, self.signal, self.grace_s)
             self._timer = threading.Timer(self.grace_s, self._give_up)
             self._timer.daemon = True
             self._timer.start()
@@ -163,3 +172,15 @@ class Preemption(Controller):
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
+
+
+def _under_slurm(name: str) -> str:
+    """`SLURM job 42 (attempt 1): ... ` before a signal's log line where the run is a SLURM job: what the signal means
+    there and how long the scheduler gives after it; "" elsewhere."""
+    from sft.training.processes.slurm import SlurmJob, signal_meaning
+
+    job = SlurmJob.current()
+    if job is None:
+        return ""
+    return (f"SLURM job {job.id} (attempt {job.restart + 1}, {signal_meaning(name)}; the scheduler gives "
+            f"{job.grace()}): ")
