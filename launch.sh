@@ -57,6 +57,25 @@ if [ -z "$NPROC" ]; then
   NPROC=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
 fi
 
+# Inside a SLURM allocation: launched once per node by srun (`srun --ntasks-per-node=1 ./launch.sh ...`), the nodes
+# are the allocation's (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT from SLURM); otherwise this node only, said.
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  nodes=${SLURM_NNODES:-1}
+  if [ -n "${SLURM_STEP_ID:-}" ] && [ "${SLURM_STEP_NUM_TASKS:-1}" = "$nodes" ] && [ "$nodes" -gt 1 ]; then
+    first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    export NNODES=$nodes NODE_RANK=$SLURM_NODEID MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+    export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show node -o "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)}
+    echo "[launch] SLURM job $SLURM_JOB_ID: node $((NODE_RANK + 1)) of $NNODES (rendezvous $MASTER_ADDR:$MASTER_PORT)," \
+         "$NPROC process(es) here; a signal saves, and a requeueable batch job requeues and continues" >&2
+  elif [ "$nodes" -gt 1 ]; then
+    echo "[launch] SLURM job $SLURM_JOB_ID has $nodes nodes, and this runs on this one only: start it once per node" \
+         "with srun --ntasks-per-node=1 ./launch.sh ..." >&2
+  else
+    echo "[launch] SLURM job $SLURM_JOB_ID: $NPROC process(es) on this node; a signal saves, and a requeueable batch job" \
+         "requeues and continues" >&2
+  fi
+fi
+
 # Multi-node: run this on every node with the same NNODES, MASTER_ADDR, MASTER_PORT and its own NODE_RANK.
 # All ranks of all nodes share rank 0's run dir (sft.train settles it through the launcher's store).
 NNODES=${NNODES:-1}

@@ -425,3 +425,17 @@ def sft(*args: str) -> subprocess.CompletedProcess:
     """`sft args...` as the console script runs it (the script calls sft.commands.main)."""
     return subprocess.run([sys.executable, "-c", "from sft.commands import main; main()", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A real one-host SLURM for the module's tests (`tests/slurm_cluster.py`): two nodes, a preemptible partition
+    and a higher one, accounting; stopped after the module. Skipped, saying why, where it cannot run (not root, SLURM
+    not installed: `python tests/slurm_cluster.py install`, which .ci/run does)."""
+    from slurm_cluster import Cluster, unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    with Cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster

@@ -32,7 +32,7 @@ def test_the_site_builds_strictly(tmp_path):
 def test_every_example_is_on_the_examples_page():
     page = (REPO / "docs" / "examples.md").read_text()
     folders = [p.name for p in (REPO / "examples").iterdir() if (p / "README.md").is_file()]
-    assert len(folders) == 11 and all(f"`{name}/`" in page for name in folders)
+    assert len(folders) == 12 and all(f"`{name}/`" in page for name in folders)
 
 
 def test_every_link_and_docs_path_of_the_examples_readmes_resolves():

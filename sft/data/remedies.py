@@ -67,11 +67,10 @@ def candidates(render: ChatRenderer, message: dict, context: str) -> list[WayOut
     return ways
 
 
-def ways_out(render: ChatRenderer, messages: list[dict], i: int, tools, labelling: Labelling) -> str:
+def ways_out(render: ChatRenderer, messages: list[dict], i: int, tools, labelling: Labelling, label) -> str:
     """What a refusal of assistant turn `i` says next: the candidates that, tried on the chat through the turn, train
-    it right (those that train it without its reasoning said apart), or that none does."""
-    from sft.data.turns import chat_views
-
+    it right (those that train it without its reasoning said apart), or that none does. `label`: the labelling to
+    try them with (`sft.data.turns.chat_views`, without advice of its own)."""
     reasoning = reasoning_of(messages[i])
     context = render(messages[:i], tools=tools, add_generation_prompt=True)
     right, without, tried = [], [], []
@@ -82,8 +81,8 @@ def ways_out(render: ChatRenderer, messages: list[dict], i: int, tools, labellin
         tried.append(way.advice)
         chat, trying = _applied(way, messages[:i + 1], i), replace(labelling, prefill=way.prefill or labelling.prefill)
         try:
-            views = chat_views(render.tokenizer, chat, tools, trying, render.with_kwargs(way.kwargs) if way.kwargs
-                               else render, advise=False)
+            views = label(render.tokenizer, chat, tools, trying, render.with_kwargs(way.kwargs) if way.kwargs
+                          else render, advise=False)
         except Refused:
             continue
         answer = "".join(text[a:b] for text, spans in views for a, b, _ in spans)

@@ -241,7 +241,7 @@ def _ways_out(render: ChatRenderer, messages: list[dict], i: int, tools, labelli
         return ""
     from sft.data.remedies import ways_out
 
-    return " " + ways_out(render, messages, i, tools, labelling)
+    return " " + ways_out(render, messages, i, tools, labelling, chat_views)
 
 
 def _refuse_as_without_reasoning(render: ChatRenderer, messages: list[dict], i: int, tools, labelling: Labelling,

@@ -74,6 +74,7 @@ def job_row(job: Path) -> dict:
         "wall_time_s": results.wall_time_s,
         "exact_match_hardest": results.eval_exact_match_hardest,
         "error": results.error or "",
+        **({"slurm_job": results.slurm_job} if results.slurm_job else {}),
     }
 
 
@@ -298,6 +299,10 @@ def verdict_lines(rows: list[dict]) -> list[str]:
     metrics = [m for m in dict.fromkeys(k for r in rows for k in r)
                if comparable(m) and isinstance(base.get(m), Interval)]
     for row in rows:
+        if seed_count(row) == 0:
+            lines.append(f"- {name(row)}: no job of this setting finished ({row['seeds']}): nothing to compare; see "
+                         "Failed jobs")
+            continue
         if row["baseline"]:
             continue
         judged: dict[str, list[str]] = {"better": [], "worse": [], "not resolved": []}
@@ -322,7 +327,7 @@ def verdict_lines(rows: list[dict]) -> list[str]:
         best = min(ce)
         lines.append(f"- Lowest mean eval_ce (unweighted cross entropy, comparable across losses): {best[1]} "
                      f"({best[0]:.4g}).")
-    fewest = min(seed_count(r) for r in rows)
+    fewest = min((seed_count(r) for r in rows if seed_count(r) > 0), default=0)
     if fewest == 1:
         lines.append("- Warning: a setting has one seed: its intervals are bootstraps over the eval rows, which "
                      "measure the eval set's noise, not the seed's: run 3 or more seeds (trainer.seed=1,2,3).")
@@ -331,6 +336,20 @@ def verdict_lines(rows: list[dict]) -> list[str]:
                      f"{_t_factor(fewest):.1f} standard errors wide each side (from 3: 4.3, from 5: 2.8), so few "
                      "differences resolve: run 3 or more seeds (trainer.seed=1,2,3).")
     return lines
+
+
+def failed_lines(jobs: list[dict]) -> list[str]:
+    """A section naming each job that failed or did not end, with its SLURM job where one ran it and the first line
+    of its error; nothing where every job finished."""
+    bad = [j for j in jobs if j["status"] != "ok"]
+    if not bad:
+        return []
+    lines = ["## Failed jobs", ""]
+    for job in bad:
+        where = f" (SLURM job {job['slurm_job']})" if job.get("slurm_job") else ""
+        error = (job.get("error") or "").splitlines()[0] if job.get("error") else "no results.json: interrupted"
+        lines.append(f"- job {job['job']}{where}: {job['status']}: {error}")
+    return lines + [""]
 
 
 def _t_factor(n: int) -> float:
@@ -350,7 +369,7 @@ def write_report(sweep_dir: str | Path, baseline: str | None = None) -> list[dic
     _write_csv(sweep_dir / "sweep_summary.csv", grouped)
     job_columns = [c for c in dict.fromkeys(k for row in jobs for k in row)
                    if any(row.get(c) not in (None, "") for row in jobs)]
-    text = [f"# Sweep {sweep_dir}", "", "## Verdict", "", *verdict_lines(grouped), "",
+    text = [f"# Sweep {sweep_dir}", "", "## Verdict", "", *verdict_lines(grouped), "", *failed_lines(jobs),
             "## Settings (mean [95% interval]; diff_: paired difference to the baseline, * where its interval "
             "excludes 0)", "", *settings_markdown(grouped), "", "## Jobs", "", *_markdown(jobs, job_columns)]
     write_text(own_path(sweep_dir / "sweep_summary.md"), "\n".join(text) + "\n")

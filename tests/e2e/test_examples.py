@@ -29,8 +29,9 @@ def run_block(name: str) -> str:
 REDUCED = {"identity": "trainer.max_steps=15 trainer.eval_steps=15 trainer.save_steps=15"}  # 30 steps in its README
 
 
-def run_recipe(name: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    """Run an example's commands with bash from the repo root, its output dir in `tmp_path`; that dir."""
+def run_recipe(name: str, tmp_path: Path, extra_env: dict | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run an example's commands with bash from the repo root, its output dir in `tmp_path`; that dir. `extra_env`:
+    the test cluster's (SLURM_CONF) for the SLURM recipe."""
     out = tmp_path / name
     commands = run_block(name).replace(f"outputs/examples/{name}", str(out)).replace(
         f"multirun/examples/{name}", str(out))
@@ -40,7 +41,7 @@ def run_recipe(name: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, 
         assert commands.count(f"hydra.run.dir={out}/run") == 1, commands
         commands = commands.replace(f"hydra.run.dir={out}/run", f"{REDUCED[name]} hydra.run.dir={out}/run")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "MASTER_PORT": str(free_port()), "HYDRA_FULL_ERROR": "1"}
+           "MASTER_PORT": str(free_port()), "HYDRA_FULL_ERROR": "1", **(extra_env or {})}
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=REPO, capture_output=True, text=True,
                           timeout=900, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -169,10 +170,27 @@ def check_base_to_chat(proc, out):
     assert "Rome" in text and text.endswith("<end_of_turn>") and tokens < 48, text
 
 
+def check_slurm(proc, out):
+    """Two nodes, one process each, DDP over gloo: the step losses of one process taking the same global batch."""
+    from conftest import step_losses
+
+    run = out / "run"
+    assert results(run)["status"] == "ok"
+    assert json.loads((run / "checkpoint-4" / "sft_state.json").read_text())["world_size"] == 2
+    one = out / "one"
+    block = run_block("slurm")
+    overrides = block[block.index("hydra.run.dir="):].replace("\\\n", " ").split()[1:]
+    overrides = [o.replace("per_device_train_batch_size=2", "per_device_train_batch_size=4") for o in overrides]
+    done = subprocess.run([sys.executable, "-m", "sft.train", *overrides, f"hydra.run.dir={one}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert step_losses(run, 4) == pytest.approx(step_losses(one, 4), abs=1e-5)
+
+
 CHECKS = {"own_data_lora": check_own_data_lora, "zero3": check_sharded, "fsdp2": check_sharded,
           "mixture": check_mixture, "tool_calling": check_tool_calling, "own_loss": check_own_loss,
           "own_controller": check_own_controller, "seed_sweep": check_seed_sweep, "optuna": check_optuna,
-          "identity": check_identity, "base_to_chat": check_base_to_chat}
+          "identity": check_identity, "base_to_chat": check_base_to_chat, "slurm": check_slurm}
 
 
 REAL_MODEL = {"identity": "smollm2_dir", "base_to_chat": "gemma3_dir"}  # recipes on a real model: its fixture
@@ -183,5 +201,6 @@ REAL_MODEL = {"identity": "smollm2_dir", "base_to_chat": "gemma3_dir"}  # recipe
 def test_the_example_runs_as_its_readme_says(tmp_path, name, request):
     if name in REAL_MODEL:
         request.getfixturevalue(REAL_MODEL[name])  # converted once for the session, or skipped saying why
-    proc, out = run_recipe(name, tmp_path)
+    cluster = request.getfixturevalue("slurm") if name == "slurm" else None  # the test cluster, or skipped saying why
+    proc, out = run_recipe(name, tmp_path, {"SLURM_CONF": cluster.env["SLURM_CONF"]} if cluster else None)
     CHECKS[name](proc, out)

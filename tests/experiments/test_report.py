@@ -198,3 +198,21 @@ def test_a_difference_is_resolved_only_by_an_interval_that_excludes_zero_from_mo
     assert not resolved(Interval(0.02, 0.02, 0.02), seeds=1)
     assert not resolved(Interval(0.0, 0.0, 0.0), seeds=3) and not resolved(Interval(0.02), seeds=3)
     assert not resolved(Interval(0.02, -0.01, 0.05), seeds=3)
+
+
+def test_failed_jobs_are_named_with_their_slurm_job_and_a_setting_with_none_finished_is_said_so(tmp_path):
+    """A sweep whose every job of one setting failed (under SLURM: killed, its node down): the report names each failed
+    job, its SLURM job and the first line of its error, and says the setting has nothing to compare; it warned of
+    "a setting has 0 seeds ... nan standard errors wide" before."""
+    for number, seed in enumerate((1, 2, 3)):
+        job(tmp_path, number, ["loss=ce", f"trainer.seed={seed}"], 0.8 + 0.01 * seed)
+    for number, seed in enumerate((1, 2, 3), 3):
+        d = tmp_path / str(number)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["loss=focal", f"trainer.seed={seed}"]))
+        RunResults.failed(f"SLURM job 7_{number} ended NODE_FAIL: node down\nmore", 2.0, f"7_{number}").write(d)
+    write_report(tmp_path)
+    text = (tmp_path / "sweep_summary.md").read_text()
+    assert "- loss=focal: no job of this setting finished (0/3): nothing to compare; see Failed jobs" in text
+    assert "## Failed jobs\n\n- job 3 (SLURM job 7_3): failed: SLURM job 7_3 ended NODE_FAIL: node down\n" in text
+    assert "nan" not in text and "0 seeds" not in text

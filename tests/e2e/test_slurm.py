@@ -1,0 +1,223 @@
+"""Training under a real SLURM (`tests/slurm_cluster.py`: two nodes on this host, a preemptible partition `low` and
+`high`, whose jobs preempt it; accounting on). What users grow into past one box, run for real:
+
+- a sweep whose jobs are SLURM jobs ends in the verdict a local sweep gives; what SLURM refuses is one line;
+- a job preempted by the higher partition, signalled with `scancel --signal=TERM`, and warned of its time limit
+  (`--signal`) saves each time, requeues itself and continues in its run dir, to the step losses of the run never
+  stopped; a requeue after its checkpoint was removed is refused in one line, not trained again from the start;
+- two nodes (`examples/slurm/train.sbatch`, run by tests/e2e/test_examples.py too) under FSDP2 equal one process
+  taking the same global batch, and a refusal inside the ranks is one line naming the node and rank;
+- a job whose node goes down mid-run continues on the other once SLURM requeues it.
+
+Each wait is bounded: a hang fails the test with the cluster's logs."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SMALL_EVAL, step_losses
+
+pytestmark = pytest.mark.slow
+
+EXACT = ["trainer.optim=sgd", "trainer.learning_rate=0.5", "trainer.lr_scheduler_type=constant",
+         "trainer.warmup_steps=0", "clip=none", "trainer.train_sampling_strategy=sequential", "trainer.logging_steps=1",
+         "trainer.eval_steps=1000", "trainer.report_to=[]", f"data.eval_file={SMALL_EVAL}"]
+
+# A controller that makes each step take a while, so that signals land mid-run on a tiny model
+SLOW_STEPS = """
+import time
+from sft.training.controllers.base import Controller
+
+class SlowSteps(Controller):
+    name = "slow"
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+"""
+
+
+def env(cluster, tmp_path) -> dict:
+    return {**cluster.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def sft(*args, cluster, tmp_path, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sft", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=env(cluster, tmp_path))
+
+
+def sbatch(cluster, tmp_path, *args) -> str:
+    out = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", "--open-mode=append", *args],
+                         cwd=REPO, capture_output=True, text=True, env=env(cluster, tmp_path), timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
+
+
+def wait(cluster, condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout:g} s for {what}\n{cluster.logs()}", pytrace=False)
+        time.sleep(0.5)
+
+
+def logged_steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [json.loads(line)["step"] for line in lines if line.strip() and '"loss"' in line]
+
+
+def preemptions(run: Path) -> list[dict]:
+    try:
+        return json.loads((run / "results.json").read_text()).get("preemptions", [])
+    except (OSError, ValueError):
+        return []
+
+
+def test_a_sweep_through_slurm_ends_in_the_verdict_of_a_local_sweep(slurm, tmp_path):
+    """Each job a SLURM array task on a CPU allocation (`hydra/launcher=slurm_cpu`), the report written once every
+    job ended: the same verdict and numbers as the same sweep run locally. A second sweep into its dir, a partition
+    that does not exist and more memory than a node has are each one line, exit 2, before anything runs."""
+    common = ["-m", "loss=ce,hard_sample", "trainer.max_steps=4", *EXACT]
+    local = sft("train", *common, f"hydra.sweep.dir={tmp_path}/local", cluster=slurm, tmp_path=tmp_path)
+    assert local.returncode == 0, local.stderr[-3000:]
+    remote = sft("train", *common, "hydra/launcher=slurm_cpu", "hydra.launcher.mem_gb=1",
+                 f"hydra.sweep.dir={tmp_path}/slurm", cluster=slurm, tmp_path=tmp_path)
+    assert remote.returncode == 0, remote.stderr[-3000:] + slurm.logs()
+
+    def verdict(folder):
+        text = (tmp_path / folder / "sweep_summary.md").read_text()
+        return text[text.index("## Verdict"):text.index("## Jobs")]
+
+    assert verdict("slurm") == verdict("local") and "loss=hard_sample against loss=ce" in verdict("slurm")
+    jobs = [json.loads((tmp_path / "slurm" / str(n) / "results.json").read_text()) for n in (0, 1)]
+    assert all(j["status"] == "ok" and "_" in j["slurm_job"] for j in jobs)  # each an array task
+
+    again = sft("train", *common, "hydra/launcher=slurm_cpu", f"hydra.sweep.dir={tmp_path}/slurm", cluster=slurm,
+                tmp_path=tmp_path)
+    assert again.returncode == 2 and again.stderr.strip().startswith("error: config: hydra.sweep.dir=") and \
+        "holds another sweep's jobs" in again.stderr and len(again.stderr.strip().splitlines()) == 1, again.stderr
+    for number, (override, reason) in enumerate((("hydra.launcher.partition=nope", "invalid partition specified: nope"),
+                                                 ("hydra.launcher.mem_gb=999", "Memory specification can not be "
+                                                  "satisfied"))):
+        refused = sft("train", *common, "hydra/launcher=slurm_cpu", override, f"hydra.sweep.dir={tmp_path}/no{number}",
+                      cluster=slurm, tmp_path=tmp_path, timeout=120)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+            f"error: slurm: sbatch refused the sweep's jobs: {refused.stderr.split('jobs: ', 1)[1].strip()}"]
+        assert reason in refused.stderr, refused.stderr
+
+
+def test_preempted_cancelled_with_a_signal_and_at_its_time_limit_a_job_goes_on_to_the_uninterrupted_losses(
+        slurm, tmp_path):
+    """One job through all three stops: preempted by a job of the higher partition (SIGTERM), `scancel
+    --signal=TERM`, and SIGUSR2 35 s before its one-minute limit (`--signal`). Each time it finishes the step, saves,
+    requeues itself and exits 75; the next attempt continues the run in the same dir (no resume=auto given), and its
+    step losses are the uninterrupted run's, every step logged once. The preemptions are in results.json."""
+    (tmp_path / "slow_steps.py").write_text(SLOW_STEPS)
+    overrides = [*EXACT, "trainer.max_steps=120", "trainer.save_steps=120", "trainer.per_device_train_batch_size=4"]
+    whole = tmp_path / "whole"
+    ref = sft("train", *overrides, f"hydra.run.dir={whole}", cluster=slurm, tmp_path=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "run"
+    job = sbatch(slurm, tmp_path, "--nodes=1", "--time=1", "--signal=USR2@35", str(REPO / "examples/slurm/train.sbatch"),
+                 *overrides, "+controllers.slow={_target_:slow_steps.SlowSteps,seconds:0.25}",
+                 f"hydra.run.dir={run}")
+    wait(slurm, lambda: len(logged_steps(run)) >= 3, 120, "the job's third step")
+    sbatch(slurm, tmp_path, "--partition=high", "--nodes=2", "--ntasks=4", "--mem=100M", "--wrap", "sleep 5")
+    wait(slurm, lambda: len(preemptions(run)) == 1, 120, "the preempted job's checkpoint")
+    stopped = logged_steps(run)[-1]
+    wait(slurm, lambda: logged_steps(run)[-1] >= stopped + 3, 180, "the second attempt's third step")
+    slurm.run(["scancel", "--signal=TERM", job])
+    wait(slurm, lambda: len(preemptions(run)) == 2, 120, "the signalled job's checkpoint")
+    wait(slurm, lambda: len(preemptions(run)) == 3, 180, "the time limit's warning and checkpoint")
+    slurm.run(["scontrol", "update", f"jobid={job}", "TimeLimit=10"])  # the last attempt may finish
+    wait(slurm, lambda: slurm.job_state(job) == "COMPLETED", 240, "the job to complete")
+
+    results = json.loads((run / "results.json").read_text())
+    assert results["status"] == "ok" and results["global_step"] == 120
+    assert [(p["signal"], p["attempt"], p["slurm_job"]) for p in results["preemptions"]] == [
+        ("SIGTERM", 1, job), ("SIGTERM", 2, job), ("SIGUSR2", 3, job)]
+    assert logged_steps(run) == list(range(1, 121))  # every step once: none trained twice
+    assert step_losses(run, 120) == pytest.approx(step_losses(whole, 120), rel=1e-6, abs=1e-5)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert log.count(f"SLURM job {job}: requeued") == 3
+    train_log = (run / "train.log").read_text()
+    assert f"SLURM job {job} (attempt 1, preempted, cancelled with a signal, or at the time limit; the scheduler " \
+           "gives partition low's GraceTime=30 s" in train_log
+    assert f"SLURM job {job}, attempt 4: continuing the run in {run} (resume=auto)" in train_log
+
+
+def test_a_requeue_after_the_checkpoint_was_removed_is_one_line_and_ends_the_job(slurm, tmp_path):
+    """The checkpoint a stopped attempt saved is gone when the next starts: it would train its steps again from the
+    start. Refused in one line, the job failed (not requeued again)."""
+    (tmp_path / "slow_steps.py").write_text(SLOW_STEPS)
+    run = tmp_path / "run"
+    job = sbatch(slurm, tmp_path, "--nodes=1", str(REPO / "examples/slurm/train.sbatch"), *EXACT,
+                 "trainer.max_steps=100", "+controllers.slow={_target_:slow_steps.SlowSteps,seconds:0.3}",
+                 f"hydra.run.dir={run}")
+    wait(slurm, lambda: len(logged_steps(run)) >= 2, 120, "the job's second step")
+    slurm.run(["scancel", "--signal=TERM", job])
+    wait(slurm, lambda: len(preemptions(run)) == 1, 120, "the signalled job's checkpoint")
+    checkpoint = Path(preemptions(run)[0]["checkpoint"])
+    shutil.rmtree(checkpoint)  # a requeued job starts again 10 s after (AuthInfo=cred_expire=10): before that
+    wait(slurm, lambda: slurm.job_state(job) == "FAILED", 180, "the job to fail")
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert f"error: config: resume='auto': SLURM job {job}, attempt 2: the checkpoint this run stopped at " \
+           f"({checkpoint}, results.json) is gone" in log, log[-3000:]
+
+
+def test_two_nodes_under_fsdp2_equal_one_process_and_a_rank_error_is_one_line_naming_node_and_rank(slurm, tmp_path):
+    """`examples/slurm/train.sbatch` on two nodes, one process each, over gloo: FSDP2's step losses are one process's
+    with the same global batch (DDP's: tests/e2e/test_examples.py). A refusal inside the ranks (a data file that is
+    not there, found by every rank) is said once, by rank 0, naming its node."""
+    one = tmp_path / "one"
+    ref = sft("train", *EXACT, "trainer.max_steps=4", "trainer.save_steps=4", "trainer.per_device_train_batch_size=4",
+              f"hydra.run.dir={one}", cluster=slurm, tmp_path=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    two = tmp_path / "two"
+    job = sbatch(slurm, tmp_path, "--wait", str(REPO / "examples/slurm/train.sbatch"), *EXACT, "fsdp=full_shard",
+                 "trainer.max_steps=4", "trainer.save_steps=4", "trainer.per_device_train_batch_size=2",
+                 f"hydra.run.dir={two}")
+    assert slurm.job_state(job) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+    assert json.loads((two / "checkpoint-4" / "sft_state.json").read_text())["world_size"] == 2
+    assert step_losses(two, 4) == pytest.approx(step_losses(one, 4), abs=1e-5)
+
+    bad = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={tmp_path}/bad.out",
+                          str(REPO / "examples/slurm/train.sbatch"), f"data.train_file={tmp_path}/missing.jsonl",
+                          f"hydra.run.dir={tmp_path}/bad"], cwd=REPO, capture_output=True, text=True,
+                         env=env(slurm, tmp_path), timeout=300)
+    said = [line for line in (tmp_path / "bad.out").read_text().splitlines() if line.startswith("error:")]
+    assert bad.returncode != 0 and len(said) == 1, (tmp_path / "bad.out").read_text()[-3000:]
+    assert said[0].startswith("error: ") and "missing.jsonl" in said[0] and said[0].endswith("(node1, rank 0)")
+
+
+def test_a_job_whose_node_goes_down_mid_run_continues_when_slurm_requeues_it(slurm, tmp_path):
+    """`scontrol update nodename=<its node> state=down` while it trains: SLURM ends the job and requeues it (node
+    failure), and the next attempt, on the other node, continues from its newest complete checkpoint to the end;
+    no step is logged twice, no checkpoint lost."""
+    (tmp_path / "slow_steps.py").write_text(SLOW_STEPS)
+    run = tmp_path / "run"
+    job = sbatch(slurm, tmp_path, "--nodes=1", str(REPO / "examples/slurm/train.sbatch"), *EXACT,
+                 "trainer.max_steps=40", "trainer.save_steps=5", "trainer.per_device_train_batch_size=4",
+                 "+controllers.slow={_target_:slow_steps.SlowSteps,seconds:0.2}", f"hydra.run.dir={run}")
+    wait(slurm, lambda: len(logged_steps(run)) >= 8, 120, "the job's eighth step")
+    node = slurm.run(["squeue", "-h", "-j", job, "-o", "%N"]).stdout.strip()
+    slurm.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=test"])
+    try:
+        wait(slurm, lambda: slurm.job_state(job) == "COMPLETED", 300, "the job to complete on the other node")
+    finally:
+        slurm.run(["scontrol", "update", f"nodename={node}", "state=resume"])
+    results = json.loads((run / "results.json").read_text())
+    assert results["status"] == "ok" and results["global_step"] == 40
+    steps = logged_steps(run)
+    assert steps == sorted(set(steps)) and steps[-1] == 40 and "resume=auto: resuming from" in \
+        (run / "train.log").read_text()
