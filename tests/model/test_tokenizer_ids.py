@@ -16,6 +16,36 @@ from sft.model.loading import load_tokenizer, tiny_model_dir
 from sft.model.tokenizer_ids import PROBE_CHATS, file_tokenizer, probe_texts
 
 
+
+@pytest.fixture
+def qwen2_beside_another_pre_tokenizer(tmp_path):
+    """The fast loop's case: the tiny model's dir (a qwen2 config) whose tokenizer.json splits words at white space
+    before its byte-level BPE, as another model's file would; Qwen2Tokenizer splits with Qwen2's own pattern."""
+    folder = tmp_path / "other"
+    folder.mkdir()
+    for path in tiny_model_dir().iterdir():
+        if path.is_file() and path.suffix != ".safetensors":
+            shutil.copy(path, folder / path.name)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "WhitespaceSplit"},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def test_the_check_refuses_a_class_that_splits_otherwise_and_file_keeps_the_files_ids(
+        qwen2_beside_another_pre_tokenizer):
+    folder = qwen2_beside_another_pre_tokenizer
+    with pytest.raises(ConfigError, match=r"^tokenizer.ids_from='checked': transformers loads .* as Qwen2Tokenizer"):
+        load_tokenizer(str(folder))
+    own = load_tokenizer(str(folder), ids_from="file")
+    assert class_ids(own) == file_ids(folder, own)
+
+
+# SmolLM2's real tokenizer beside a qwen2 config: its GGUF converted once a session (20 s), beside the fast loop
+
+
 @pytest.fixture
 def qwen2_beside_smollm2(tmp_path, smollm2_dir):
     """SmolLM2's own tokenizer files in a dir whose config.json says qwen2 (the tiny model's)."""
@@ -37,6 +67,7 @@ def class_ids(tokenizer):
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in probe_texts(tokenizer)]
 
 
+@pytest.mark.slow
 def test_a_tokenizer_whose_class_splits_otherwise_than_its_file_is_refused_naming_both(qwen2_beside_smollm2):
     with pytest.raises(ConfigError) as refused:
         load_tokenizer(str(qwen2_beside_smollm2))
@@ -48,6 +79,7 @@ def test_a_tokenizer_whose_class_splits_otherwise_than_its_file_is_refused_namin
                             "tokenizer.ids_from=class on Qwen2Tokenizer's")
 
 
+@pytest.mark.slow
 def test_ids_from_file_trains_on_the_files_own_ids_and_class_on_the_classs_logged(qwen2_beside_smollm2, caplog):
     own = load_tokenizer(str(qwen2_beside_smollm2), ids_from="file")
     assert class_ids(own) == file_ids(qwen2_beside_smollm2, own)
@@ -57,6 +89,7 @@ def test_ids_from_file_trains_on_the_files_own_ids_and_class_on_the_classs_logge
     assert "tokenizer.ids_from=class: training with Qwen2Tokenizer's ids, not its tokenizer.json's" in caplog.text
 
 
+@pytest.mark.slow
 def test_tokenizers_whose_class_agrees_with_their_file_load_as_before(smollm2_dir):
     for folder, name in ((smollm2_dir, "TokenizersBackend"), (tiny_model_dir(), "Qwen2Tokenizer")):
         tokenizer = load_tokenizer(str(folder))
