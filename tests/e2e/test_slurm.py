@@ -175,21 +175,28 @@ def test_a_requeue_after_the_checkpoint_was_removed_is_one_line_and_ends_the_job
            f"({checkpoint}, results.json) is gone" in log, log[-3000:]
 
 
-def test_two_nodes_under_fsdp2_equal_one_process_and_a_rank_error_is_one_line_naming_node_and_rank(slurm, tmp_path):
-    """`examples/slurm/train.sbatch` on two nodes, one process each, over gloo: FSDP2's step losses are one process's
-    with the same global batch (DDP's: tests/e2e/test_examples.py). A refusal inside the ranks (a data file that is
-    not there, found by every rank) is said once, by rank 0, naming its node."""
+def test_two_nodes_under_fsdp2_signalled_equal_one_process_and_a_rank_error_is_one_line_naming_node_and_rank(
+        slurm, tmp_path):
+    """`examples/slurm/train.sbatch` on two nodes, one process each, over gloo, FSDP2, signalled mid-run (`scancel
+    --signal=TERM`: every rank saves its shards, the job requeues and goes on): its step losses are one process's with
+    the same global batch (DDP's, unsignalled: tests/e2e/test_examples.py). A refusal inside the ranks (a data file
+    that is not there, found by every rank) is said once, by rank 0, naming its node."""
+    (tmp_path / "slow_steps.py").write_text(SLOW_STEPS)
     one = tmp_path / "one"
-    ref = sft("train", *EXACT, "trainer.max_steps=4", "trainer.save_steps=4", "trainer.per_device_train_batch_size=4",
+    ref = sft("train", *EXACT, "trainer.max_steps=8", "trainer.save_steps=8", "trainer.per_device_train_batch_size=4",
               f"hydra.run.dir={one}", cluster=slurm, tmp_path=tmp_path)
     assert ref.returncode == 0, ref.stderr[-3000:]
     two = tmp_path / "two"
-    job = sbatch(slurm, tmp_path, "--wait", str(REPO / "examples/slurm/train.sbatch"), *EXACT, "fsdp=full_shard",
-                 "trainer.max_steps=4", "trainer.save_steps=4", "trainer.per_device_train_batch_size=2",
-                 f"hydra.run.dir={two}")
-    assert slurm.job_state(job) == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
-    assert json.loads((two / "checkpoint-4" / "sft_state.json").read_text())["world_size"] == 2
-    assert step_losses(two, 4) == pytest.approx(step_losses(one, 4), abs=1e-5)
+    job = sbatch(slurm, tmp_path, str(REPO / "examples/slurm/train.sbatch"), *EXACT, "fsdp=full_shard",
+                 "trainer.max_steps=8", "trainer.save_steps=8", "trainer.per_device_train_batch_size=2",
+                 "+controllers.slow={_target_:slow_steps.SlowSteps,seconds:1.0}", f"hydra.run.dir={two}")
+    wait(slurm, lambda: len(logged_steps(two)) >= 2, 180, "the two-node job's second step")
+    slurm.run(["scancel", "--signal=TERM", job])
+    wait(slurm, lambda: slurm.job_state(job) == "COMPLETED", 300, "the two-node job to complete")
+    assert [p["signal"] for p in json.loads((two / "results.json").read_text())["preemptions"]] == ["SIGTERM"]
+    assert json.loads((two / "checkpoint-8" / "sft_state.json").read_text())["world_size"] == 2
+    assert logged_steps(two) == list(range(1, 9))
+    assert step_losses(two, 8) == pytest.approx(step_losses(one, 8), abs=1e-5)
 
     bad = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={tmp_path}/bad.out",
                           str(REPO / "examples/slurm/train.sbatch"), f"data.train_file={tmp_path}/missing.jsonl",
