@@ -26,9 +26,15 @@ setup() {  # setup train | setup test
   # Training needs the project and its dependencies only; the tests also the dev extra (pytest, TRL for the bench,
   # the docs' mkdocs, ...). What a command needs later (a real model's package, llama.cpp's quantizer) it installs
   # the first time it is asked for (sft.model.packages).
+  # An install with the dev extra serves training too, so training accepts either marker.
   local extra="" marker="$VENV/.sft-installed" imports="import sft, hydra, transformers, peft, accelerate"
-  if [ "$1" = test ]; then extra="[dev]" marker="$VENV/.sft-installed-dev" imports="$imports, pytest, trl, mkdocs"; fi
-  if ! "$py" -c "$imports" 2>/dev/null || [ pyproject.toml -nt "$marker" ]; then
+  local current=$marker
+  if [ -f "$VENV/.sft-installed-dev" ] && [ "$VENV/.sft-installed-dev" -nt "$marker" ]; then current="$VENV/.sft-installed-dev"; fi
+  if [ "$1" = test ]; then
+    extra="[dev]" marker="$VENV/.sft-installed-dev" current="$VENV/.sft-installed-dev"
+    imports="$imports, pytest, trl, mkdocs"
+  fi
+  if ! "$py" -c "$imports" 2>/dev/null || [ pyproject.toml -nt "$current" ]; then
     echo "[launch] installing the project${extra:+ with its $extra extra} into $VENV" >&2
     "$py" -m pip install -q -e ".$extra"
     touch "$marker"
