@@ -25,7 +25,6 @@ from sft.training.checkpoints.sharded import format_of_checkpoint
 from sft.training.observability.advice import raise_if_failed, train_with_advice
 from sft.training.observability.metrics_file import read_metrics
 from sft.training.processes.distributed import end_process_group, set_cpu_threads, slurm_distributed_env
-from sft.training.processes.engines import check_fsdp_resume
 
 log = logging.getLogger("sft")
 
@@ -54,7 +53,6 @@ def train(cfg: DictConfig) -> RunResults:
     preemption.install()  # a signal now stops the start-up; in training, after a checkpoint; after it, once finished
     try:
         checkpoint = find_checkpoint(cfg.resume, output_dir, cfg.resume_force, cfg.trust_checkpoint)
-        check_fsdp_resume(cfg, checkpoint)
         format_of_checkpoint(cfg, checkpoint)
         changes = continue_or_claim(cfg, output_dir, checkpoint)
         recipe = build(cfg, run_dir, checkpoint, preemption)
@@ -216,7 +214,8 @@ def stop_preempted(trainer, preemption, run_dir: str, started: float, preemption
 
 
 def picture_and_summary(cfg: DictConfig, run_dir: str, results: RunResults) -> None:
-    """The run as a picture (`curves.png`) and its summary (`summary.txt`), from its `metrics.jsonl`."""
+    """The run as a picture (`curves.png`), its summary (`summary.txt`), from its `metrics.jsonl`, and its page
+    (`report.html`, `sft.experiments.pages`)."""
     from sft.experiments.curves import draw
 
     metrics = read_metrics(Path(run_dir, "metrics.jsonl"))
@@ -227,6 +226,18 @@ def picture_and_summary(cfg: DictConfig, run_dir: str, results: RunResults) -> N
                                         tokens_per_second=results.train_tokens_per_second,
                                         adapter=cfg.lora is not None, model_name=model,
                                         eval_rows=cfg.data.get("eval_file")))
+    write_page(run_dir)
+
+
+def write_page(run_dir: str) -> None:
+    """The run's `report.html`; a page that cannot be written is said, the run's results stand."""
+    from sft.experiments.pages import write_run_page
+    from sft.run.recipe import recipe_or_none
+
+    try:
+        write_run_page(run_dir, recipe_or_none(run_dir))
+    except OSError as e:
+        log.warning("report.html could not be written (%s): sft report %s --html writes it later", e, run_dir)
 
 
 def record_preempted(trainer, run_dir: str, started: float, output_dir: str | None = None,
@@ -241,8 +252,8 @@ def record_preempted(trainer, run_dir: str, started: float, output_dir: str | No
         step = trainer.state.global_step if trainer is not None else (step_of(last) if last else 0)
         results = RunResults(status="preempted", checkpoint=str(last) if last else None, global_step=step,
                              resumed_from=None, wall_time_s=round(time.time() - started, 1),
-                             preemptions=[*(preemptions or []), preemption_record(signal or "a signal", step, str(last) if
-                                                                                 last else None)],
+                             preemptions=[*(preemptions or []),
+                                          preemption_record(signal or "a signal", step, str(last) if last else None)],
                              slurm_job=slurm_job_id())
         results.write(run_dir)
         # the summary too (a summary.txt of an earlier run in this dir would otherwise be printed as this one's)

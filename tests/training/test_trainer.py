@@ -16,10 +16,11 @@ from sft.training.trainer import WeightedLossTrainer
 
 
 def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parameters():
-    # Six of them are private hooks of transformers (_clip_grad_norm, _get_grad_norm, _get_train_sampler, _save,
-    # _save_checkpoint, _save_optimizer_and_scheduler): a rename or a new parameter there would silently bypass
-    # sft.training.step.control, the curriculum's sampler, the tied-copy filter, the mark that tells sft's crash debris
-    # from others' checkpoints, or the sharded checkpoints' background writer.
+    # Seven of them are private hooks of transformers (_clip_grad_norm, _get_grad_norm, _get_train_sampler, _save,
+    # _save_checkpoint, _save_optimizer_and_scheduler, _load_optimizer_and_scheduler): a rename or a new parameter there
+    # would silently bypass sft.training.step.control, the curriculum's sampler, the tied-copy filter, the mark that
+    # tells sft's crash debris from others' checkpoints, the sharded checkpoints' background writer, or the resume of
+    # plain SGD under FSDP.
     from transformers import Trainer
 
     from sft.training.checkpoints.saving import CheckpointSaving
@@ -29,7 +30,8 @@ def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parame
     assert set(overrides) == {"get_batch_samples", "compute_loss", "_clip_grad_norm", "_get_grad_norm",
                               "_get_train_sampler", "evaluation_loop", "prediction_step", "log",
                               "create_accelerator_and_postprocess", "_save", "_save_checkpoint", "training_step",
-                              "save_model", "_save_optimizer_and_scheduler", "get_train_dataloader"}
+                              "save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+                              "get_train_dataloader"}
     for name, ours in overrides.items():
         theirs = getattr(Trainer, name, None)
         assert theirs is not None, f"transformers.Trainer has no {name} any more"

@@ -12,7 +12,10 @@ parameters):
   Trainer writes no model file, a checkpoint gets the config and tokenizer beside its shards, and the model for serving
   is consolidated from shards every rank writes (`sft.model.consolidate`), never gathered into one process;
 - `_save_optimizer_and_scheduler` (private: where Trainer writes the model and optimizer state of a checkpoint) hands
-  the shards to the background writer with `checkpoint.async_save` (`sft.training.checkpoints.sharded.ShardWriter`).
+  the shards to the background writer with `checkpoint.async_save` (`sft.training.checkpoints.sharded.ShardWriter`);
+- `_load_optimizer_and_scheduler` (private: where Trainer reloads them on resume): under FSDP an optimizer that keeps
+  no state (plain SGD) is not loaded through torch's `set_optimizer_state_dict`, which refuses a state without a
+  tensor (torch 2.13); there is nothing to restore but each group's learning rate, taken from the schedule.
 """
 
 from __future__ import annotations
@@ -110,6 +113,21 @@ class CheckpointSaving(Trainer):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     @override
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Trainer's; under FSDP, for an optimizer without state, the schedule alone and the learning rate it had."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if checkpoint is None or not self.is_fsdp_enabled or not keeps_no_state(optimizer):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        from transformers.trainer import SCHEDULER_NAME
+
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if not os.path.isfile(path):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+        for group, lr in zip(optimizer.param_groups, self.lr_scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # what the optimizer's own state dict would have restored
+
+    @override
     def _save(self, output_dir=None, state_dict=None):
         """Trainer's, without the tied copies in a gathered (FSDP) state dict: `save_pretrained` leaves out a
         tied weight (Qwen2.5-0.5B's lm_head) only where it shares storage with its source, and gathered
@@ -119,3 +137,8 @@ class CheckpointSaving(Trainer):
             state_dict = {k: v for k, v in state_dict.items() if k not in copies}
         super()._save(output_dir, state_dict=state_dict)
 
+
+def keeps_no_state(optimizer) -> bool:
+    """An optimizer whose state stays empty as it steps: torch's SGD without momentum (its only state is the momentum
+    buffer)."""
+    return type(optimizer) is torch.optim.SGD and all(group["momentum"] == 0 for group in optimizer.param_groups)

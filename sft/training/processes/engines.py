@@ -73,22 +73,6 @@ def fsdp_fields(fsdp, activation_checkpointing: bool, sharded: bool = False) -> 
     return {"fsdp": True, "fsdp_config": config, "activation_checkpointing": False}
 
 
-def check_fsdp_resume(cfg, checkpoint: str | None) -> None:
-    """Refuse, before any model is built, an FSDP resume that torch cannot load: `set_optimizer_state_dict`
-    needs a tensor in the saved optimizer state, and plain SGD (no momentum) keeps none (torch 2.13)."""
-    if checkpoint is None or cfg.fsdp is None or cfg.trainer.optim != "sgd":
-        return
-    args = dict(kv.split("=", 1) for kv in (cfg.trainer.optim_args or "").replace(" ", "").split(",") if "=" in kv)
-    try:
-        momentum = float(args.get("momentum", 0))
-    except ValueError:
-        return  # transformers reports a bad value itself
-    if momentum == 0:
-        raise ConfigError("resume", checkpoint, "FSDP cannot reload plain SGD's optimizer state, which holds no "
-                          "tensor (torch's set_optimizer_state_dict needs one), so this run cannot be resumed; "
-                          'train FSDP runs with momentum (trainer.optim_args="momentum=0.9") or another optimizer')
-
-
 def load_deepspeed_file(cfg) -> None:
     """`deepspeed=file deepspeed.path=ds.json`: replace the node by the file's JSON object, with the keys set
     beside `path` on top, so that everything after the check (and the resume comparison) sees one dict."""

@@ -61,17 +61,6 @@ def test_fsdp_offload_without_a_gpu_is_one_config_error(monkeypatch):
     check(composed("fsdp=full_shard"))
 
 
-def test_an_fsdp_resume_of_plain_sgd_is_refused_before_any_model_is_built():
-    from sft.training.processes.engines import check_fsdp_resume
-
-    with pytest.raises(ConfigError) as e:
-        check_fsdp_resume(composed("fsdp=full_shard", "trainer.optim=sgd"), "/runs/a/checkpoint-2")
-    assert str(e.value).startswith("resume='/runs/a/checkpoint-2': FSDP cannot reload plain SGD's optimizer state")
-    check_fsdp_resume(composed("fsdp=full_shard", "trainer.optim=sgd", 'trainer.optim_args="momentum=0.5"'), "c")
-    check_fsdp_resume(composed("trainer.optim=sgd"), "c")  # without FSDP Trainer loads it
-    check_fsdp_resume(composed("fsdp=full_shard", "trainer.optim=sgd"), None)  # a fresh run
-
-
 def test_the_fsdp_group_becomes_accelerates_fsdp2_plugin_with_fsdps_own_activation_checkpointing(tmp_path):
     from transformers import TrainingArguments
 
