@@ -105,7 +105,7 @@ TaskPlugin=task/none
 MpiDefault=none
 ReturnToService=2
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1
+SchedulerParameters=bf_interval=1,sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU_Memory
 JobRequeue=1
