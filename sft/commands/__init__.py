@@ -29,7 +29,9 @@ COMMANDS = {
     "compare": ("sft.commands.compare", "the base and the trained model's greedy answers side by side"),
     "recipe": ("sft.commands.recipe", "a run as a recipe file: sft train --config-dir <dir> --config-name <recipe>"),
     "plot": ("sft.commands.plot", "runs as one picture: loss, eval loss, learning rate, grad norm, buckets"),
-    "report": ("sft.commands.report", "rebuild a sweep's report (verdict, intervals, paired differences)"),
+    "report": ("sft.commands.report", "rebuild a sweep's report (verdict, intervals, paired differences); --html: a "
+               "run's or sweep's page"),
+    "board": ("sft.commands.board", "serve the pages of every run and sweep under some dirs on localhost"),
     "sweep": ("sft.commands.sweep", "a sweep, each job through accelerate launch (what ./launch.sh -m runs)"),
     "launch": ("sft.commands.launch", "several processes: accelerate launch, a refusal of the ranks said once (what "
                                       "./launch.sh --nproc N runs)"),

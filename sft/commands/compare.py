@@ -114,11 +114,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     text = table(rows, before, after)
     print(text, end="")
+    answers = json.dumps(
+        {"before": before.__dict__, "after": after.__dict__,
+         "references": [r["messages"][-1].get("content") or "" for r in rows],
+         "prompts": [next((m.get("content") or "" for m in reversed(r["messages"][:-1]) if m["role"] == "user"), "")
+                     for r in rows],
+         "difficulty_scores": [r.get("difficulty_score") for r in rows]}, indent=1) + "\n"
     if cfg.out:
         Path(cfg.out).write_text(text)
-        Path(cfg.out).with_suffix(".json").write_text(json.dumps(
-            {"before": before.__dict__, "after": after.__dict__,
-             "references": [r["messages"][-1].get("content") or "" for r in rows]}, indent=1) + "\n")
+        Path(cfg.out).with_suffix(".json").write_text(answers)
+    # beside the run, for its page (report.html, written again with them)
+    from sft.files import own_path, write_text
+    from sft.run.train import write_page
+
+    write_text(own_path(Path(cfg.run) / "compare.json"), answers)
+    write_page(cfg.run)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,20 @@ def compose(config_name: str = "train", overrides: list[str] = (), return_hydra_
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
     register()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides),
-                             return_hydra_config=return_hydra_config)
+    # Inside a running Hydra app (a run writing its page: its recipe composes the defaults) that app's Hydra is put
+    # aside meanwhile and given back, with its HydraConfig
+    running = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
+    job_config = HydraConfig.instance().cfg
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=list(overrides),
+                                 return_hydra_config=return_hydra_config)
+    finally:
+        if running is not None:
+            GlobalHydra.instance().initialize(running)
+        HydraConfig.instance().cfg = job_config

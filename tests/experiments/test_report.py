@@ -182,8 +182,8 @@ def test_two_seeds_are_warned_about_and_an_interval_spanning_zero_is_not_resolve
     ("eval_harness/sft_sample_addition_choice/acc", True, True), ("eval_gen/tool_calls_malformed", False, True),
     ("train_tokens_per_second", True, False)])
 def test_each_metric_has_a_direction_and_only_those_alike_under_every_loss_are_judged(metric, higher, comparable):
-    from sft.experiments.report import comparable as is_comparable
-    from sft.experiments.report import higher_is_better
+    from sft.experiments.verdict import comparable as is_comparable
+    from sft.experiments.verdict import higher_is_better
 
     assert higher_is_better(metric) == higher and is_comparable(metric) == comparable
 
@@ -191,7 +191,7 @@ def test_each_metric_has_a_direction_and_only_those_alike_under_every_loss_are_j
 def test_a_difference_is_resolved_only_by_an_interval_that_excludes_zero_from_more_than_one_seed():
     """The verdict and the plot's colours read one rule: seeds that all differ by the same amount resolve it, one
     seed's bootstrap over one row (low == high) or a single value does not, nor does an interval spanning 0."""
-    from sft.experiments.report import resolved
+    from sft.experiments.verdict import resolved
     from sft.experiments.stats import Interval
 
     assert resolved(Interval(0.02, 0.02, 0.02), seeds=3) and resolved(Interval(-0.1, -0.2, -0.01), seeds=3)
