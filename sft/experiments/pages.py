@@ -4,7 +4,7 @@ artifact.
 
 - A run's page (`run_page`): the recipe (what differs from the defaults, `sft recipe`, given by the caller), the
   summary, the curves from `metrics.jsonl` (loss and its smoothing, eval loss, learning rate, gradient norm against
-  the clip threshold, eval loss per difficulty bucket), throughput, and the base and trained models' answers side by
+  the clip threshold, eval loss per difficulty bucket), throughput and peak memory, and the base and trained models' answers side by
   side where `sft compare` wrote them (`compare.json`), exact matches marked, filterable by bucket.
 - A sweep's page (`write_sweep_page`, its data from `sft.experiments.report.sweep_page_data`): the verdict first
   (the lines of `sweep_summary.md`), the failed jobs, the settings with their intervals, every job's curves on one set
@@ -77,7 +77,7 @@ def run_data(run_dir: str | Path, recipe: str | None = None) -> dict:
     results = RunResults.read(run_dir)
     data = {"run_dir": str(run_dir), "has_metrics": bool(metrics),
             "series": {name: {"x": x, "y": y} for name, (x, y) in series(metrics).items()} if metrics else {},
-            "throughput": _series_of(metrics, "tokens_per_second"),
+            "throughput": _series_of(metrics, "tokens_per_second"), "memory": _series_of(metrics, "peak_memory_gb"),
             "results": results.to_json() if results else None,
             "summary": _text(run_dir / "summary.txt"), "recipe": recipe,
             "answers": _answers(run_dir)}

@@ -79,6 +79,7 @@ def test_a_runs_page_draws_every_logged_point_shows_hostile_text_as_text_and_say
     assert shown["points"]["loss"] == len(losses)  # the NaN drew nothing
     assert shown["points"]["eval loss"] == len([m for m in metrics if "eval_loss" in m])
     assert shown["points"]["learning rate"] == len([m for m in metrics if "learning_rate" in m])
+    assert shown["points"]["peak memory"] == len([m for m in metrics if "peak_memory_gb" in m]) > 0
     assert "<title>Run run</title>" in dom and "pwned" not in re.search(r"<title>.*?</title>", dom).group(0)
     assert "&lt;script&gt;document.title" in dom and "<img src=\"x\"" not in dom  # shown as text, not run
     assert "exact: before 1/2, after 2/2" in dom
@@ -91,7 +92,7 @@ def test_a_runs_page_draws_every_logged_point_shows_hostile_text_as_text_and_say
 
 def test_a_sweeps_page_reads_as_its_summary_marks_the_failed_job_and_links_each_jobs_page(tmp_path):
     sweep = tmp_path / "sweep"
-    sft("train", "-m", "loss=ce,hard_sample", "clip.max_norm=1,-1", "trainer.max_steps=4", f"data.eval_file={SMALL_EVAL}",
+    sft("train", "-m", "loss=ce,hard_sample", "clip.max_norm=1,-1", "trainer.seed=1,2", "trainer.max_steps=4", f"data.eval_file={SMALL_EVAL}",
         f"hydra.sweep.dir={sweep}")
     dom, log = browse(tmp_path, sweep / "report.html", screenshot="sweep_page.png")
     shown = rendered(dom)
@@ -102,11 +103,14 @@ def test_a_sweeps_page_reads_as_its_summary_marks_the_failed_job_and_links_each_
     verdict = re.search(r'<ul class="verdict" id="verdict">(.*?)</ul>', dom, re.S).group(1)
     items = [re.sub(r"<[^>]+>", "", item) for item in re.findall(r"<li>(.*?)</li>", verdict, re.S)]
     assert items[:len(said)] == [s.replace("&", "&amp;") for s in said] and any("against" in i for i in items)
-    assert dom.count('<tr class="failed">') == 2  # the two jobs with clip.max_norm=-1
+    assert dom.count('<tr class="failed">') == 4  # the four jobs with clip.max_norm=-1
     assert shown["points"]["train loss"] == sum(
         len([line for line in (sweep / str(j) / "metrics.jsonl").read_text().splitlines() if '"loss"' in line])
-        for j in range(4) if (sweep / str(j) / "metrics.jsonl").is_file())
+        for j in range(8) if (sweep / str(j) / "metrics.jsonl").is_file())
     assert re.search(r'<a href="0/report.html">0</a>', dom)
+    by_bucket = dom[dom.index('data-title="eval loss by bucket, per setting"'):]
+    ticks = re.findall(r'<g class="xtick">.*?>([^<>]+)</text>', by_bucket[:by_bucket.find("data-title=", 10)])
+    assert ticks and all(re.fullmatch(r"bucket \d+", t) for t in ticks), ticks  # one category a bucket
 
 
 def test_a_thousand_step_runs_page_with_fifty_answers_is_drawn_in_under_two_seconds(tmp_path):

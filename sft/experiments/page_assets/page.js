@@ -38,10 +38,11 @@
   const charts = [];
   function chart(parent, title, traces, yTitle, xTitle) {
     const div = add(parent, "div", null, { class: "chart", "data-title": title });
+    if (traces.length > 2) div.style.height = `${260 + 20 * traces.length}px`;  // room for a legend line a trace
     charts.push([div, traces, {
       title: { text: title, font: { size: 14 }, x: 0.01, xanchor: "left" }, margin: { l: 55, r: 10, t: 36, b: 36 },
       xaxis: { title: { text: xTitle === undefined ? "step" : xTitle } }, yaxis: { title: { text: yTitle || "" } },
-      legend: { orientation: "h" }, showlegend: traces.length > 1 }]);
+      legend: { orientation: "h", yanchor: "top", y: -0.3 }, showlegend: traces.length > 1 }]);  // below "step"
   }
   function line(name, s, extra) {
     return Object.assign({ type: "scatter", mode: "lines+markers", name: name, x: s.x, y: s.y,
@@ -94,6 +95,7 @@
       const buckets = Object.keys(s).filter((k) => k.startsWith("bucket "));
       if (buckets.length) chart(box, "eval loss by bucket", buckets.map((k) => line(k, s[k])), "loss");
       if (data.throughput.x.length) chart(box, "throughput", [line("tokens/s", data.throughput)], "tokens/s");
+      if (data.memory.x.length) chart(box, "peak memory", [line("GB", data.memory)], "GB");
     }
     answers();
   }
@@ -157,13 +159,20 @@
     }
     section("Curves of every job (click a name to show or hide it)");
     const box = add(page, "div", null, { class: "charts" });
+    function jobName(job) {  // "job 2: loss=hard_sample trainer.seed=1"
+      const row = data.jobs.find((r) => String(r.job) === job);
+      const keys = row ? Object.keys(row) : [];  // the job's overrides: the columns between "job" and "status"
+      const said = keys.slice(1, Math.max(keys.indexOf("status"), 1)).map((p) => `${p}=${row[p]}`).join(" ");
+      return said ? `job ${job}: ${said}` : `job ${job}`;
+    }
     for (const metric of ["train loss", "eval loss"]) {
       const traces = Object.entries(data.curves).filter(([, c]) => c[metric])
-        .map(([job, c]) => line(`job ${job}`, c[metric]));
+        .map(([job, c]) => line(jobName(job), c[metric]));
       if (traces.length) chart(box, metric, traces, "loss");
     }
     const bucketKeys = [...new Set(data.settings.flatMap((r) => Object.keys(r)))]
-      .filter((k) => k.startsWith("eval_loss_bucket_"));
+      .filter((k) => /^eval_loss_bucket_\d+$/.test(k))  // not the columns beside them (_std, ...)
+      .sort((a, b) => Number(a.split("_").pop()) - Number(b.split("_").pop()));
     if (bucketKeys.length) {
       const params = data.parameters;
       const traces = data.settings.map((row) => ({
