@@ -27,7 +27,8 @@ from sft.ranks import is_rank_zero
 # packed cases all run the sdpa_varlen kernel but `trl_padding_free_mask` (TRL's own: a block-diagonal mask).
 # `ce_bf16` is `ce` under bf16 autocast, `ce_lora` `ce` with LoRA (`ce_lora_naive` with the model's own logits),
 # `ce_compiled` `ce` under torch.compile (only when named: it compiles for minutes); `ce_spread` and `packing_spread`
-# train on chats of a published dataset's length spread (`SPREAD_CASES`, `sft.bench.rows.spread_rows`).
+# train on chats of a published dataset's length spread (`SPREAD_CASES`, `sft.bench.rows.spread_rows`);
+# `packing_flex` is `packing` on FlexAttention's document mask (transformers' `flex_attention`), on a GPU only.
 CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": ["loss=ce", "loss.impl=naive"],
                   "ce": ["loss=ce"], "ce_bf16": ["loss=ce", "trainer.bf16=true"],
                   "ce_lora": ["loss=ce", "lora=default"],
@@ -36,10 +37,12 @@ CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": [
                   "hard_sample": ["loss=hard_sample"], "packing": ["loss=ce", "data.packing=true"],
                   "ce_spread": ["loss=ce"], "packing_spread": ["loss=ce", "data.packing=true"],
                   "trl": ["loss=ce"], "trl_padding_free": ["loss=ce", "model.attn_implementation=sdpa_varlen"],
-                  "trl_padding_free_mask": ["loss=ce"]}
+                  "trl_padding_free_mask": ["loss=ce"],
+                  "packing_flex": ["loss=ce", "data.packing=true", "model.attn_implementation=flex_attention"]}
 TRAINING_CASES = tuple(CASE_OVERRIDES)
 SPREAD_CASES = ("ce_spread", "packing_spread")
 TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped
+GPU_CASES = ("packing_flex",)  # FlexAttention has no backward on a CPU (torch 2.13)
 EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
 RESULT = "BENCH_RESULT "
 

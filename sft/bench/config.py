@@ -14,9 +14,9 @@ CASES = ["raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_lora", "ce_lora_naive", "
          "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
 LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequence_parallel")  # cases.LONG_ROW_VARIANTS
 # a 15 GB checkpoint; rows of up to 16k tokens; torch.compile's minutes of compiling; each lean loss kernel by name
-# (cases.LOSS_KERNEL_CASES): only when named in bench.cases
+# (cases.LOSS_KERNEL_CASES); packing on FlexAttention (a GPU's): only when named in bench.cases
 ON_REQUEST = ["checksums", "checkpoint_memory", "stream", "long_rows", "ce_compiled", "loss_chunked", "loss_cce",
-              "loss_liger"]
+              "loss_liger", "packing_flex"]
 
 
 @dataclass

@@ -12,6 +12,8 @@ Trains the same model on the same rows in the same order for `bench.steps` optim
   a GPU, else skipped with one line); `ce_lora`: `ce` with `lora=default` (`ce_lora_naive`: with `loss.impl=naive`);
 - `packing`: `ce` with `data.packing=true` (the sdpa_varlen kernel); `ce_spread` and `packing_spread`: both on chats
   of a published dataset's length spread (LLaMA-Factory's alpaca_en_demo: 47 to 750 tokens, `sft.bench.rows`);
+- `packing_flex`: `packing` on FlexAttention with the packed samples' document mask (`flex_attention`; on a GPU
+  only, else skipped with one line);
 - `trl`, `trl_padding_free`, `trl_padding_free_mask`: TRL's `SFTTrainer` padded, padding-free on the same
   sdpa_varlen kernel as `packing`, and padding-free on its own kernel (a block-diagonal mask), all on `sft`'s own
   tokenised rows and labels with the model's own loss (tested: the same step losses as `sft` with `loss=ce`);
@@ -29,7 +31,7 @@ The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same lo
 when named, over `ce`), `packing_gain` (`packing` over `ce`), `packing_gain_spread` (the same on the spread),
 `ce_vs_trl`,
 `packing_vs_trl_padding_free` (the same kernel) and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two
-kernels). Each case runs in a fresh process with the same torch threads (`bench.threads`) and, on a CPU, the same
+kernels), `flex_vs_varlen` (`packing_flex` over `packing`). Each case runs in a fresh process with the same torch threads (`bench.threads`) and, on a CPU, the same
 allocator settings (`sft.training.processes.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the
 whole process's peak resident memory, imports and data included). The rounds interleave the cases, every other round in
 reverse order, and repeat `bench.repeats` times; a ratio is the median of its per-round ratios, with their spread. Each
@@ -89,7 +91,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, RESULT,
-                             SPREAD_CASES, TRAINING_CASES, TRL_CASES, child, timed_training_overrides)
+                             GPU_CASES, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
+                             timed_training_overrides)
 from sft.bench.checkpoint_memory import run_checkpoint_memory
 from sft.bench.config import compose
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
@@ -133,7 +136,8 @@ TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_nai
                    "lean_loss_gain_lora": ("ce_lora", "ce_lora_naive"), "compile_gain": ("ce_compiled", "ce"),
                    "ce_vs_trl": ("ce", "trl"),
                    "packing_vs_trl_padding_free": ("packing", "trl_padding_free"),
-                   "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask")}
+                   "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask"),
+                   "flex_vs_varlen": ("packing_flex", "packing")}
 
 
 # --- the driver --------------------------------------------------------------------------------------
@@ -200,6 +204,13 @@ def first_step_seconds(repeats: int = 5) -> float:
 
 
 BF16_CASES = ("ce_bf16", "matmul_bf16")
+
+
+def gpu_missing() -> str | None:
+    """Why the GPU-only cases cannot run here (`packing_flex`: FlexAttention has no backward on a CPU), or None."""
+    import torch
+
+    return None if torch.cuda.is_available() else "needs a CUDA GPU (FlexAttention has no backward on a CPU)"
 
 
 def bf16_missing() -> str | None:
@@ -286,7 +297,7 @@ def run_all(overrides: list[str]) -> dict:
     report: dict = {"overrides": overrides, "raw": {}, "cases": {}, "ratios": {}, "spread": {}, "rounds": [],
                     "skipped": {}, "isolated": bool(base.bench.isolate)}
     wanted = list(b.cases)
-    for group, reason in ((TRL_CASES, trl_missing()), (BF16_CASES, bf16_missing())):
+    for group, reason in ((TRL_CASES, trl_missing()), (BF16_CASES, bf16_missing()), (GPU_CASES, gpu_missing())):
         if reason and any(case in group for case in wanted):
             print(f"skipping {', '.join(c for c in wanted if c in group)}: {reason}", file=sys.stderr)
             report["skipped"].update({case: reason for case in wanted if case in group})

@@ -157,7 +157,8 @@ class ModelConfig(Schema):
                                     "its path, or <package>/<file> inside an installed Python package; converted once "
                                     "into a plain model dir in the sft cache (sft.model.gguf)")
     dtype: Dtype = knob(Dtype.float32, "the weights' dtype")
-    attn_implementation: Optional[str] = knob("sdpa", "transformers' (sdpa, eager, flash_attention_2 ...) or "
+    attn_implementation: Optional[str] = knob("sdpa", "transformers' (sdpa, eager, flash_attention_2, "
+                                              "flex_attention: a document mask for packed rows, CUDA only ...) or "
                                               "sdpa_varlen (sdpa per sample of a packed row)")
     trust_remote_code: bool = knob(False, "run the checkpoint's own modelling code (it is code: trust its source)")
     quantization: Optional[Quantization] = knob(None, "nf4: a 4-bit base for QLoRA (bitsandbytes, CUDA only)")
@@ -184,6 +185,11 @@ class ModelConfig(Schema):
             self.require("quantization", cuda_available(),
                          "4-bit QLoRA needs a CUDA GPU (bitsandbytes); this machine has none: use lora=default")
             self.require("quantization", installed("bitsandbytes"), "needs bitsandbytes: pip install bitsandbytes")
+        if self.attn_implementation == "flex_attention" and cfg is not None:
+            # its forward runs on a CPU (packed rows get their document mask), its backward does not: a bare
+            # NotImplementedError at the first step
+            self.require("attn_implementation", cuda_available(), "trains only on a CUDA GPU: PyTorch's FlexAttention "
+                         "has no backward on a CPU (torch 2.13); use sdpa (with data.packing=true: sdpa_varlen)")
         self.require("tiled_mlp_tokens", self.tiled_mlp_tokens is None or self.tiled_mlp_tokens >= 1,
                      "must be >= 1 (or null: untiled)")
         if self.tiled_mlp_tokens is not None and cfg is not None:

@@ -196,3 +196,13 @@ def test_each_cases_hardware_ratios_are_over_the_best_matmul_reading_of_its_dtyp
     assert report["ratios"]["hw_exec_ce"] == report["cases"]["ce"]["hw_exec"] == 0.2
     assert report["ratios"]["hw_model_ce"] == report["cases"]["ce"]["hw_model"] == 0.3
     assert report["cases"]["matmul"]["gflops_best"] == 100.0 and report["cases"]["matmul"]["gflops_spread"] == [40, 100]
+
+
+def test_the_flex_attention_case_is_skipped_with_one_line_without_a_gpu(monkeypatch, capsys):
+    import sft.bench.run
+
+    monkeypatch.setattr(sft.bench.run, "gpu_missing", lambda: "needs a CUDA GPU (FlexAttention has no backward on a CPU)")
+    report = sft.bench.run.run_all(["bench.cases=[packing_flex]"])  # nothing spawned
+    assert report["raw"] == {} and report["skipped"] == {
+        "packing_flex": "needs a CUDA GPU (FlexAttention has no backward on a CPU)"}
+    assert "skipping packing_flex: needs a CUDA GPU" in capsys.readouterr().err

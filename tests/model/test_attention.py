@@ -51,8 +51,10 @@ def test_an_attention_the_architecture_lacks_is_a_config_error_naming_the_altern
 
 
 @pytest.mark.parametrize("attn, boundaries", [("sdpa", True), ("eager", True), ("sdpa_varlen", True),
-                                              ("sdpa_varlen", False)])
+                                              ("sdpa_varlen", False), ("flex_attention", False)])
 def test_no_attention_leaks_across_packed_samples(tokenizer, attn, boundaries):
+    """flex_attention: transformers' document mask, from the samples' positions (a lever for GPUs, issue 60; its
+    forward runs on a CPU, its backward does not: test_flex_attention_trains_only_on_a_gpu)."""
     model = load_model("tiny", attn_implementation=attn).eval()
     torch.manual_seed(0)
     a, b, c = (torch.randint(10, 300, (n,)).tolist() for n in (9, 6, 11))
@@ -96,3 +98,20 @@ def test_the_packing_probe_tells_a_leak_from_the_rounding_of_half_precision_kern
             check_packing(model)
     else:
         assert check_packing(model) > 1e-3  # the rounding is there, and it is not taken for a leak
+
+
+def test_flex_attention_trains_only_on_a_gpu(monkeypatch):
+    """Without CUDA its backward is PyTorch's NotImplementedError at the first step: one config error before."""
+    import sft.model.loading
+    from conftest import composed
+
+    from sft.config import ConfigError, check
+
+    monkeypatch.setattr(sft.model.loading, "cuda_available", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        check(composed("model.attn_implementation=flex_attention", "data.packing=true"))
+    assert str(e.value) == ("model.attn_implementation='flex_attention': trains only on a CUDA GPU: PyTorch's "
+                            "FlexAttention has no backward on a CPU (torch 2.13); use sdpa (with data.packing=true: "
+                            "sdpa_varlen)")
+    monkeypatch.setattr(sft.model.loading, "cuda_available", lambda: True)
+    check(composed("model.attn_implementation=flex_attention", "data.packing=true"))
