@@ -47,8 +47,6 @@ EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a
 RESULT = "BENCH_RESULT "
 
 
-
-
 def scratch_dir(case: str) -> str:
     """The output dir of a case's Trainer (nothing is kept there), removed when the case's process exits."""
     path = tempfile.mkdtemp(prefix=f"sft-bench-{case}-")
