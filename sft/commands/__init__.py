@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     if name not in COMMANDS:
         sys.stderr.write(f"error: sft has no command {name!r}\n{usage()}")
         sys.exit(2)
+    if name == "train":
+        from sft.training.processes.slurm import note_signals_from_the_start
+
+        note_signals_from_the_start(rest)  # before the stack's imports: a SLURM signal then is not fatal
     module = importlib.import_module(COMMANDS[name][0])
     if name == "train":
         sys.argv = ["sft train", *rest]  # Hydra reads sys.argv

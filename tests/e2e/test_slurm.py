@@ -133,17 +133,19 @@ def test_a_sweep_through_slurm_ends_in_the_verdict_of_a_local_sweep(slurm, tmp_p
 def test_preempted_cancelled_with_a_signal_and_at_its_time_limit_a_job_goes_on_to_the_uninterrupted_losses(
         slurm, tmp_path):
     """One job through all three stops: preempted by a job of the higher partition (SIGTERM), `scancel
-    --signal=TERM`, and SIGUSR2 35 s before its one-minute limit (`--signal`). Each time it finishes the step, saves,
+    --signal=TERM`, and SIGUSR2 35 s before its two-minute limit (`--signal`). Each time it finishes the step, saves,
     requeues itself and exits 75; the next attempt continues the run in the same dir (no resume=auto given), and its
-    step losses are the uninterrupted run's, every step logged once. The preemptions are in results.json."""
+    step losses are the uninterrupted run's, every step logged once. The preemptions are in results.json.
+    (SLURM sends the warning at its first 30-second pass within 30 s of it being due: 55 to 85 s into an attempt
+    here, after the first two stops and before the third attempt could finish.)"""
     (tmp_path / "slow_steps.py").write_text(SLOW_STEPS)
-    overrides = [*EXACT, "trainer.max_steps=120", "trainer.save_steps=120", "trainer.per_device_train_batch_size=4"]
+    overrides = [*EXACT, "trainer.max_steps=300", "trainer.save_steps=300", "trainer.per_device_train_batch_size=4"]
     whole = tmp_path / "whole"
     ref = sft("train", *overrides, f"hydra.run.dir={whole}", cluster=slurm, tmp_path=tmp_path)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = tmp_path / "run"
-    job = sbatch(slurm, tmp_path, "--nodes=1", "--time=1", "--signal=USR2@35", str(REPO / "examples/slurm/train.sbatch"),
-                 *overrides, "+controllers.slow={_target_:slow_steps.SlowSteps,seconds:0.25}",
+    job = sbatch(slurm, tmp_path, "--nodes=1", "--time=2", "--signal=USR2@35", str(REPO / "examples/slurm/train.sbatch"),
+                 *overrides, "+controllers.slow={_target_:slow_steps.SlowSteps,seconds:0.3}",
                  f"hydra.run.dir={run}")
     wait(slurm, lambda: len(logged_steps(run)) >= 3, 120, "the job's third step")
     sbatch(slurm, tmp_path, "--partition=high", "--nodes=2", "--ntasks=4", "--mem=100M", "--wrap", "sleep 5")
@@ -157,11 +159,11 @@ def test_preempted_cancelled_with_a_signal_and_at_its_time_limit_a_job_goes_on_t
     wait_until_ended(slurm, job, "COMPLETED", 240, tmp_path / f"slurm-{job}.out")
 
     results = json.loads((run / "results.json").read_text())
-    assert results["status"] == "ok" and results["global_step"] == 120
+    assert results["status"] == "ok" and results["global_step"] == 300
     assert [(p["signal"], p["attempt"], p["slurm_job"]) for p in results["preemptions"]] == [
         ("SIGTERM", 1, job), ("SIGTERM", 2, job), ("SIGUSR2", 3, job)]
-    assert logged_steps(run) == list(range(1, 121))  # every step once: none trained twice
-    assert step_losses(run, 120) == pytest.approx(step_losses(whole, 120), rel=1e-6, abs=1e-5)
+    assert logged_steps(run) == list(range(1, 301))  # every step once: none trained twice
+    assert step_losses(run, 300) == pytest.approx(step_losses(whole, 300), rel=1e-6, abs=1e-5)
     log = (tmp_path / f"slurm-{job}.out").read_text()
     assert log.count(f"SLURM job {job}: requeued") == 3
     train_log = (run / "train.log").read_text()

@@ -18,11 +18,30 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 
 log = logging.getLogger("sft")
+
+# The signals that came before the run could take them (`note_signals_from_the_start`), in order.
+EARLY_SIGNALS: list[int] = []
+
+
+def note_signals_from_the_start(argv: list[str]) -> None:
+    """Under SLURM, from a command's first line: SIGTERM, SIGUSR1 and SIGUSR2 that come while the stack imports (some
+    seconds) are noted instead of ending the process (SIGUSR's default action kills it, and a job killed so is not
+    requeued); the run's own handler (`sft.training.step.preemption.Preemption.install`) then acts on them: a stop at
+    start-up, exit 75, the job requeued. SLURM may send the `--signal` warning up to 30 s before it is due (its
+    time-limit pass runs every 30 s), so a short limit can warn a job as it starts. Not for a sweep's own process
+    (`-m`), which runs no `Preemption` of its own where its jobs run elsewhere."""
+    if "SLURM_JOB_ID" not in os.environ or threading.current_thread() is not threading.main_thread() or \
+            {"-m", "--multirun"} & set(argv):
+        return
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda signum, frame: EARLY_SIGNALS.append(signum))
 
 
 class SlurmRefused(RuntimeError):

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from sft.config.schema import knob
 from sft.training.controllers.base import Controller
+from sft.training.processes.slurm import EARLY_SIGNALS
 
 log = logging.getLogger("sft")
 
@@ -94,11 +95,14 @@ class Preemption(Controller):
         self._stop = True
 
     def install(self) -> None:
-        """Take over SIGTERM and SIGINT (from the main thread, where Python runs signal handlers)."""
+        """Take over SIGTERM and SIGINT (from the main thread, where Python runs signal handlers); a signal noted
+        since the command started (`note_signals_from_the_start`, under SLURM) is acted on now."""
         if threading.current_thread() is threading.main_thread():
             self._pid = os.getpid()
             for sig in signals():
                 signal.signal(sig, self._on_signal)
+            while EARLY_SIGNALS:
+                self._on_signal(EARLY_SIGNALS.pop(0), None)
 
     def uninstall(self) -> None:
         """Give SIGTERM and SIGINT back, and the grace timer up. Where a signal came (the run is stopping), a further
