@@ -22,15 +22,13 @@ from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES, run_loss_case
 from sft.bench.matmul import MATMUL_CASES, run_matmul_case
 from sft.ranks import is_rank_zero
 
-# Each training case and what it trains with. `raw`, `hf`, `ce_naive` and `trl` compute the same full logits and
-# cross entropy (the framework's cost alone); `ce` and `packing` the lean loss that `loss.impl=auto` picks; the
-# packed cases all run the sdpa_varlen kernel but `trl_padding_free_mask` (TRL's own: a block-diagonal mask).
-# `ce_bf16` is `ce` under bf16 autocast, `ce_lora` `ce` with LoRA (`ce_lora_naive` with the model's own logits),
-# `ce_compiled` `ce` under torch.compile (only when named: it compiles for minutes); `ce_spread` and `packing_spread`
-# train on chats of a published dataset's length spread (`SPREAD_CASES`, `sft.bench.rows.spread_rows`);
-# `packing_flex` is `packing` on FlexAttention's document mask (transformers' `flex_attention`), on a GPU only.
+# Each training case and the overrides it trains with (what each measures: `sft.bench.run`'s docstring). `raw`, `hf`,
+# `ce_naive` and `trl` compute the same full logits and cross entropy (the framework's cost alone); `ce` and
+# `packing` the lean loss that `loss.impl=auto` picks; the packed cases all run the sdpa_varlen kernel but
+# `trl_padding_free_mask` (TRL's own: a block-diagonal mask) and `packing_flex` (FlexAttention's document mask).
 CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": ["loss=ce", "loss.impl=naive"],
                   "ce": ["loss=ce"], "ce_bf16": ["loss=ce", "trainer.bf16=true"],
+                  "ce_bf16_pure": ["loss=ce", "trainer.bf16=true", "trainer.precision=pure"],
                   "ce_lora": ["loss=ce", "lora=default"],
                   "ce_lora_naive": ["loss=ce", "lora=default", "loss.impl=naive"],
                   "ce_compiled": ["loss=ce", "trainer.torch_compile=true"],
@@ -38,7 +36,8 @@ CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": [
                   "ce_spread": ["loss=ce"], "packing_spread": ["loss=ce", "data.packing=true"],
                   "trl": ["loss=ce"], "trl_padding_free": ["loss=ce", "model.attn_implementation=sdpa_varlen"],
                   "trl_padding_free_mask": ["loss=ce"],
-                  "packing_flex": ["loss=ce", "data.packing=true", "model.attn_implementation=flex_attention"]}
+                  "packing_flex": ["loss=ce", "data.packing=true", "model.attn_implementation=flex_attention"],
+                  "packing_pure": ["loss=ce", "data.packing=true", "trainer.bf16=true", "trainer.precision=pure"]}
 TRAINING_CASES = tuple(CASE_OVERRIDES)
 SPREAD_CASES = ("ce_spread", "packing_spread")
 TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped

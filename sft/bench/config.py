@@ -9,14 +9,14 @@ from typing import List, Optional
 from sft.config import registry
 from sft.config.schema import Schema, knob
 
-CASES = ["raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_lora", "ce_lora_naive", "hard_sample", "packing", "ce_spread",
+CASES = ["raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_bf16_pure", "ce_lora", "ce_lora_naive", "hard_sample", "packing", "ce_spread",
          "packing_spread", "trl", "trl_padding_free", "trl_padding_free_mask", "matmul", "matmul_bf16", "eval_hf",
          "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
 LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequence_parallel")  # cases.LONG_ROW_VARIANTS
 # a 15 GB checkpoint; rows of up to 16k tokens; torch.compile's minutes of compiling; each lean loss kernel by name
-# (cases.LOSS_KERNEL_CASES); packing on FlexAttention (a GPU's): only when named in bench.cases
+# (cases.LOSS_KERNEL_CASES); packing on FlexAttention (a GPU's), and in pure bf16: only when named in bench.cases
 ON_REQUEST = ["checksums", "checkpoint_memory", "stream", "long_rows", "ce_compiled", "loss_chunked", "loss_cce",
-              "loss_liger", "packing_flex"]
+              "loss_liger", "packing_flex", "packing_pure"]
 
 
 @dataclass

@@ -8,12 +8,15 @@ Trains the same model on the same rows in the same order for `bench.steps` optim
   cross entropy as `raw` and `hf` (`loss.impl=naive`): the framework's own cost;
 - `ce`, `hard_sample`: this project with the lean loss `loss.impl=auto` picks (chunked on a CPU: only the
   assistant tokens are projected), and with the difficulty weights;
-- `ce_bf16`: `ce` under bf16 autocast (`trainer.bf16=true`: fp32 master weights; on a CPU with bf16 instructions or
-  a GPU, else skipped with one line); `ce_lora`: `ce` with `lora=default` (`ce_lora_naive`: with `loss.impl=naive`);
+- `ce_bf16`: `ce` under bf16 autocast (`trainer.bf16=true`: fp32 weights cast to bf16 in every forward);
+  `ce_bf16_pure`: the linear weights held in bf16 over the optimizer's fp32 copies (`trainer.precision=pure`); both
+  on a CPU with bf16 instructions or a GPU, else skipped with one line; `ce_lora`: `ce` with `lora=default`
+  (`ce_lora_naive`: with `loss.impl=naive`); `ce_compiled`: `ce` under torch.compile (on request: minutes);
 - `packing`: `ce` with `data.packing=true` (the sdpa_varlen kernel); `ce_spread` and `packing_spread`: both on chats
   of a published dataset's length spread (LLaMA-Factory's alpaca_en_demo: 47 to 750 tokens, `sft.bench.rows`);
 - `packing_flex`: `packing` on FlexAttention with the packed samples' document mask (`flex_attention`; on a GPU
-  only, else skipped with one line);
+  only, else skipped with one line); `packing_pure`: `packing` with `trainer.bf16=true trainer.precision=pure`
+  (with `preset=gpu_7b`'s LoRA: the frozen base in bf16 only);
 - `trl`, `trl_padding_free`, `trl_padding_free_mask`: TRL's `SFTTrainer` padded, padding-free on the same
   sdpa_varlen kernel as `packing`, and padding-free on its own kernel (a block-diagonal mask), all on `sft`'s own
   tokenised rows and labels with the model's own loss (tested: the same step losses as `sft` with `loss=ce`);
@@ -27,11 +30,12 @@ chunked on a CPU); `loss_chunked`, `loss_cce`, `loss_liger` (on request) each ke
 
 The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same loss computation on both sides),
 `lean_loss_gain` (`ce` over `ce_naive`; `lean_loss_gain_lora` the same with LoRA), `hard_sample_vs_ce`,
-`bf16_vs_fp32` (`ce_bf16` over `ce`), `lora_vs_full` (`ce_lora` over `ce`), `compile_gain` (`ce_compiled`, only
-when named, over `ce`), `packing_gain` (`packing` over `ce`), `packing_gain_spread` (the same on the spread),
-`ce_vs_trl`,
-`packing_vs_trl_padding_free` (the same kernel) and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two
-kernels), `flex_vs_varlen` (`packing_flex` over `packing`). Each case runs in a fresh process with the same torch threads (`bench.threads`) and, on a CPU, the same
+`bf16_vs_fp32` (`ce_bf16_pure` over `ce`; `bf16_mixed_vs_fp32`: `ce_bf16` over `ce`; `pure_vs_mixed`),
+`lora_vs_full` (`ce_lora` over `ce`), `compile_gain` (`ce_compiled` over `ce`), `packing_gain` (`packing` over
+`ce`), `packing_gain_spread` (the same on the spread), `ce_vs_trl`, `packing_vs_trl_padding_free` (the same kernel)
+and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two kernels), `flex_vs_varlen` (`packing_flex` over
+`packing`), `packing_pure_vs_mixed` (`packing_pure` over `packing`). Each case runs in a fresh process with the same
+torch threads (`bench.threads`) and, on a CPU, the same
 allocator settings (`sft.training.processes.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the
 whole process's peak resident memory, imports and data included). The rounds interleave the cases, every other round in
 reverse order, and repeat `bench.repeats` times; a ratio is the median of its per-round ratios, with their spread. Each
@@ -132,12 +136,13 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
 TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_naive", "hf"),
                    "lean_loss_gain": ("ce", "ce_naive"), "hard_sample_vs_ce": ("hard_sample", "ce"),
                    "packing_gain": ("packing", "ce"), "packing_gain_spread": ("packing_spread", "ce_spread"),
-                   "bf16_vs_fp32": ("ce_bf16", "ce"), "lora_vs_full": ("ce_lora", "ce"),
+                   "bf16_vs_fp32": ("ce_bf16_pure", "ce"), "bf16_mixed_vs_fp32": ("ce_bf16", "ce"),
+                   "pure_vs_mixed": ("ce_bf16_pure", "ce_bf16"), "lora_vs_full": ("ce_lora", "ce"),
                    "lean_loss_gain_lora": ("ce_lora", "ce_lora_naive"), "compile_gain": ("ce_compiled", "ce"),
                    "ce_vs_trl": ("ce", "trl"),
                    "packing_vs_trl_padding_free": ("packing", "trl_padding_free"),
                    "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask"),
-                   "flex_vs_varlen": ("packing_flex", "packing")}
+                   "flex_vs_varlen": ("packing_flex", "packing"), "packing_pure_vs_mixed": ("packing_pure", "packing")}
 
 
 # --- the driver --------------------------------------------------------------------------------------
@@ -203,7 +208,7 @@ def first_step_seconds(repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-BF16_CASES = ("ce_bf16", "matmul_bf16")
+BF16_CASES = ("ce_bf16", "ce_bf16_pure", "packing_pure", "matmul_bf16")
 
 
 def gpu_missing() -> str | None:

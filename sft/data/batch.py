@@ -46,3 +46,11 @@ def sample_index(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     per_row = starts.sum(dim=1)
     index = starts.cumsum(dim=1) - 1 + (per_row.cumsum(0) - per_row)[:, None]
     return index, int(per_row.sum())
+
+
+def input_tokens(batch: dict) -> torch.Tensor:
+    """The tokens of a micro-batch that are not padding (all of a packed row's)."""
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return mask.sum()
+    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)

@@ -19,6 +19,11 @@ class AuxBatch:
     position_ids: Any
     values: Any
 
+    @classmethod
+    def of(cls, batch: dict, name: str) -> AuxBatch:
+        """What the auxiliary term `name` sees of a collated micro-batch."""
+        return cls(batch["labels"], batch["weights"], batch.get("position_ids"), batch[f"aux_{name}"])
+
     def targets(self):
         """The assistant tokens and the positions predicting them, with each one's sequence
         (`sft.loss.terms.Targets`)."""

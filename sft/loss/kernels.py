@@ -110,6 +110,18 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
                                             transform or LogitTransform(), factor)
 
 
+def lean_logits_error(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                      transform: LogitTransform) -> str | None:
+    """How a model's own `logits` differ from its decoder's output `hidden` projected by its output layer's `weight`
+    (with the model's known `transform`), beyond their dtype's rounding; None where they agree: a lean loss, which
+    projects the hidden states itself, then computes the model's own loss."""
+    theirs = logits.float()
+    ours = transform(hidden.float() @ weight.float().T)
+    relative = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16/fp16 rounding
+    error = (ours - theirs).abs().max().item()
+    return None if error <= relative * max(1.0, theirs.abs().max().item()) else f"they differ by up to {error:.3g}"
+
+
 def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainable_head: bool = False) -> str:
     """The implementation to run for `loss.impl=requested`, logging why a requested one is not used.
 

@@ -180,6 +180,9 @@ class ModelConfig(Schema):
             find_gguf(self.gguf_file, self.name_or_path, key="gguf_file")  # the file is there (converting it waits for the model)
         elif not self.random_init and self.name_or_path != TINY:
             check_reachable(self.name_or_path)
+        if cfg is not None and cfg.trainer.precision == "pure":
+            self.require("dtype", self.dtype == Dtype.float32, "trainer.precision=pure holds the linear layers' "
+                         "weights in bf16 and the rest in fp32, as autocast computes them: leave model.dtype=float32")
         if self.quantization is not None and cfg is not None:
             self.require("quantization", cfg.lora is not None, "a quantized base trains only with LoRA (lora=qlora)")
             self.require("quantization", cuda_available(),

@@ -103,6 +103,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
         sequence_parallel=sequence_parallel,
         console=str(cfg.console),
         async_save=cfg.checkpoint.async_save,
+        master_weights=cfg.trainer.precision == "pure",
     )
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
 
@@ -129,6 +130,10 @@ def build_model(cfg: DictConfig, activation_checkpointing: bool):
     if cfg.data.packing and attn == "sdpa":  # sdpa would attend across the whole packed row, under a mask
         attn = "sdpa_varlen"
         log.info("data.packing: attention sdpa_varlen (sdpa per sample of the packed row)")
+    if str(cfg.model.dtype) != "float32" and cfg.lora is None and not cfg.deepspeed:
+        log.warning("model.dtype=%s with a full fine-tune: the optimizer steps %s weights, and drops every update "
+                    "below their resolution (8 bits of mantissa in bf16); trainer.bf16=true trainer.precision=pure "
+                    "keeps fp32 copies of them in the optimizer", cfg.model.dtype, cfg.model.dtype)
     model = instantiate(cfg.model, attn_implementation=attn, sequence_parallel=sequence_parallel_size(cfg))
     if cfg.data.packing:
         check_packing(model)
@@ -138,6 +143,11 @@ def build_model(cfg: DictConfig, activation_checkpointing: bool):
         if cfg.model.quantization:
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=activation_checkpointing)
         model = apply_lora(model, cfg.lora)
+    if cfg.trainer.precision == "pure":  # the trainer then gives the optimizer fp32 copies of those it trains
+        from sft.training.step.master_weights import hold_linear_weights_in_bf16
+
+        held = hold_linear_weights_in_bf16(model)
+        log.info("trainer.precision=pure: %d parameters (the linear layers') held in bf16, the rest in fp32", held)
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]  # ZeRO-3 shards
     total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
     log.info("model: %d parameters, %d trainable (%.2f%%)", total, trainable, 100 * trainable / total)

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional
 
-from sft.config.schema import ConfigError, Schema, config_schema, cuda_available, knob, missing
+from sft.config.schema import Choice, ConfigError, Schema, config_schema, cuda_available, knob, missing
 from sft.training.trainer_fields import GENERATED_FROM, TrainingArgumentsFields
 
 log = logging.getLogger("sft")
@@ -29,6 +29,13 @@ TRACKER_PACKAGES = {"mlflow": "mlflow mlflow-skinny", "wandb": "wandb", "tensorb
                     "trackio": "trackio", "swanlab": "swanlab", "codecarbon": "codecarbon", "azure_ml": "azureml",
                     "dagshub": "dagshub", "flyte": "flytekit", "kubeflow": None}
 REPORT_TO_WORDS = ("all", "none")  # transformers' own: every installed tracker, or none
+
+
+class Precision(Choice):
+    """`trainer.precision` with bf16 (`sft.training.step.master_weights`)."""
+
+    mixed = "mixed"
+    pure = "pure"
 
 
 @config_schema("trainer", "trainer")
@@ -108,7 +115,12 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     ddp_backend: Optional[str] = knob(None, "null: nccl on GPU, gloo on CPU")
     use_cpu: bool = knob(False, "train on the CPU even where there is a GPU")
     # sft's own knobs, not TrainingArguments fields: each becomes TrainingArguments through the recipe
-    sft_fields: ClassVar[Dict[str, str]] = {"activation_offloading": "activation_checkpointing_kwargs' offload"}
+    sft_fields: ClassVar[Dict[str, str]] = {"activation_offloading": "activation_checkpointing_kwargs' offload",
+                                            "precision": "the model's dtype and the optimizer's fp32 copies"}
+    precision: Precision = knob(Precision.mixed, "with bf16: mixed (fp32 weights, each linear layer's cast to "
+                                "bf16 in every forward) or pure (the linear layers' weights held in bf16, the "
+                                "optimizer stepping fp32 copies of them: the same step without the casts or the fp32 "
+                                "copy of a frozen base; sft.training.step.master_weights; one process)")
     activation_offloading: bool = knob(False, "hold the activation checkpoints in pinned host memory from the forward "
                                        "to the backward (transformers' offload): frees layers x tokens x hidden of "
                                        "GPU memory, a slower step; with activation_checkpointing")
@@ -152,6 +164,7 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
             from sft.training.processes.precision import NO_BF16_CPU, cpu_bf16_instructions
 
             self.require("bf16", cpu_bf16_instructions() is not None, NO_BF16_CPU)
+        self.check_precision(cfg)
         if self.activation_offloading:
             self.require("activation_offloading", self.activation_checkpointing,
                          "offloads the activation checkpoints: set trainer.activation_checkpointing=true too")
@@ -168,6 +181,18 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
             absent = missing(TRACKER_PACKAGES[tracker]) if TRACKER_PACKAGES.get(tracker) else None
             self.require("report_to", absent is None, f"{tracker} is not installed: pip install {(absent or '?')[-1]}")
 
+
+    def check_precision(self, cfg) -> None:
+        if self.precision != Precision.pure:
+            return
+        self.require("precision", self.bf16, "holds the linear layers' weights in bf16 under bf16 autocast: set "
+                     "trainer.bf16=true too")
+        if cfg is None:
+            return
+        self.require("precision", not cfg.deepspeed, "DeepSpeed's bf16 keeps fp32 master weights of its own "
+                     "(trainer.bf16=true is that already): set trainer.precision=mixed")
+        self.require("precision", cfg.fsdp is None, "FSDP2 reduce-scatters the parameters' own gradients, which pure "
+                     "hands to the optimizer's fp32 copies: one process only; set trainer.precision=mixed")
 
     def check_scheduler_kwargs(self) -> None:
         """`lr_scheduler_kwargs` must be parameters of the schedule `lr_scheduler_type` builds (transformers' function
@@ -246,6 +271,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
+    fields.pop("precision")  # the model's dtype (sft.run.build) and the trainer's master weights
     fields["learning_rate"] = learning_rate(cfg)
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints.store rotates, counting complete checkpoints only

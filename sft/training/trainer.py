@@ -20,6 +20,8 @@ still has each one, with the same parameters):
   `optimizer.step()` that receive the model; Trainer calls the first where `max_grad_norm > 0`, the second always)
   hand the step to `sft.training.step.control.StepControl.finish` (controllers' verdicts, skip, clip policy) with a
   `StepContext`, the step's number and the objects it acts on;
+- `create_optimizer` (public) gives the optimizer fp32 copies of a bf16 model's trained weights under
+  `trainer.precision=pure` (`sft.training.step.master_weights`), whose gradients step control then judges and clips;
 - `get_train_dataloader` (public) reads a stream (`sft.data.streaming`) as this rank's share, not split again;
 - `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
   curriculum's) when one provides it (`Controller.train_sampler`), under sequence parallelism given to the ranks of
@@ -59,12 +61,13 @@ from accelerate.utils import gather_object
 from typing_extensions import override
 
 from sft.config.schema import ConfigError
+from sft.data.batch import input_tokens
 from sft.data.split import row_scores
 from sft.data.streaming import Stream
 from sft.eval.metrics import eval_metrics
 from sft.loss.auxiliary import AuxBatch
 from sft.loss.base import WeightedTokenLoss
-from sft.loss.kernels import choose_impl
+from sft.loss.kernels import choose_impl, lean_logits_error
 from sft.loss.logits import LogitTransform, router_aux_loss_coef
 from sft.training.checkpoints.saving import CheckpointSaving
 from sft.training.compat import import_deepspeed_only_when_used
@@ -75,6 +78,7 @@ from sft.training.processes.distributed import fsdp_without_gpus
 from sft.training.processes.sequence_parallel import SequenceParallel
 from sft.training.step.clipping import GradClipPolicy
 from sft.training.step.control import StepContext, StepControl, StepReport
+from sft.training.step.master_weights import MasterWeights
 
 log = logging.getLogger("sft")
 
@@ -87,8 +91,11 @@ class WeightedLossTrainer(CheckpointSaving):
                  controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
                  sources: list[str] | None = None, tasks: dict[int, str] | None = None,
                  throughput: ThroughputMeter | None = None, eval_generation=None, eval_harness=None,
-                 sequence_parallel: int = 1, console: str = "short", async_save: bool = False, **kwargs):
+                 sequence_parallel: int = 1, console: str = "short", async_save: bool = False,
+                 master_weights: bool = False, **kwargs):
         self.controllers = dict(controllers or {})
+        self.pure_bf16 = master_weights  # trainer.precision=pure: create_optimizer gives it fp32 copies
+        self.master_weights: MasterWeights | None = None
         self.throughput = throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
         import_deepspeed_only_when_used()  # Trainer unwraps the model while it is set up: no DeepSpeed import for it
@@ -144,19 +151,16 @@ class WeightedLossTrainer(CheckpointSaving):
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            # pure bf16's model runs under autocast only (its linear weights bf16, the rest fp32), as in training
+            with torch.no_grad(), torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.pure_bf16):
                 outputs, hidden = self._forward_keeping_hidden(model, input_ids=ids)
-                theirs = outputs.logits.float()
-                ours = self.logit_transform(hidden.float() @ self._lm_head.weight.float().T)
+                error = lean_logits_error(outputs.logits, hidden, self._lm_head.weight, self.logit_transform)
         finally:
             model.train(was_training)
-        relative = 1e-4 if self._lm_head.weight.dtype == torch.float32 else 2e-2  # bf16/fp16 rounding
-        tolerance = relative * max(1.0, theirs.abs().max().item())
-        error = (ours - theirs).abs().max().item()
-        if error <= tolerance:
+        if error is None:
             return
         reason = (f"this {type(model).__name__}'s logits are not its decoder's output projected by its output "
-                  f"layer ({self.logit_transform}): they differ by up to {error:.3g}")
+                  f"layer ({self.logit_transform}): {error}")
         if self.loss.impl != "auto":
             raise ConfigError("loss.impl", self.loss.impl, f"{reason}; use loss.impl=naive (or auto)")
         log.warning("loss.impl=auto: %s; using naive", reason)
@@ -252,7 +256,7 @@ class WeightedLossTrainer(CheckpointSaving):
                                             batch.get("position_ids")).to(device)
             sums[1] += input_tokens(batch).to(device)
             for i, (name, term) in enumerate(self.aux_terms.items()):
-                sums[2 + i] += term.denominator(aux_batch(batch, name)).to(device)
+                sums[2 + i] += term.denominator(AuxBatch.of(batch, name)).to(device)
         self.step_control.begin(device, self.model_wrapped if self.is_deepspeed_enabled else None)
         sums = self._sum_over_batches(sums)
         self._step_tokens, self._aux_denominators = sums[1], sums[2:]
@@ -278,7 +282,16 @@ class WeightedLossTrainer(CheckpointSaving):
     def _step_context(self) -> StepContext:
         """What `StepControl` is told of the step it finishes."""
         return StepContext(step=self.state.global_step + 1, accelerator=self.accelerator, optimizer=self.optimizer,
-                           engine=self.model_wrapped if self.is_deepspeed_enabled else None)
+                           engine=self.model_wrapped if self.is_deepspeed_enabled else None,
+                           master_weights=self.master_weights)
+
+    @override
+    def create_optimizer(self, model=None):
+        """Trainer's, stepping fp32 copies of the bf16 weights it trains under `trainer.precision=pure`."""
+        optimizer = super().create_optimizer(model)
+        if self.pure_bf16 and self.master_weights is None:
+            self.master_weights = MasterWeights.attach(optimizer, processes=self.accelerator.num_processes)
+        return optimizer
 
     @override
     def _get_train_sampler(self, train_dataset=None):
@@ -355,7 +368,7 @@ class WeightedLossTrainer(CheckpointSaving):
         """The auxiliary terms' share of this micro-batch: `coef * numerator / the step's denominator` each."""
         total = torch.zeros((), dtype=torch.float64, device=hidden.device)
         for i, (name, term) in enumerate(self.aux_terms.items()):
-            part = aux_batch(batch, name)
+            part = AuxBatch.of(batch, name)
             numerator = term.numerator(hidden, part)
             total = total + term.coef * numerator.double() / self._aux_denominators[i].clamp_min(1e-12)
             self._aux_stats[2 * i] += numerator.detach().double()
@@ -484,15 +497,3 @@ class WeightedLossTrainer(CheckpointSaving):
                 logs.update(controller.log_values())
         super().log(logs, start_time)
 
-
-def aux_batch(batch: dict, name: str) -> AuxBatch:
-    """What the auxiliary term `name` sees of a micro-batch (`sft.loss.auxiliary.AuxBatch`)."""
-    return AuxBatch(batch["labels"], batch["weights"], batch.get("position_ids"), batch[f"aux_{name}"])
-
-
-def input_tokens(batch: dict) -> torch.Tensor:
-    """The tokens of a micro-batch that are not padding (all of a packed row's)."""
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        return mask.sum()
-    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)

@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO
 
 
-TRAINING = ("raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_lora", "ce_lora_naive", "hard_sample", "packing", "ce_spread", "packing_spread",
+TRAINING = ("raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_bf16_pure", "ce_lora", "ce_lora_naive", "hard_sample", "packing", "ce_spread", "packing_spread",
             "trl", "trl_padding_free", "trl_padding_free_mask")
 
 
@@ -27,6 +27,7 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
     assert not report["skipped"], report["skipped"]  # (this machine has TRL and a CPU with bf16 instructions)
     assert set(report["ratios"]) == {"sft_vs_raw", "overhead_vs_hf", "lean_loss_gain", "lean_loss_gain_memory",
                                      "hard_sample_vs_ce", "packing_gain", "packing_gain_spread", "bf16_vs_fp32",
+                                     "bf16_mixed_vs_fp32", "pure_vs_mixed",
                                      "lora_vs_full", "lean_loss_gain_lora", "lean_loss_gain_lora_memory",
                                      "ce_vs_trl", "ce_vs_trl_memory", "packing_vs_trl_padding_free",
                                      "packing_vs_trl_padding_free_memory", "varlen_vs_mask_kernel",

@@ -11,7 +11,7 @@ from sft.loss.builtin import CrossEntropyLoss
 
 def test_an_auxiliary_term_is_summed_over_the_step_as_the_main_loss_is(tmp_path, tokenizer, my_losses):
     from sft.model.loading import load_model
-    from sft.training.trainer import aux_batch
+    from sft.loss.auxiliary import AuxBatch
 
     term = my_losses.GroupContrastive(coef=0.5)
     loss = CrossEntropyLoss(aux={"contrastive": term})
@@ -27,8 +27,8 @@ def test_an_auxiliary_term_is_summed_over_the_step_as_the_main_loss_is(tmp_path,
         for part in (trainer.train_dataset.select(range(0, 4)), trainer.train_dataset.select(range(4, 8))):
             batch = collate(list(part))
             hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
-            numerators.append(term.numerator(hidden, aux_batch(batch, "contrastive")).item())
-            denominators.append(term.denominator(aux_batch(batch, "contrastive")).item())
+            numerators.append(term.numerator(hidden, AuxBatch.of(batch, "contrastive")).item())
+            denominators.append(term.denominator(AuxBatch.of(batch, "contrastive")).item())
     assert min(denominators) > 0
     assert logged["aux/contrastive"] == pytest.approx(sum(numerators) / sum(denominators), rel=1e-5)
     ce_losses, _, _ = train_steps(tmp_path / "b", tokenizer, CrossEntropyLoss(), 4, 2, rows=rows, steps=1)

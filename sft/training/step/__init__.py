@@ -1,5 +1,6 @@
 """A step's control: what becomes of each optimizer step (`control`: its loss's denominator over micro-batches and
-ranks, the gradient norm, the judges' verdicts, a skipped step), the clip policies (`clipping`), and preemption
-(`preemption`: a signal finishes the step, saves and exits 75).
+ranks, the gradient norm, the judges' verdicts, a skipped step), the clip policies (`clipping`), preemption
+(`preemption`: a signal finishes the step, saves and exits 75), and the fp32 copies an optimizer steps for bf16
+weights (`master_weights`: `trainer.precision=pure`).
 
 May import: every room below it (`processes`, `checkpoints`, `observability`, `controllers`) and the training base."""

@@ -49,6 +49,7 @@ class StepContext:
     accelerator: Any  # accelerate's Accelerator: the gradient norm (fp16 unscaled), the all-reduce, the scaler
     optimizer: Any  # the AcceleratedOptimizer
     engine: Any = None  # DeepSpeed's engine, under DeepSpeed (it clips inside its own step)
+    master_weights: Any = None  # the optimizer's fp32 copies (trainer.precision=pure): they hold the gradients
 
     @property
     def ranks(self) -> int:
@@ -115,7 +116,10 @@ class StepControl:
             norm = float(ctx.accelerator.clip_grad_norm_(model.parameters(), math.inf))
             threshold = self._deepspeed_threshold
         else:
-            params = [p for p in model.parameters() if p.grad is not None]
+            trained = list(model.parameters())
+            if ctx.master_weights is not None:  # trainer.precision=pure: the fp32 copies hold the gradients
+                trained = ctx.master_weights.holding_gradients(trained)
+            params = [p for p in trained if p.grad is not None]
             total_norm = ctx.accelerator.clip_grad_norm_(params, math.inf)  # unscales fp16; clips nothing
             norm = float(total_norm)
             threshold = self.clip_policy.threshold(norm) if math.isfinite(norm) else math.inf
@@ -123,6 +127,8 @@ class StepControl:
         if any(v.skip for v in verdicts):
             if ctx.engine is None and ctx.accelerator.scaler is None:  # fp16: the scaler skips it itself
                 model.zero_grad(set_to_none=True)  # optimizers leave parameters without a gradient alone
+                if ctx.master_weights is not None:
+                    ctx.master_weights.drop_gradients()
                 mark_update_skipped(ctx.optimizer, True)
             return norm
         if ctx.engine is None:
