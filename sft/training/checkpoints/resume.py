@@ -22,7 +22,8 @@ log = logging.getLogger("sft")
 # them. An entry ending in "." covers its group, and turning the group on or off.
 FIXED_ON_RESUME = ("model.", "lora.", "tokenizer.", "deepspeed", "deepspeed.zero_optimization.stage",
                    "trainer.per_device_train_batch_size", "trainer.gradient_accumulation_steps", "trainer.seed",
-                   "trainer.data_seed", "trainer.optim", "trainer.train_sampling_strategy")
+                   "trainer.data_seed", "trainer.optim", "trainer.train_sampling_strategy",
+                   "trainer.precision")  # pure's optimizer state holds the fp32 weights, mixed's model does
 CHANGEABLE_ON_RESUME = ("model.attn_implementation",)  # the same weights, another kernel
 NOT_COMPARED = ("resume", "resume_force", "overwrite", "trust_checkpoint")
 ABSENT = "<absent>"

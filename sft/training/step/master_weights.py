@@ -82,6 +82,8 @@ class MasterWeights:
             for i, param in enumerate(group["params"]):
                 if param.is_floating_point() and param.dtype != torch.float32:
                     kept = param.__dict__.pop(KEPT, None)
+                    if kept is not None and not torch.equal(kept.to(param.device, param.dtype), param.detach()):
+                        kept = None  # the parameter was set since (a checkpoint's weights): its own value then
                     copy = param.detach().float() if kept is None else kept.to(param.device)
                     group["params"][i] = copy
                     pairs.append((param, copy))

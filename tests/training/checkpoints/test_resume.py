@@ -18,6 +18,7 @@ def test_config_changes_list_every_differing_leaf_and_which_a_resume_refuses():
     assert [key for key, _, _ in config_changes(saved, current) if fixed_on_resume(key)] == ["lora", "lora.r"]
     assert not fixed_on_resume("model.attn_implementation") and fixed_on_resume("model.pretrained_model_name_or_path")
     assert fixed_on_resume("deepspeed") and not fixed_on_resume("deepspeed.gradient_clipping")
+    assert fixed_on_resume("trainer.precision")  # pure keeps the fp32 weights in the optimizer, mixed in the model
 
 
 def test_another_number_of_processes_keeps_the_steps_rows_and_a_weights_only_checkpoint_is_refused(monkeypatch):

@@ -81,6 +81,25 @@ def _saved(result) -> "io.BytesIO":
     return buffer
 
 
+def test_the_copies_start_from_the_fp32_weights_unless_a_checkpoint_set_the_parameter_since():
+    from sft.training.step.master_weights import hold_linear_weights_in_bf16
+
+    def model_and_optimizer(loaded=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        fp32 = model[0].weight.detach().clone()
+        assert hold_linear_weights_in_bf16(model) == 4 * 4 + 4 + 4 * 2 + 2
+        if loaded is not None:
+            model[0].weight.data.copy_(loaded)  # what Trainer does with a checkpoint's weights
+        master = MasterWeights.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+        return fp32, master.holding_gradients([model[0].weight])[0]
+
+    fp32, copy = model_and_optimizer()
+    assert torch.equal(copy, fp32) and not torch.equal(copy, fp32.bfloat16().float())  # not the rounded value
+    _, copy = model_and_optimizer(loaded=torch.full((4, 4), 0.5))
+    assert torch.equal(copy, torch.full((4, 4), 0.5))
+
+
 def test_an_fp32_optimizer_is_left_as_it_is():
     assert MasterWeights.attach(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)) is None
 
