@@ -116,7 +116,7 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     use_cpu: bool = knob(False, "train on the CPU even where there is a GPU")
     # sft's own knobs, not TrainingArguments fields: each becomes TrainingArguments through the recipe
     sft_fields: ClassVar[Dict[str, str]] = {"activation_offloading": "activation_checkpointing_kwargs' offload",
-                                            "precision": "the model's dtype and the optimizer's fp32 copies"}
+                                            "precision": "the linear layers' dtype and the optimizer's fp32 copies"}
     precision: Precision = knob(Precision.mixed, "with bf16: mixed (fp32 weights, each linear layer's cast to "
                                 "bf16 in every forward) or pure (the linear layers' weights held in bf16, the "
                                 "optimizer stepping fp32 copies of them: the same step without the casts or the fp32 "
@@ -271,7 +271,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
-    fields.pop("precision")  # the model's dtype (sft.run.build) and the trainer's master weights
+    fields.pop("precision")  # the linear layers' dtype (sft.run.build) and the trainer's master weights
     fields["learning_rate"] = learning_rate(cfg)
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints.store rotates, counting complete checkpoints only

@@ -126,9 +126,8 @@ class StepControl:
         verdicts = self._judge(ctx, norm, self._reduce_step(ctx))
         if any(v.skip for v in verdicts):
             if ctx.engine is None and ctx.accelerator.scaler is None:  # fp16: the scaler skips it itself
-                model.zero_grad(set_to_none=True)  # optimizers leave parameters without a gradient alone
-                if ctx.master_weights is not None:
-                    ctx.master_weights.drop_gradients()
+                for p in params:  # optimizers leave parameters without a gradient alone (pure: the fp32 copies)
+                    p.grad = None
                 mark_update_skipped(ctx.optimizer, True)
             return norm
         if ctx.engine is None:

@@ -20,8 +20,8 @@ sums) stays as autocast runs it, so a step computes what a mixed step computes:
     loss(model).backward()                    # bf16 gradients -> the copies' fp32 .grad
     optimizer.step()                          # fp32 step; the bf16 weights set to the copies, rounded
 
-Trained parameters that are fp32 already (LoRA's adapters, which PEFT keeps in fp32 over a bf16 base) are stepped
-as they are. One process only: DDP all-reduces the parameters' own gradients, which the hook hands over to the
+Trained parameters that are fp32 (embeddings, norms, the output layer) are stepped as they are; LoRA's adapters are
+linear layers, held in bf16 over copies like the rest, and the frozen base they adapt in bf16 alone. One process only: DDP all-reduces the parameters' own gradients, which the hook hands over to the
 copies (FSDP2 and DeepSpeed keep fp32 masters of their own; `TrainerConfig.check` says so).
 """
 
@@ -64,9 +64,10 @@ class MasterWeights:
         self.optimizer = optimizer
         self.pairs = pairs  # (the model's bf16 parameter, its fp32 copy)
         self._copy_of = {id(param): copy for param, copy in pairs}
-        self._handles = [param.register_post_accumulate_grad_hook(self._hand_over(copy)) for param, copy in pairs]
-        self._handles.append(optimizer.register_step_post_hook(lambda *_: self.copy_to_model()))
-        self._handles.append(optimizer.register_load_state_dict_post_hook(lambda *_: self.restore()))
+        for param, copy in pairs:  # the hooks live as long as the parameters and the optimizer: the run
+            param.register_post_accumulate_grad_hook(self._hand_over(copy))
+        optimizer.register_step_post_hook(lambda *_: self.copy_to_model())
+        optimizer.register_load_state_dict_post_hook(lambda *_: self.restore())
 
     @classmethod
     def attach(cls, optimizer: torch.optim.Optimizer, processes: int = 1) -> MasterWeights | None:
@@ -130,8 +131,3 @@ class MasterWeights:
                 copy.copy_(state[STATE_KEY])
                 state[STATE_KEY] = copy
                 param.copy_(copy)
-
-    def drop_gradients(self) -> None:
-        """A skipped step: the copies' accumulated gradients go, as the parameters' would."""
-        for _, copy in self.pairs:
-            copy.grad = None
