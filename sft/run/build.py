@@ -104,6 +104,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
         console=str(cfg.console),
         async_save=cfg.checkpoint.async_save,
         master_weights=cfg.trainer.precision == "pure",
+        oom_retry=cfg.trainer.oom_retry,
     )
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
 

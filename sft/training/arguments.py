@@ -116,11 +116,15 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     use_cpu: bool = knob(False, "train on the CPU even where there is a GPU")
     # sft's own knobs, not TrainingArguments fields: each becomes TrainingArguments through the recipe
     sft_fields: ClassVar[Dict[str, str]] = {"activation_offloading": "activation_checkpointing_kwargs' offload",
-                                            "precision": "the linear layers' dtype and the optimizer's fp32 copies"}
+                                            "precision": "the linear layers' dtype and the optimizer's fp32 copies",
+                                            "oom_retry": "WeightedLossTrainer's micro-batch pieces"}
     precision: Precision = knob(Precision.mixed, "with bf16: mixed (fp32 weights, each linear layer's cast to "
                                 "bf16 in every forward) or pure (the linear layers' weights held in bf16, the "
                                 "optimizer stepping fp32 copies of them: the same step without the casts or the fp32 "
                                 "copy of a frozen base; sft.training.step.master_weights; one process)")
+    oom_retry: bool = knob(True, "on a CUDA out-of-memory error in a micro-batch, train the step again with every "
+                           "micro-batch in twice as many pieces, and go on so (the step's rows, loss and update "
+                           "unchanged; logged, kept on resume; sft.training.step.micro_batches; one process)")
     activation_offloading: bool = knob(False, "hold the activation checkpoints in pinned host memory from the forward "
                                        "to the backward (transformers' offload): frees layers x tokens x hidden of "
                                        "GPU memory, a slower step; with activation_checkpointing")
@@ -272,6 +276,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
     fields.pop("precision")  # the linear layers' dtype (sft.run.build) and the trainer's master weights
+    fields.pop("oom_retry")  # the trainer's
     fields["learning_rate"] = learning_rate(cfg)
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints.store rotates, counting complete checkpoints only

@@ -26,29 +26,21 @@ still has each one, with the same parameters):
 - `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
   curriculum's) when one provides it (`Controller.train_sampler`), under sequence parallelism given to the ranks of
   a group alike (`sft.training.processes.sequence_parallel`);
-- `training_step` (public) runs under sequence parallelism with DeepSpeed's Ulysses attention installed (forward and
-  backward), where `compute_loss` gives the model this rank's slice of the positions and takes the numerator of
-  the targets predicted there, the denominator and per-sample sums being the whole micro-batch's;
-- `evaluation_loop` (public) replaces the mean of per-batch losses by the exact ratio over the eval set
-  (each row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
-  `eval_ce`, the unweighted token-mean cross entropy, comparable across loss configs;
-- `prediction_step` (public) runs `compute_loss` for the per-row sums and returns no loss, which spares
-  two collectives per eval batch that Trainer would make for a loss nothing reads (`num_items_in_batch`
-  over the ranks, the batch loss gathered);
-- with `eval_generation`, `evaluation_loop` also adds `eval_gen/<metric>` of greedy answers to fixed prompts
-  (`sft.eval.samples`), their samples going to TensorBoard and W&B;
+- `training_step` (public) trains the micro-batch in pieces after a CUDA out-of-memory error, the step started again
+  from its first micro-batch (`sft.training.step.micro_batches`: the step's rows and loss unchanged); and runs under
+  sequence parallelism with DeepSpeed's Ulysses attention installed (forward and backward), where `compute_loss`
+  gives the model this rank's slice of the positions and takes the numerator of the targets predicted there, the
+  denominator and per-sample sums being the whole micro-batch's;
 - `create_accelerator_and_postprocess` (public) lets accelerate's FSDP2 plugin take a CPU process group too
   (`sft.training.processes.distributed.fsdp_without_gpus`), and refuses to go on where FSDP was asked for and is not on;
-- the checkpoint and model saving overrides are its base's, `sft.training.checkpoints.saving.CheckpointSaving`;
+- the evaluation overrides (`evaluation_loop`, `prediction_step`) are its base's, `sft.training.evaluation`'s
+  `ExactEvaluation`, and the checkpoint and model saving overrides that base's, `sft.training.checkpoints.saving`'s
+  `CheckpointSaving`;
 - `log` (public) adds `ce` and `weight_mean` (the mean weight of an assistant token) next to `loss`,
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
   throughput values (`sft.training.observability.throughput`), the clip policy's and the controllers' `log_values`.
 
-Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
-difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`, and
-`eval_loss_hardest_bucket`; with a mixture (`sft.data.mixture`), `eval_loss_task_<task>` (the weighted loss) and
-`eval_ce_task_<task>` over the eval rows of each task.
 """
 
 from __future__ import annotations
@@ -64,14 +56,13 @@ from sft.config.schema import ConfigError
 from sft.data.batch import input_tokens
 from sft.data.split import row_scores
 from sft.data.streaming import Stream
-from sft.eval.metrics import eval_metrics
 from sft.loss.auxiliary import AuxBatch
 from sft.loss.base import WeightedTokenLoss
 from sft.loss.kernels import choose_impl, lean_logits_error
 from sft.loss.logits import LogitTransform, router_aux_loss_coef
-from sft.training.checkpoints.saving import CheckpointSaving
 from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.controllers.base import Controller
+from sft.training.evaluation import ExactEvaluation
 from sft.training.observability.step_log import use_step_log
 from sft.training.observability.throughput import ThroughputMeter
 from sft.training.processes.distributed import fsdp_without_gpus
@@ -79,11 +70,13 @@ from sft.training.processes.sequence_parallel import SequenceParallel
 from sft.training.step.clipping import GradClipPolicy
 from sft.training.step.control import StepContext, StepControl, StepReport
 from sft.training.step.master_weights import MasterWeights
+from sft.training.step.micro_batches import MicroBatchPieces, split_micro_batch
+from sft.training.step.micro_batches import refusal as pieces_refusal
 
 log = logging.getLogger("sft")
 
 
-class WeightedLossTrainer(CheckpointSaving):
+class WeightedLossTrainer(ExactEvaluation):
     # compute_loss normalises over the whole accumulated step itself: Trainer must not divide by GA.
     loss_is_scaled_for_ga = True
 
@@ -92,7 +85,7 @@ class WeightedLossTrainer(CheckpointSaving):
                  sources: list[str] | None = None, tasks: dict[int, str] | None = None,
                  throughput: ThroughputMeter | None = None, eval_generation=None, eval_harness=None,
                  sequence_parallel: int = 1, console: str = "short", async_save: bool = False,
-                 master_weights: bool = False, **kwargs):
+                 master_weights: bool = False, oom_retry: bool = True, **kwargs):
         self.controllers = dict(controllers or {})
         self.pure_bf16 = master_weights  # trainer.precision=pure: create_optimizer gives it fp32 copies
         self.master_weights: MasterWeights | None = None
@@ -135,6 +128,10 @@ class WeightedLossTrainer(CheckpointSaving):
                               "splits: not exact with sp (or set model.config_overrides.output_router_logits=false)")
         self._aux_denominators = None  # each term's denominator summed over the step and all ranks
         self._aux_stats = torch.zeros(2 * len(self.aux_terms), dtype=torch.float64, device=self.args.device)
+        self.micro_batches = MicroBatchPieces(pieces_refusal(oom_retry, self.accelerator.num_processes,
+                                                             self.is_deepspeed_enabled, self.sp is not None,
+                                                             bool(self.router_aux_coef)))
+        self._step_start = ([], None)  # the step's micro-batches, and the statistics before its first one
         if self.loss_impl != "naive":
             self._check_lean_loss_reproduces_the_logits()
         log.info("loss: %s cross entropy (loss.impl=%s)%s", self.loss_impl, loss.impl,
@@ -193,7 +190,8 @@ class WeightedLossTrainer(CheckpointSaving):
     def state_dict(self) -> dict:
         """What a resume needs to log exactly as an uninterrupted run: statistics since the last log; from a stream,
         every rank's position in it (gathered: every rank calls this)."""
-        state = {"train_stats": self._train_stats.tolist(), "aux_stats": self._aux_stats.tolist()}
+        state = {"train_stats": self._train_stats.tolist(), "aux_stats": self._aux_stats.tolist(),
+                 **self.micro_batches.state_dict()}
         if isinstance(self.train_dataset, Stream):
             state["streams"] = (gather_object([self.stream_position]) if self.accelerator.num_processes > 1
                                 else [self.stream_position])
@@ -203,6 +201,7 @@ class WeightedLossTrainer(CheckpointSaving):
         for name in ("train_stats", "aux_stats"):
             saved = torch.tensor(state.get(name, []), dtype=torch.float64, device=self.args.device)
             getattr(self, f"_{name}")[: len(saved)] = saved
+        self.micro_batches.load_state_dict(state)
         if isinstance(self.train_dataset, Stream) and state.get("streams"):
             position = state["streams"][self.args.process_index]  # (a resume keeps the number of ranks)
             if position is not None:
@@ -258,6 +257,7 @@ class WeightedLossTrainer(CheckpointSaving):
             for i, (name, term) in enumerate(self.aux_terms.items()):
                 sums[2 + i] += term.denominator(AuxBatch.of(batch, name)).to(device)
         self.step_control.begin(device, self.model_wrapped if self.is_deepspeed_enabled else None)
+        self._step_start = (batches, torch.cat([self._train_stats, self._aux_stats]))
         sums = self._sum_over_batches(sums)
         self._step_tokens, self._aux_denominators = sums[1], sums[2:]
         return batches, sums[0]
@@ -310,7 +310,31 @@ class WeightedLossTrainer(CheckpointSaving):
 
     @override
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Trainer's, under sequence parallelism with the Ulysses attention installed for its forward and backward."""
+        """Trainer's, on each piece of the micro-batch (one until an out-of-memory error). After one, the step is
+        trained again from its first micro-batch in more pieces (`sft.training.step.micro_batches`): the error may
+        have come inside a backward, some gradients accumulated and others not."""
+        try:
+            return sum(self._train_piece(model, piece, num_items_in_batch)
+                       for piece in split_micro_batch(inputs, self.micro_batches.pieces))
+        except torch.OutOfMemoryError as e:
+            self.micro_batches.after_out_of_memory(e, inputs, self.state.global_step + 1)
+        # out of the except clause: the error's frames, and the activations they hold, are freed
+        batches, stats = self._step_start
+        for p in [*model.parameters(), *(self.master_weights.trained() if self.master_weights else [])]:
+            p.grad = None
+        self._train_stats.copy_(stats[:len(self._train_stats)])
+        self._aux_stats.copy_(stats[len(self._train_stats):])
+        self.step_control.begin(self.args.device)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        index = next((i for i, batch in enumerate(batches) if batch is inputs), 0)
+        for earlier in batches[:index]:  # their losses are in Trainer's sum already
+            self.training_step(model, earlier, num_items_in_batch)
+        return self.training_step(model, inputs, num_items_in_batch)
+
+    def _train_piece(self, model, inputs, num_items_in_batch):
+        """Trainer's step on a micro-batch; under sequence parallelism with the Ulysses attention installed for its
+        forward and backward."""
         if self.sp is None:
             return super().training_step(model, inputs, num_items_in_batch)
         with self.sp.attention(self.model):
@@ -420,60 +444,6 @@ class WeightedLossTrainer(CheckpointSaving):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters([self._lm_head.weight], modifier_rank=None)
-
-    @override
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
-        self._eval_rows = {}
-        try:
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                             metric_key_prefix)
-            rows = self._eval_rows
-            if self.accelerator.num_processes > 1:
-                rows = dict(item for part in gather_object([rows]) for item in part.items())
-        finally:
-            self._eval_rows = None
-        self.last_eval_rows = rows  # the latest evaluation row by row (sft.experiments.results.write_eval_rows)
-        output.metrics.update(eval_metrics(rows, metric_key_prefix, self.tasks, self.eval_scores, self.eval_buckets))
-        if self.eval_generation is not None and metric_key_prefix == "eval" and self.eval_generation.due():
-            output.metrics.update(self._generation_samples())
-        if self.eval_harness is not None and metric_key_prefix == "eval" and self.eval_harness.due():
-            output.metrics.update(self.benchmark(self.accelerator.unwrap_model(self.model)))
-        return output
-
-    def benchmark(self, model) -> dict[str, float]:
-        """`eval_harness`'s metrics for `model`: rank 0 runs the harness, every rank gets them (the others wait)."""
-        from accelerate.utils import broadcast_object_list
-
-        metrics = [self.eval_harness.run(model, self.processing_class) if self.is_world_process_zero() else None]
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(metrics, from_process=0)
-        return metrics[0]
-
-    def _generation_samples(self) -> dict[str, float]:
-        """`eval_generation`'s greedy answers (every rank generates; synced under ZeRO-3/FSDP), their metrics, and the
-        table to TensorBoard and W&B from rank 0."""
-        from sft.eval.samples import log_samples
-
-        model = self.accelerator.unwrap_model(self.model_wrapped if self.is_zero3 else self.model)
-        metrics, table = self.eval_generation.generate(model, self.processing_class,
-                                                       synced_gpus=self.shards_parameters)
-        if self.is_world_process_zero():
-            log_samples(self.callback_handler.callbacks, self.state.global_step, table)
-        return metrics
-
-    @override
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Evaluation's forward: `compute_loss` records the batch's per-row sums, from which
-        `evaluation_loop` computes every metric. No loss is returned, so Trainer does not count
-        `num_items_in_batch` over the ranks nor gather a per-batch loss: two collectives per eval batch
-        whose results were never used. Predictions (`prediction_loss_only=False`) take Trainer's path."""
-        if not prediction_loss_only or self._eval_rows is None or inputs.get("source_lines") is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            self.compute_loss(model, inputs)
-        return None, None, None
 
     @override
     def log(self, logs, start_time=None):

@@ -149,6 +149,7 @@ def test_two_processes_stream_a_file_each_and_resume_at_the_next_row(tmp_path):
     assert refused.returncode == 2 and "streaming its data, this run has 1" in refused.stderr
 
 
+@pytest.mark.slow
 def test_a_bad_row_in_a_stream_is_named_by_file_and_line_or_skipped_and_counted(tmp_path):
     rows = (REPO / "sft/sample_data/train.jsonl").read_text().splitlines()[:100]
     rows[40] = '{"messages": [{"role": "user", "content": "hi"}]}'

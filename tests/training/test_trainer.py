@@ -24,8 +24,10 @@ def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parame
     from transformers import Trainer
 
     from sft.training.checkpoints.saving import CheckpointSaving
+    from sft.training.evaluation import ExactEvaluation
 
-    overrides = {name: f for cls in (WeightedLossTrainer, CheckpointSaving) for name, f in vars(cls).items()
+    overrides = {name: f for cls in (WeightedLossTrainer, ExactEvaluation, CheckpointSaving)
+                 for name, f in vars(cls).items()
                  if getattr(f, "__override__", False)}
     assert set(overrides) == {"get_batch_samples", "compute_loss", "_clip_grad_norm", "_get_grad_norm",
                               "_get_train_sampler", "evaluation_loop", "prediction_step", "log",

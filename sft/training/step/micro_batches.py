@@ -1,0 +1,141 @@
+"""A micro-batch that does not fit in memory: on a CUDA out-of-memory error the step is trained again from its first
+micro-batch with every micro-batch cut into twice as many pieces, and the run goes on so (`trainer.oom_retry`).
+
+The step keeps its rows, its loss and its update. The loss of a piece is its tokens' weighted sum over the
+denominator of the whole step (`sft.loss.base`), so the pieces' gradients add up to their micro-batch's, as the
+micro-batches' add up to the step's: gradient accumulation with a smaller micro-batch and the same global batch.
+The step starts again from its first micro-batch because an error inside the backward leaves some gradients
+accumulated and others not. The number of pieces is said in the log and kept in every checkpoint, so that a resume
+trains as the run did.
+
+    padded, 4 rows, 2 pieces:   input_ids [4, T] -> [2, T] [2, T]; labels, weights, source_lines alike by row
+    packed, one row of samples (position_ids 0 1 2 0 1 0 1 2 3), 2 pieces: cut where a sample starts, near the
+    middle of the tokens -> position_ids 0 1 2 0 1 | 0 1 2 3; each piece's cu_seq_lens and max_length its own
+
+Not retried (the error is raised, saying why, and `sft.training.observability.advice` adds the settings that lower
+memory): a micro-batch of one sample; more than one process (the other ranks would wait in the step's all-reduce);
+DeepSpeed (its engine owns the backward and the accumulation); sequence parallelism; a router aux loss (a mixture of
+experts' balance loss of a micro-batch is not the sum of its pieces').
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("sft")
+
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # recomputed for each piece
+
+
+def is_packed(batch: dict) -> bool:
+    """Whether `batch` is packed: one row of samples told apart by `position_ids` restarting at 0, no mask."""
+    return "attention_mask" not in batch and "position_ids" in batch and batch["input_ids"].shape[0] == 1
+
+
+def samples_in(batch: dict) -> int:
+    """The samples of a micro-batch: its rows, or a packed row's samples."""
+    if is_packed(batch):
+        return int((batch["position_ids"][0] == 0).sum())
+    return batch["input_ids"].shape[0]
+
+
+def split_micro_batch(batch: dict, pieces: int) -> list[dict]:
+    """`batch` as at most `pieces` micro-batches of its samples in order (fewer where it has fewer samples)."""
+    if pieces <= 1 or samples_in(batch) <= 1:
+        return [batch]
+    return _split_packed(batch, pieces) if is_packed(batch) else _split_rows(batch, pieces)
+
+
+def _split_rows(batch: dict, pieces: int) -> list[dict]:
+    rows = batch["input_ids"].shape[0]
+    for key, value in batch.items():
+        if not (torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows):
+            raise ValueError(f"a padded micro-batch's {key!r} is not a tensor of one entry a row")
+    return [{key: value[group[0]:group[-1] + 1] for key, value in batch.items()}
+            for group in torch.arange(rows).tensor_split(min(pieces, rows))]
+
+
+def _split_packed(batch: dict, pieces: int) -> list[dict]:
+    positions = batch["position_ids"][0]
+    length = positions.numel()
+    starts = (positions == 0).nonzero().flatten().tolist()
+    ends = [*starts[1:], length]
+    # each sample to the piece its middle token falls in: consecutive samples, about equal tokens a piece
+    piece_of = [min(pieces - 1, int((start + end) / 2 * pieces / length)) for start, end in zip(starts, ends)]
+    groups = [[i for i, p in enumerate(piece_of) if p == piece] for piece in range(pieces)]
+    per_sample = [key for key, value in batch.items() if key not in PACKED_KWARGS and torch.is_tensor(value)
+                  and value.dim() == 1 and value.shape[0] == len(starts)]
+    out = []
+    for group in (g for g in groups if g):
+        first, last = group[0], group[-1]
+        a, b = starts[first], ends[last]
+        piece = {}
+        for key, value in batch.items():
+            if key in per_sample:
+                piece[key] = value[first:last + 1]
+            elif key in PACKED_KWARGS:
+                continue
+            elif torch.is_tensor(value) and value.dim() == 2 and value.shape == (1, length):
+                piece[key] = value[:, a:b]
+            else:
+                raise ValueError(f"a packed micro-batch's {key!r} is neither a token's nor a sample's")
+        lengths = torch.tensor([ends[i] - starts[i] for i in group])
+        for side in ("q", "k"):
+            if f"cu_seq_lens_{side}" in batch:
+                cu = batch[f"cu_seq_lens_{side}"]
+                piece[f"cu_seq_lens_{side}"] = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(cu.dtype)
+            if f"max_length_{side}" in batch:
+                piece[f"max_length_{side}"] = int(lengths.max())
+        out.append(piece)
+    return out
+
+
+class MicroBatchPieces:
+    """How many pieces each micro-batch trains in (1 until an out-of-memory error), and why this run cannot cut
+    them (`refusal`; None where it can)."""
+
+    def __init__(self, refusal: str | None):
+        self.pieces = 1
+        self.refusal = refusal
+
+    def state_dict(self) -> dict:
+        return {"micro_batch_pieces": self.pieces}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pieces = int(state.get("micro_batch_pieces", 1))
+        if self.pieces > 1:
+            log.info("trainer.oom_retry: each micro-batch trains in %d pieces, as the run did since an out-of-memory "
+                     "error (the step's rows and loss unchanged)", self.pieces)
+
+    def after_out_of_memory(self, error: torch.OutOfMemoryError, batch: dict, step: int) -> None:
+        """Cut every micro-batch into twice as many pieces from now on, saying so; or raise `error` saying why the
+        step cannot be retried smaller."""
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        samples = samples_in(batch)
+        why = self.refusal
+        if why is None and -(-samples // self.pieces) <= 1:
+            why = f"each piece of the micro-batch ({samples} sample(s) in {self.pieces} piece(s)) holds one sample"
+        if why is not None:
+            raise torch.OutOfMemoryError(f"{first_line} (not retried at a smaller micro-batch: {why})") from error
+        self.pieces *= 2
+        log.warning("step %d: out of memory in a micro-batch of %d sample(s) (%s): training the step again from its "
+                    "first micro-batch with each micro-batch in %d pieces (the step's rows, loss and update "
+                    "unchanged; kept for the rest of the run and in its checkpoints)", step, samples, first_line,
+                    self.pieces)
+
+
+def refusal(enabled: bool, processes: int, deepspeed: bool, sequence_parallel: bool, router_aux: bool) -> str | None:
+    """Why this run cannot retry a step at a smaller micro-batch (None: it can)."""
+    if not enabled:
+        return "trainer.oom_retry=false"
+    if processes > 1:
+        return f"{processes} processes: the other ranks would wait in the step's all-reduce"
+    if deepspeed:
+        return "DeepSpeed's engine owns the backward and the accumulation"
+    if sequence_parallel:
+        return "sequence parallelism splits each sequence over the ranks"
+    if router_aux:
+        return "the router aux loss of a micro-batch is not the sum of its pieces' (model.router_aux_loss_coef)"
+    return None
