@@ -1,0 +1,143 @@
+"""What a training step holds in memory, known before the first step: one line at the start of a run (`sft.run.build`).
+
+    memory: about 61.2 GiB of 79.1 GiB for up to 32,768 tokens a micro-batch: weights 15.2, gradients 0.2,
+    optimizer 0.3, activations 44.9, loss 0.6 GiB (activation checkpointing off; on, about 19.1 GiB)
+
+- weights: each parameter's bytes in its dtype (a LoRA base held in bf16 counts 2 bytes a parameter);
+- gradients: each trained parameter's, in its dtype; under `trainer.precision=pure`, its fp32 copy and that copy's
+  fp32 gradient (the bf16 gradient is handed over at once);
+- optimizer: AdamW's two fp32 moments a trained parameter (8 bytes; its 8-bit variants 2), SGD's momentum where
+  `optim_args` sets one (4), Adafactor's factored moments (counted as none);
+- activations: measured, not modelled. The decoder runs forward as training runs it (its dtypes, autocast, LoRA and
+  its dropout, the attention kernel) over rows of two lengths, and every tensor autograd keeps for the backward is
+  counted once, by its storage (`torch.autograd.graph.saved_tensors_hooks`; the parameters left out): the
+  difference per token, times the micro-batch's tokens. With activation checkpointing each layer keeps its input
+  (hidden size x the activations' bytes a token) and one layer is recomputed at a time (the per-token figure over
+  the layers);
+- loss: the lean loss's one chunk of logits (`loss.chunk_tokens` x vocabulary x 4 bytes, its softmax and gradient:
+  x 3), or the naive loss's logits for every position of the micro-batch (x 2).
+
+Left out: CUDA's allocator (its cache and fragmentation), kernels' workspaces, an optimizer step's transient peak,
+and everything of DeepSpeed and FSDP2 (sharded weights; no line is logged under either).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GIB = 2**30
+PROBE_TOKENS = (32, 64)  # the two rows' lengths the activations are measured at
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # as the run trains: with activation checkpointing where it is on
+    loss: int
+    tokens: int  # a micro-batch's, at most
+    checkpointing: bool
+    other_activations: int  # with checkpointing the other way round
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.loss
+
+    @property
+    def total_other_way(self) -> int:
+        """The total with activation checkpointing the other way round."""
+        return self.total - self.activations + self.other_activations
+
+    def line(self, device_bytes: int | None) -> str:
+        unit, size = ("GiB", GIB) if max(self.total, self.total_other_way) >= GIB else ("MiB", 2**20)
+        digits = 1 if unit == "GiB" else 0
+        parts = ", ".join(f"{name} {value / size:.{digits}f}" for name, value in (
+            ("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
+            ("activations", self.activations), ("loss", self.loss)))
+        of = f" of {device_bytes / GIB:.1f} GiB" if device_bytes else ""
+        return (f"memory: about {self.total / size:.{digits}f} {unit}{of} for up to {self.tokens:,} tokens a "
+                f"micro-batch: {parts} {unit} (activation checkpointing {'on' if self.checkpointing else 'off'}; "
+                f"{'off' if self.checkpointing else 'on'}, about {self.total_other_way / size:.{digits}f} {unit})")
+
+
+def optimizer_bytes_per_parameter(optim: str, optim_args: str | None = None) -> int:
+    """The bytes of optimizer state a trained parameter holds under transformers' `optim` name."""
+    name = optim.lower()
+    if "8bit" in name:
+        return 2
+    if name.startswith("sgd"):  # a momentum buffer only where optim_args sets a momentum above 0
+        args = dict(part.split("=", 1) for part in (optim_args or "").replace(" ", "").split(",") if "=" in part)
+        return 4 if float(args.get("momentum", 0)) > 0 else 0
+    if "adafactor" in name:
+        return 0
+    return 8  # AdamW and its kin: two fp32 moments
+
+
+def activation_bytes_per_token(model, autocast_dtype: torch.dtype | None = None) -> float:
+    """The bytes autograd keeps for the backward per token of a row, all decoder layers together (see the module's
+    docstring): the difference between rows of `PROBE_TOKENS` lengths, so what does not grow with the row is left
+    out. The model's train/eval mode is restored, and the random numbers the run draws next (dropout, the data's
+    order) are those it would have drawn without this; nothing is kept."""
+    decoder = model.get_decoder()
+    device = next(model.parameters()).device
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    was_training = model.training
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            measured = [saved_bytes(decoder, torch.randint(0, model.config.vocab_size, (1, length), device=device),
+                                    parameters, autocast_dtype) for length in PROBE_TOKENS]
+    finally:
+        model.train(was_training)
+    return (measured[1] - measured[0]) / (PROBE_TOKENS[1] - PROBE_TOKENS[0])
+
+
+def saved_bytes(decoder, ids: torch.Tensor, parameters: set[int], autocast_dtype: torch.dtype | None) -> int:
+    """The bytes of the tensors autograd keeps for the backward of `decoder` on `ids`, each storage once, those of
+    `parameters` (their storages' addresses) left out."""
+    saved: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), torch.autocast(
+            ids.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        decoder(input_ids=ids, use_cache=False)
+    return sum(saved.values())
+
+
+def parameter_bytes(model, pure: bool = False) -> tuple[int, int, int]:
+    """The bytes of the weights and of the gradients, and the number of trained parameters (see the module's
+    docstring)."""
+    weights = gradients = trained = 0
+    for p in model.parameters():
+        weights += p.numel() * p.element_size()
+        if p.requires_grad:
+            trained += p.numel()
+            gradients += p.numel() * (8 if pure else p.element_size())  # pure: the fp32 copy and its gradient
+    return weights, gradients, trained
+
+
+def estimate(model, tokens: int, *, optim: str, optim_args: str | None = None, pure: bool = False,
+             autocast_dtype: torch.dtype | None = None, checkpointing: bool = False, lean_loss: bool = True,
+             chunk_tokens: int = 1024) -> MemoryEstimate:
+    """A training step's memory for micro-batches of up to `tokens` tokens (see the module's docstring)."""
+    weights, gradients, trained = parameter_bytes(model, pure)
+    per_token = activation_bytes_per_token(model, autocast_dtype)
+    config = model.config
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    activation_size = 2 if autocast_dtype is not None else next(model.parameters()).element_size()
+    checkpointed = tokens * (layers * hidden * activation_size + per_token / layers)
+    whole = tokens * per_token
+    vocab = config.vocab_size
+    loss = min(chunk_tokens, tokens) * vocab * 4 * 3 if lean_loss else tokens * vocab * 4 * 2
+    return MemoryEstimate(weights=weights, gradients=gradients,
+                          optimizer=trained * optimizer_bytes_per_parameter(optim, optim_args),
+                          activations=int(checkpointed if checkpointing else whole), loss=loss, tokens=tokens,
+                          checkpointing=checkpointing, other_activations=int(whole if checkpointing else checkpointed))
