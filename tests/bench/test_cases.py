@@ -4,6 +4,7 @@ loss, so the speed comparison is like for like."""
 import pytest
 
 
+@pytest.mark.slow  # TRL's import alone is 3.5 s of the fast loop
 @pytest.mark.parametrize("ours, theirs, overrides", [
     ("ce", "trl", ["trainer.gradient_accumulation_steps=2"]),
     ("packing", "trl_padding_free", []),

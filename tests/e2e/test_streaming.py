@@ -70,6 +70,7 @@ def plugins(tmp_path) -> dict:
     return {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
 
 
+@pytest.mark.slow
 def test_a_stream_trains_the_steps_of_the_rows_read_whole_in_order(tmp_path):
     """Packed rows with keyword token weights and difficulty weights: the same step losses as the map-style split
     in file order."""

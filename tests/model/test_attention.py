@@ -51,7 +51,8 @@ def test_an_attention_the_architecture_lacks_is_a_config_error_naming_the_altern
 
 
 @pytest.mark.parametrize("attn, boundaries", [("sdpa", True), ("eager", True), ("sdpa_varlen", True),
-                                              ("sdpa_varlen", False), ("flex_attention", False)])
+                                              ("sdpa_varlen", False),
+                                              pytest.param("flex_attention", False, marks=pytest.mark.slow)])
 def test_no_attention_leaks_across_packed_samples(tokenizer, attn, boundaries):
     """flex_attention: transformers' document mask, from the samples' positions (a lever for GPUs, issue 60; its
     forward runs on a CPU, its backward does not: test_flex_attention_trains_only_on_a_gpu)."""

@@ -37,7 +37,8 @@ def test_a_config_override_the_model_does_not_have_is_refused():
 
 
 @pytest.mark.parametrize("env, why", [({"HF_HUB_OFFLINE": "1"}, "the hub is off (HF_HUB_OFFLINE)"),
-                                      ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the hub cannot be reached")])
+                                      pytest.param({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the hub cannot be reached",
+                                                   marks=pytest.mark.slow)])
 def test_a_model_neither_on_disk_nor_reachable_is_one_line_at_once_saying_how_to_point_at_a_local_copy(
         tmp_path, env, why):
     import subprocess
