@@ -157,9 +157,15 @@ WeightedLossTrainer.compute_loss = compute_loss
 
 @pytest.mark.slow
 def test_out_of_memory_names_the_settings_and_the_knobs(tmp_path):
-    proc = patched(OOM, {}, "trainer.max_steps=2", "trainer.eval_steps=100", f"hydra.run.dir={tmp_path}")
+    """An out-of-memory error at every size: the step is tried in 2, 4, 8 and 16 pieces (each said), then the run
+    stops saying why no smaller one is tried, the settings in use and the knobs that lower memory."""
+    proc = patched(OOM, {}, "trainer.max_steps=2", "data.eval_file=null", f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
+    assert [n for n in (2, 4, 8, 16) if f"with each micro-batch in {n} pieces (the step's rows" in proc.stdout] == \
+        [2, 4, 8, 16]
     assert "CUDA out of memory with trainer.per_device_train_batch_size=16, data.max_length=256" in proc.stderr
+    assert "(not retried at a smaller micro-batch: each piece of the micro-batch (16 sample(s) in 16 piece(s)) holds " \
+           "one sample)" in proc.stderr
     assert "1) a smaller trainer.per_device_train_batch_size" in proc.stderr and "zero3_offload" in proc.stderr
 
 
