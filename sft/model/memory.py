@@ -4,8 +4,8 @@
     optimizer 0.3, activations 44.9, loss 0.6 GiB (activation checkpointing off; on, about 19.1 GiB)
 
 - weights: each parameter's bytes in its dtype (a LoRA base held in bf16 counts 2 bytes a parameter);
-- gradients: each trained parameter's, in its dtype; under `trainer.precision=pure`, its fp32 copy and that copy's
-  fp32 gradient (the bf16 gradient is handed over at once);
+- gradients: each trained parameter's, in its dtype; under `trainer.precision=pure`, a bf16 one's fp32 copy and
+  that copy's fp32 gradient (the bf16 gradient is handed over at once);
 - optimizer: AdamW's two fp32 moments a trained parameter (8 bytes; its 8-bit variants 2), SGD's momentum where
   `optim_args` sets one (4), Adafactor's factored moments (counted as none);
 - activations: measured, not modelled. The decoder runs forward as training runs it (its dtypes, autocast, LoRA and
@@ -120,7 +120,8 @@ def parameter_bytes(model, pure: bool = False) -> tuple[int, int, int]:
         weights += p.numel() * p.element_size()
         if p.requires_grad:
             trained += p.numel()
-            gradients += p.numel() * (8 if pure else p.element_size())  # pure: the fp32 copy and its gradient
+            held_in_half = pure and p.element_size() < 4  # pure: the fp32 copy and its gradient, not the bf16 one
+            gradients += p.numel() * (8 if held_in_half else p.element_size())
     return weights, gradients, trained
 
 

@@ -27,8 +27,12 @@ def test_the_weights_gradients_and_adam_state_of_qwen2_5_7b_are_counted_as_publi
     assert trained == 7_615_616_512  # Qwen2.5-7B's published parameter count
     assert weights == gradients == 4 * trained  # fp32
     assert optimizer_bytes_per_parameter("adamw_torch") * trained / GIB == pytest.approx(56.7, abs=0.05)
+    from sft.training.step.master_weights import hold_linear_weights_in_bf16
+
+    in_bf16 = hold_linear_weights_in_bf16(model)  # trainer.precision=pure
     weights, gradients, _ = parameter_bytes(model, pure=True)
-    assert gradients == 8 * trained  # the fp32 copy and its gradient
+    assert weights == 2 * in_bf16 + 4 * (trained - in_bf16)
+    assert gradients == 8 * in_bf16 + 4 * (trained - in_bf16)  # a bf16 weight's fp32 copy and its gradient
 
 
 def test_a_lora_adapter_on_a_bf16_base_counts_its_base_at_two_bytes_and_trains_only_the_adapters():
