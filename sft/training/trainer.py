@@ -40,7 +40,6 @@ still has each one, with the same parameters):
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
   throughput values (`sft.training.observability.throughput`), the clip policy's and the controllers' `log_values`.
-
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ from sft.training.observability.throughput import ThroughputMeter
 from sft.training.processes.distributed import fsdp_without_gpus
 from sft.training.processes.sequence_parallel import SequenceParallel
 from sft.training.step.clipping import GradClipPolicy
-from sft.training.step.control import StepContext, StepControl, StepReport
+from sft.training.step.control import StepContext, StepControl, StepReport, step_gradients
 from sft.training.step.master_weights import MasterWeights
 from sft.training.step.micro_batches import MicroBatchPieces, split_micro_batch
 from sft.training.step.micro_batches import refusal as pieces_refusal
@@ -320,7 +319,7 @@ class WeightedLossTrainer(ExactEvaluation):
             self.micro_batches.after_out_of_memory(e, inputs, self.state.global_step + 1)
         # out of the except clause: the error's frames, and the activations they hold, are freed
         batches, stats = self._step_start
-        for p in [*model.parameters(), *(self.master_weights.trained() if self.master_weights else [])]:
+        for p in step_gradients(model, self.master_weights):
             p.grad = None
         self._train_stats.copy_(stats[:len(self._train_stats)])
         self._aux_stats.copy_(stats[len(self._train_stats):])

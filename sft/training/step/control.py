@@ -116,10 +116,7 @@ class StepControl:
             norm = float(ctx.accelerator.clip_grad_norm_(model.parameters(), math.inf))
             threshold = self._deepspeed_threshold
         else:
-            trained = list(model.parameters())
-            if ctx.master_weights is not None:  # trainer.precision=pure: the fp32 copies hold the gradients
-                trained = ctx.master_weights.holding_gradients(trained)
-            params = [p for p in trained if p.grad is not None]
+            params = [p for p in step_gradients(model, ctx.master_weights) if p.grad is not None]
             total_norm = ctx.accelerator.clip_grad_norm_(params, math.inf)  # unscales fp16; clips nothing
             norm = float(total_norm)
             threshold = self.clip_policy.threshold(norm) if math.isfinite(norm) else math.inf
@@ -190,6 +187,13 @@ class StepControl:
             log.warning("step %d: %s (loss %s, grad norm %s): update %s; rows: %s; details in %s", step,
                         verdict.summary, loss, norm, "skipped" if skipped else "applied", named,
                         folder / f"step-{step}.json")
+
+
+def step_gradients(model, master_weights=None) -> list[torch.Tensor]:
+    """The tensors that hold a step's gradients: the model's parameters, or under `trainer.precision=pure` the fp32
+    copies of those held in bf16 (`sft.training.step.master_weights`)."""
+    trained = list(model.parameters())
+    return master_weights.holding_gradients(trained) if master_weights is not None else trained
 
 
 def split_samples(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -24,6 +24,8 @@ import logging
 
 import torch
 
+from sft.data.batch import packed_bounds, sample_starts
+
 log = logging.getLogger("sft")
 
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # recomputed for each piece
@@ -37,7 +39,7 @@ def is_packed(batch: dict) -> bool:
 def samples_in(batch: dict) -> int:
     """The samples of a micro-batch: its rows, or a packed row's samples."""
     if is_packed(batch):
-        return int((batch["position_ids"][0] == 0).sum())
+        return int(sample_starts(batch["position_ids"][0]).sum())
     return batch["input_ids"].shape[0]
 
 
@@ -58,10 +60,8 @@ def _split_rows(batch: dict, pieces: int) -> list[dict]:
 
 
 def _split_packed(batch: dict, pieces: int) -> list[dict]:
-    positions = batch["position_ids"][0]
-    length = positions.numel()
-    starts = (positions == 0).nonzero().flatten().tolist()
-    ends = [*starts[1:], length]
+    bounds = packed_bounds(batch["position_ids"][0]).tolist()
+    starts, ends, length = bounds[:-1], bounds[1:], bounds[-1]
     # each sample to the piece its middle token falls in: consecutive samples, about equal tokens a piece
     piece_of = [min(pieces - 1, int((start + end) / 2 * pieces / length)) for start, end in zip(starts, ends)]
     groups = [[i for i, p in enumerate(piece_of) if p == piece] for piece in range(pieces)]
@@ -81,13 +81,12 @@ def _split_packed(batch: dict, pieces: int) -> list[dict]:
                 piece[key] = value[:, a:b]
             else:
                 raise ValueError(f"a packed micro-batch's {key!r} is neither a token's nor a sample's")
-        lengths = torch.tensor([ends[i] - starts[i] for i in group])
+        own_bounds = packed_bounds(piece["position_ids"][0])
         for side in ("q", "k"):
             if f"cu_seq_lens_{side}" in batch:
-                cu = batch[f"cu_seq_lens_{side}"]
-                piece[f"cu_seq_lens_{side}"] = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(cu.dtype)
+                piece[f"cu_seq_lens_{side}"] = own_bounds.to(batch[f"cu_seq_lens_{side}"].dtype)
             if f"max_length_{side}" in batch:
-                piece[f"max_length_{side}"] = int(lengths.max())
+                piece[f"max_length_{side}"] = int(own_bounds.diff().max())
         out.append(piece)
     return out
 
