@@ -9,9 +9,11 @@
 - optimizer: AdamW's two fp32 moments a trained parameter (8 bytes; its 8-bit variants 2), SGD's momentum where
   `optim_args` sets one (4), Adafactor's factored moments (counted as none);
 - activations: measured, not modelled. The decoder runs forward as training runs it (its dtypes, autocast, LoRA and
-  its dropout, the attention kernel) over rows of two lengths, and every tensor autograd keeps for the backward is
-  counted once, by its storage (`torch.autograd.graph.saved_tensors_hooks`; the parameters left out): the
-  difference per token, times the micro-batch's tokens. With activation checkpointing each layer keeps its input
+  its dropout, the attention kernel) over rows of three lengths, and every tensor autograd keeps for the backward
+  is counted once, by its storage (`torch.autograd.graph.saved_tensors_hooks`; the parameters left out). From the
+  differences: the bytes a token of a row, and the bytes that grow with the square of a row's length (an attention
+  mask or eager attention's scores, T x T a row; none for flash, sdpa without a mask or `sdpa_varlen`), times the
+  micro-batch's rows and their length. With activation checkpointing each layer keeps its input
   (hidden size x the activations' bytes a token) and one layer is recomputed at a time (the per-token figure over
   the layers);
 - loss: the lean loss's one chunk of logits (`loss.chunk_tokens` x vocabulary x 4 bytes, its softmax and gradient:
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 GIB = 2**30
-PROBE_TOKENS = (32, 64)  # the two rows' lengths the activations are measured at
+PROBE_TOKENS = (32, 64, 96)  # the rows' lengths the activations are measured at (equally spaced)
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,11 @@ def optimizer_bytes_per_parameter(optim: str, optim_args: str | None = None) -> 
     return 8  # AdamW and its kin: two fp32 moments
 
 
-def activation_bytes_per_token(model, autocast_dtype: torch.dtype | None = None) -> float:
-    """The bytes autograd keeps for the backward per token of a row, all decoder layers together (see the module's
-    docstring): the difference between rows of `PROBE_TOKENS` lengths, so what does not grow with the row is left
-    out. The model's train/eval mode is restored, and the random numbers the run draws next (dropout, the data's
-    order) are those it would have drawn without this; nothing is kept."""
+def activation_bytes(model, autocast_dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """The bytes autograd keeps for the backward, all decoder layers together (see the module's docstring): per
+    token of a row, and per square of a row's length, from rows of `PROBE_TOKENS` lengths (what does not grow with the
+    row is left out). The model's train/eval mode is restored, and the random numbers the run draws next (dropout,
+    the data's order) are those it would have drawn without this; nothing is kept."""
     decoder = model.get_decoder()
     device = next(model.parameters()).device
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -88,11 +90,15 @@ def activation_bytes_per_token(model, autocast_dtype: torch.dtype | None = None)
     model.train()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            measured = [saved_bytes(decoder, torch.randint(0, model.config.vocab_size, (1, length), device=device),
-                                    parameters, autocast_dtype) for length in PROBE_TOKENS]
+            short, middle, long = (saved_bytes(decoder, torch.randint(0, model.config.vocab_size, (1, length),
+                                                                      device=device), parameters, autocast_dtype)
+                                   for length in PROBE_TOKENS)
     finally:
         model.train(was_training)
-    return (measured[1] - measured[0]) / (PROBE_TOKENS[1] - PROBE_TOKENS[0])
+    step = PROBE_TOKENS[1] - PROBE_TOKENS[0]  # bytes(T) = fixed + per_token T + per_square T^2
+    per_square = max(0.0, ((long - middle) - (middle - short)) / (2 * step * step))
+    per_token = (middle - short) / step - per_square * (PROBE_TOKENS[0] + PROBE_TOKENS[1])
+    return per_token, per_square
 
 
 def saved_bytes(decoder, ids: torch.Tensor, parameters: set[int], autocast_dtype: torch.dtype | None) -> int:
@@ -125,17 +131,19 @@ def parameter_bytes(model, pure: bool = False) -> tuple[int, int, int]:
     return weights, gradients, trained
 
 
-def estimate(model, tokens: int, *, optim: str, optim_args: str | None = None, pure: bool = False,
+def estimate(model, rows: int, length: int, *, optim: str, optim_args: str | None = None, pure: bool = False,
              autocast_dtype: torch.dtype | None = None, checkpointing: bool = False, lean_loss: bool = True,
              chunk_tokens: int = 1024) -> MemoryEstimate:
-    """A training step's memory for micro-batches of up to `tokens` tokens (see the module's docstring)."""
+    """A training step's memory for micro-batches of up to `rows` rows (samples, where packed) of up to `length`
+    tokens (see the module's docstring)."""
     weights, gradients, trained = parameter_bytes(model, pure)
-    per_token = activation_bytes_per_token(model, autocast_dtype)
+    per_token, per_square = activation_bytes(model, autocast_dtype)
     config = model.config
     layers, hidden = config.num_hidden_layers, config.hidden_size
     activation_size = 2 if autocast_dtype is not None else next(model.parameters()).element_size()
-    checkpointed = tokens * (layers * hidden * activation_size + per_token / layers)
-    whole = tokens * per_token
+    tokens = rows * length
+    whole = tokens * per_token + rows * length * length * per_square
+    checkpointed = tokens * layers * hidden * activation_size + whole / layers
     vocab = config.vocab_size
     loss = min(chunk_tokens, tokens) * vocab * 4 * 3 if lean_loss else tokens * vocab * 4 * 2
     return MemoryEstimate(weights=weights, gradients=gradients,

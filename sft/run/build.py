@@ -121,7 +121,7 @@ def log_memory(cfg: DictConfig, args, trainer) -> None:
     if cfg.deepspeed or cfg.fsdp is not None or trainer.sp is not None:
         return
     try:
-        found = estimate(trainer.model, args.per_device_train_batch_size * cfg.data.max_length, optim=args.optim,
+        found = estimate(trainer.model, args.per_device_train_batch_size, cfg.data.max_length, optim=args.optim,
                          optim_args=args.optim_args, pure=cfg.trainer.precision == "pure",
                          autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
                          checkpointing=args.activation_checkpointing, lean_loss=trainer.loss_impl != "naive",

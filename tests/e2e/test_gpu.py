@@ -249,7 +249,7 @@ def test_the_memory_estimate_of_a_step_is_within_a_quarter_of_what_cuda_allocate
 
     model = load_model("tiny").cuda().train()
     rows, length = 8, 1024
-    found = estimate(model, rows * length, optim="adamw_torch", autocast_dtype=torch.bfloat16, lean_loss=False)
+    found = estimate(model, rows, length, optim="adamw_torch", autocast_dtype=torch.bfloat16, lean_loss=False)
     ids = torch.randint(0, model.config.vocab_size, (rows, length), device="cuda")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
