@@ -106,13 +106,14 @@ def case_trainer(case: str, cfg, run_dir: str):
     from sft.data.load import load_sft_datasets
     from sft.loss.base import build_loss
     from sft.run.build import build_model
-    from sft.training.arguments import TrainerConfig, learning_rate
+    from sft.training.arguments import TrainerConfig, learning_rate, resolve_nulls
 
     fields = OmegaConf.to_container(cfg.trainer, resolve=True)
     for name in TrainerConfig.sft_fields:  # sft's own knobs, not TrainingArguments fields
         fields.pop(name)
     fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 0.0), learning_rate=learning_rate(cfg))
     fields["dataloader_pin_memory"] &= on_gpu()
+    resolve_nulls(fields, on_gpu())  # the optimizer a null is; checkpointing off (no memory plan here)
     if case.startswith("trl"):
         from trl import SFTConfig
 

@@ -53,13 +53,15 @@ class MemoryEstimate:
         """The total with activation checkpointing the other way round."""
         return self.total - self.activations + self.other_activations
 
-    def line(self, device_bytes: int | None) -> str:
+    def line(self, limit: str = "") -> str:
+        """The estimate in one line; `limit` (what the step may fill, in words: "71.2 GiB (90% of the GPU's 79.1)")
+        after its total."""
         unit, size = ("GiB", GIB) if max(self.total, self.total_other_way) >= GIB else ("MiB", 2**20)
         digits = 1 if unit == "GiB" else 0
         parts = ", ".join(f"{name} {value / size:.{digits}f}" for name, value in (
             ("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
             ("activations", self.activations), ("loss", self.loss)))
-        of = f" of {device_bytes / GIB:.1f} GiB" if device_bytes else ""
+        of = f" of {limit}" if limit else ""
         return (f"memory: about {self.total / size:.{digits}f} {unit}{of} for up to {self.tokens:,} tokens a "
                 f"micro-batch: {parts} {unit} (activation checkpointing {'on' if self.checkpointing else 'off'}; "
                 f"{'off' if self.checkpointing else 'on'}, about {self.total_other_way / size:.{digits}f} {unit})")
@@ -131,22 +133,59 @@ def parameter_bytes(model, pure: bool = False) -> tuple[int, int, int]:
     return weights, gradients, trained
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """What a model's training step holds, measured once (`footprint`): the estimate of any micro-batch from it."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    per_token: float  # activations, all decoder layers: bytes a token of a row
+    per_square: float  # and bytes a square of a row's length
+    layers: int
+    hidden: int
+    activation_size: int  # bytes of an activation's element
+    vocab: int
+    lean_loss: bool
+    chunk_tokens: int
+
+    def estimate(self, rows: int, length: int, checkpointing: bool) -> MemoryEstimate:
+        """The step's memory for micro-batches of up to `rows` rows of up to `length` tokens (see the module's
+        docstring)."""
+        return self.estimate_tokens(rows * length, rows * length * length, checkpointing)
+
+    def estimate_tokens(self, tokens: int, squares: int, checkpointing: bool) -> MemoryEstimate:
+        """The step's memory for micro-batches of up to `tokens` tokens whose attention spans add up to `squares`
+        (the sum of each row's length squared; each sample's, where packed)."""
+        whole = tokens * self.per_token + squares * self.per_square
+        checkpointed = tokens * self.layers * self.hidden * self.activation_size + whole / self.layers
+        loss = (min(self.chunk_tokens, tokens) * self.vocab * 4 * 3 if self.lean_loss
+                else tokens * self.vocab * 4 * 2)
+        return MemoryEstimate(weights=self.weights, gradients=self.gradients, optimizer=self.optimizer,
+                              activations=int(checkpointed if checkpointing else whole), loss=loss, tokens=tokens,
+                              checkpointing=checkpointing,
+                              other_activations=int(whole if checkpointing else checkpointed))
+
+
+def footprint(model, *, optim: str, optim_args: str | None = None, pure: bool = False,
+              autocast_dtype: torch.dtype | None = None, lean_loss: bool = True,
+              chunk_tokens: int = 1024) -> Footprint:
+    """The model's parameters counted and its activations measured (three short forwards, `activation_bytes`)."""
+    weights, gradients, trained = parameter_bytes(model, pure)
+    per_token, per_square = activation_bytes(model, autocast_dtype)
+    config = model.config
+    return Footprint(weights=weights, gradients=gradients,
+                     optimizer=trained * optimizer_bytes_per_parameter(optim, optim_args),
+                     per_token=per_token, per_square=per_square, layers=config.num_hidden_layers,
+                     hidden=config.hidden_size,
+                     activation_size=2 if autocast_dtype is not None else next(model.parameters()).element_size(),
+                     vocab=config.vocab_size, lean_loss=lean_loss, chunk_tokens=chunk_tokens)
+
+
 def estimate(model, rows: int, length: int, *, optim: str, optim_args: str | None = None, pure: bool = False,
              autocast_dtype: torch.dtype | None = None, checkpointing: bool = False, lean_loss: bool = True,
              chunk_tokens: int = 1024) -> MemoryEstimate:
     """A training step's memory for micro-batches of up to `rows` rows (samples, where packed) of up to `length`
     tokens (see the module's docstring)."""
-    weights, gradients, trained = parameter_bytes(model, pure)
-    per_token, per_square = activation_bytes(model, autocast_dtype)
-    config = model.config
-    layers, hidden = config.num_hidden_layers, config.hidden_size
-    activation_size = 2 if autocast_dtype is not None else next(model.parameters()).element_size()
-    tokens = rows * length
-    whole = tokens * per_token + rows * length * length * per_square
-    checkpointed = tokens * layers * hidden * activation_size + whole / layers
-    vocab = config.vocab_size
-    loss = min(chunk_tokens, tokens) * vocab * 4 * 3 if lean_loss else tokens * vocab * 4 * 2
-    return MemoryEstimate(weights=weights, gradients=gradients,
-                          optimizer=trained * optimizer_bytes_per_parameter(optim, optim_args),
-                          activations=int(checkpointed if checkpointing else whole), loss=loss, tokens=tokens,
-                          checkpointing=checkpointing, other_activations=int(whole if checkpointing else checkpointed))
+    return footprint(model, optim=optim, optim_args=optim_args, pure=pure, autocast_dtype=autocast_dtype,
+                     lean_loss=lean_loss, chunk_tokens=chunk_tokens).estimate(rows, length, checkpointing)

@@ -48,6 +48,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     from sft.data.weights import scores_used_by
     from sft.loss.base import build_loss
     from sft.model.loading import may_leave_parameters_unused
+    from sft.run.memory_plan import fit_step_in_memory
     from sft.training.controllers import build_controllers
     from sft.training.step.preemption import Preemption
     from sft.training.trainer import WeightedLossTrainer
@@ -84,12 +85,15 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     log.info("data %s: %s", data.data_hash, data.counts())
 
     sequence_parallel = sequence_parallel_size(cfg)
+    collator = instantiate(cfg.collator, tokenizer=tokenizer, sequence_parallel=sequence_parallel)
+    # the micro-batch's rows and the activation checkpointing, into args before the trainer takes them
+    fit_step_in_memory(cfg, args, model, loss, data.train, collator.pad_to_multiple_of)
     trainer = WeightedLossTrainer(
         model=model,
         args=args,
         train_dataset=data.train,
         eval_dataset=data.eval,
-        data_collator=instantiate(cfg.collator, tokenizer=tokenizer, sequence_parallel=sequence_parallel),
+        data_collator=collator,
         processing_class=tokenizer,
         loss=loss,
         clip_policy=clip_policy,
@@ -106,36 +110,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
         master_weights=cfg.trainer.precision == "pure",
         oom_retry=cfg.trainer.oom_retry,
     )
-    log_memory(cfg, args, trainer)
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
-
-
-def log_memory(cfg: DictConfig, args, trainer) -> None:
-    """The step's memory, estimated before it runs (`sft.model.memory`), in one line; on a GPU, a warning where it
-    would fill it without activation checkpointing. Not under DeepSpeed, FSDP2 or sequence parallelism, whose
-    sharding and splitting the estimate does not count."""
-    import torch
-
-    from sft.model.memory import estimate
-
-    if cfg.deepspeed or cfg.fsdp is not None or trainer.sp is not None:
-        return
-    try:
-        found = estimate(trainer.model, args.per_device_train_batch_size, cfg.data.max_length, optim=args.optim,
-                         optim_args=args.optim_args, pure=cfg.trainer.precision == "pure",
-                         autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
-                         checkpointing=args.activation_checkpointing, lean_loss=trainer.loss_impl != "naive",
-                         chunk_tokens=getattr(trainer.loss, "chunk_tokens", 1024))
-    except Exception as e:  # noqa: BLE001 - a model the probe's plain forward does not fit: the run goes on
-        log.info("memory: not estimated (the probe's forward of %s failed: %s)", type(trainer.model).__name__,
-                 str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return
-    gpu = torch.cuda.get_device_properties(args.device).total_memory if args.device.type == "cuda" else None
-    log.info("%s", found.line(gpu))
-    if gpu and not found.checkpointing and found.total > 0.9 * gpu:
-        log.warning("memory: the estimate is over 90%% of the GPU's: set trainer.activation_checkpointing=true "
-                    "(about %.1f GiB), or a smaller trainer.per_device_train_batch_size or data.max_length",
-                    found.total_other_way / 2**30)
 
 
 def refuse_samplers_of_a_stream(spec, controllers: dict) -> None:

@@ -78,7 +78,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     adam_beta1: float = knob(0.9, "AdamW's beta1")
     adam_beta2: float = knob(0.98, "AdamW's beta2")
     adam_epsilon: float = knob(1e-8, "AdamW's epsilon")
-    optim: str = knob("adamw_torch", "transformers' optimizer name")
+    optim: Optional[str] = knob(None, "transformers' optimizer name; null: adamw_torch_fused on a GPU (AdamW's update of "
+                                "every parameter in one kernel launch), adamw_torch on a CPU")
     num_train_epochs: float = knob(6.0, "epochs, where max_steps is -1")
     max_steps: int = knob(-1, "optimizer steps (-1: by epochs)")
     lr_scheduler_type: str = knob("cosine", "transformers' scheduler name")
@@ -99,7 +100,9 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     bf16: bool = knob(False, "bf16 mixed precision (autocast; fp32 master weights and optimizer state): on a GPU, or "
                             "a CPU with bf16 instructions (AVX512-BF16, AMX, Arm BF16)")
     fp16: bool = knob(False, "fp16 mixed precision with a loss scaler (GPU)")
-    activation_checkpointing: bool = knob(False, "recompute activations in the backward: less memory, ~30% slower")
+    activation_checkpointing: Optional[bool] = knob(None, "recompute each layer's activations in the backward: less "
+                                                    "memory, about a third more compute; null: on only where the step "
+                                                    "would not fit without it (sft.run.memory_plan)")
     dataloader_pin_memory: bool = knob(True, "pinned host memory (on GPU only)")
     torch_compile: bool = knob(False, "torch.compile the model")
     train_sampling_strategy: str = knob("random", "transformers' sampling of training rows")
@@ -117,7 +120,10 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     # sft's own knobs, not TrainingArguments fields: each becomes TrainingArguments through the recipe
     sft_fields: ClassVar[Dict[str, str]] = {"activation_offloading": "activation_checkpointing_kwargs' offload",
                                             "precision": "the linear layers' dtype and the optimizer's fp32 copies",
-                                            "oom_retry": "WeightedLossTrainer's micro-batch pieces"}
+                                            "oom_retry": "WeightedLossTrainer's micro-batch pieces",
+                                            "fit_micro_batch": "per_device_train_batch_size and "
+                                                               "gradient_accumulation_steps (sft.run.memory_plan)",
+                                            "memory_limit_gib": "the limit the memory plan fits the step in"}
     precision: Precision = knob(Precision.mixed, "with bf16: mixed (fp32 weights, each linear layer's cast to "
                                 "bf16 in every forward) or pure (the linear layers' weights held in bf16, the "
                                 "optimizer stepping fp32 copies of them: the same step without the casts or the fp32 "
@@ -125,6 +131,12 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     oom_retry: bool = knob(True, "on a CUDA out-of-memory error in a micro-batch, train the step again with every "
                            "micro-batch in twice as many pieces, and go on so (the step's rows, loss and update "
                            "unchanged; logged, kept on resume; sft.training.step.micro_batches; one process)")
+    fit_micro_batch: bool = knob(True, "before the first step, split the step's rows (per_device_train_batch_size x "
+                                 "gradient_accumulation_steps) into the largest micro-batches the memory estimate "
+                                 "fits in the limit (the step's rows, loss and update unchanged; on a GPU, or with "
+                                 "memory_limit_gib; sft.run.memory_plan); false: the split as set")
+    memory_limit_gib: Optional[float] = knob(None, "the memory a step may fill, in GiB; null: 90% of the GPU's (on a "
+                                             "CPU: none, nothing fitted)")
     activation_offloading: bool = knob(False, "hold the activation checkpoints in pinned host memory from the forward "
                                        "to the backward (transformers' offload): frees layers x tokens x hidden of "
                                        "GPU memory, a slower step; with activation_checkpointing")
@@ -164,6 +176,9 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         self.require("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1,
                      "must be >= 1 (or null to keep every checkpoint)")
         self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
+        self.require("memory_limit_gib", self.memory_limit_gib is None or (math.isfinite(self.memory_limit_gib)
+                                                                           and self.memory_limit_gib > 0),
+                     "must be a number of GiB > 0 (or null: 90% of the GPU's memory)")
         if self.bf16 and (self.use_cpu or not cuda_available()):
             from sft.training.processes.precision import NO_BF16_CPU, cpu_bf16_instructions
 
@@ -277,6 +292,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
     fields.pop("precision")  # the linear layers' dtype (sft.run.build) and the trainer's master weights
     fields.pop("oom_retry")  # the trainer's
+    fields.pop("fit_micro_batch"), fields.pop("memory_limit_gib")  # sft.run.memory_plan's: it changes the fields below
     fields["learning_rate"] = learning_rate(cfg)
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints.store rotates, counting complete checkpoints only
@@ -288,6 +304,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     fields.update(process_fields(deepspeed=bool(cfg.deepspeed), fsdp=cfg.fsdp is not None, on_gpu=on_gpu))
     if fields["bf16"] and not on_gpu:  # transformers takes bf16 on a CPU only with use_cpu (checked: it has bf16)
         fields["use_cpu"] = True
+    resolve_nulls(fields, on_gpu)
     if cfg.data.streaming:  # the stream resumes at its saved position itself (sft.data.streaming), not by skipping
         fields["ignore_data_skip"] = True
     if cfg.fsdp is not None:
@@ -316,6 +333,20 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
         )
     except ValueError as e:
         raise ConfigError(*field_of_error(str(e).splitlines()[0], fields)) from e
+
+
+def resolve_nulls(fields: dict, on_gpu: bool) -> None:
+    """What a null of the `trainer` group stands for where TrainingArguments takes none: the optimizer
+    (`optimizer_name`) and activation checkpointing (off, until the memory plan turns it on: sft.run.memory_plan)."""
+    fields["optim"] = optimizer_name(fields["optim"], on_gpu and not fields["use_cpu"])
+    fields["activation_checkpointing"] = bool(fields["activation_checkpointing"])
+
+
+def optimizer_name(optim: str | None, on_gpu: bool) -> str:
+    """`trainer.optim`, where null: AdamW fused into one kernel launch per step on a GPU (PyTorch's
+    `fused=True`, the same update as the per-tensor one to rounding), the multi-tensor one on a CPU (fused there too
+    since PyTorch 2.4, kept as the CPU runs' reference)."""
+    return optim or ("adamw_torch_fused" if on_gpu else "adamw_torch")
 
 
 def learning_rate(cfg, rate: float | None = None) -> float:

@@ -97,16 +97,17 @@ def test_a_run_logs_its_memory_in_one_line(caplog, tmp_path):
     from sft.run.build import build
 
     with caplog.at_level(logging.INFO, logger="sft"):
-        build(composed("data.eval_file=null", "trainer.max_steps=1", "trainer.report_to=[]",
-                       "trainer.per_device_train_batch_size=4", "data.max_length=512"), str(tmp_path))
+        recipe = build(composed("data.eval_file=null", "trainer.max_steps=1", "trainer.report_to=[]",
+                                "trainer.per_device_train_batch_size=4", "data.max_length=512"), str(tmp_path))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: "))
-    assert line.startswith("memory: about ") and " for up to 2,048 tokens a micro-batch: weights " in line
+    longest = max(len(ids) for ids in recipe.data.train["input_ids"])  # 4 rows padded to the longest sample
+    assert line.startswith("memory: about ") and f" for up to {4 * longest:,} tokens a micro-batch: weights " in line
     assert line.endswith("MiB)") and "(activation checkpointing off; on, about " in line
 
 
 def test_the_line_says_the_device_memory_and_the_other_way_of_checkpointing():
     found = MemoryEstimate(weights=15 * GIB, gradients=GIB // 10, optimizer=GIB // 5, activations=40 * GIB,
                            loss=GIB // 2, tokens=32768, checkpointing=False, other_activations=4 * GIB)
-    assert found.line(80 * GIB) == (
+    assert found.line("80.0 GiB") == (
         "memory: about 55.8 GiB of 80.0 GiB for up to 32,768 tokens a micro-batch: weights 15.0, gradients 0.1, "
         "optimizer 0.2, activations 40.0, loss 0.5 GiB (activation checkpointing off; on, about 19.8 GiB)")

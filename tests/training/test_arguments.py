@@ -114,3 +114,34 @@ def test_a_null_learning_rate_is_the_models_own_kind_of_rate(overrides, rate):
     from sft.training.arguments import learning_rate
 
     assert learning_rate(composed(*overrides)) == rate
+
+
+def test_a_null_optimizer_is_adamw_fused_on_a_gpu_and_the_multi_tensor_one_on_a_cpu(tmp_path):
+    from sft.training.arguments import optimizer_name, training_arguments
+
+    assert optimizer_name(None, on_gpu=True) == "adamw_torch_fused"
+    assert optimizer_name(None, on_gpu=False) == "adamw_torch"
+    assert optimizer_name("sgd", on_gpu=True) == "sgd"  # as set
+    args = training_arguments(composed(), str(tmp_path), resuming=False, max_grad_norm=1.0)
+    assert args.optim == "adamw_torch"  # this machine has no GPU
+
+
+def test_fused_adamw_trains_to_the_losses_and_weights_of_the_multi_tensor_one(tmp_path):
+    """The GPU's default optimizer is the same update: checked on this CPU, where PyTorch fuses AdamW too."""
+    import torch
+
+    from sft.run.build import build
+
+    def trained(*overrides):
+        trainer = build(composed("data.eval_file=null", "trainer.max_steps=3", "trainer.logging_steps=1",
+                                 "trainer.report_to=[]", "trainer.save_strategy=no", "trainer.weight_decay=0.1",
+                                 *overrides), str(tmp_path / str(len(overrides)))).trainer
+        trainer.train()
+        return trainer, [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    fused, fused_losses = trained("trainer.optim=adamw_torch_fused")
+    plain, plain_losses = trained()
+    assert fused.optimizer.defaults["fused"] and not plain.optimizer.defaults.get("fused")
+    assert fused_losses == pytest.approx(plain_losses, rel=1e-6)
+    for ours, theirs in zip(fused.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)

@@ -79,14 +79,17 @@ def pickled_file(checkpoint: str) -> str | None:
 def out_of_memory_advice(cfg) -> str:
     """The settings in use that decide memory, and those that lower it, in the order to try them."""
     t = cfg.trainer
+    checkpointing = "null (the memory plan's)" if t.activation_checkpointing is None else t.activation_checkpointing
     in_use = (f"trainer.per_device_train_batch_size={t.per_device_train_batch_size}, "
-              f"data.max_length={cfg.data.max_length}, trainer.activation_checkpointing={t.activation_checkpointing}, "
+              f"data.max_length={cfg.data.max_length}, trainer.activation_checkpointing={checkpointing}, "
               f"lora={'on' if cfg.lora is not None else 'off'}, "
               f"deepspeed stage={(cfg.deepspeed or {}).get('zero_optimization', {}).get('stage', 'none')}, "
               f"fsdp={'off' if cfg.fsdp is None else 'offload' if cfg.fsdp.cpu_offload else 'on'}")
     return (f"CUDA out of memory with {in_use}. To lower memory, in this order: "
-            "1) a smaller trainer.per_device_train_batch_size with a larger trainer.gradient_accumulation_steps "
-            "(the loss is unchanged); 2) a smaller data.max_length; 3) trainer.activation_checkpointing=true; "
+            "1) a smaller trainer.memory_limit_gib (the memory plan, logged as 'memory: ...', then splits the step "
+            "into smaller micro-batches or checkpoints activations; the loss is unchanged), or with "
+            "trainer.fit_micro_batch=false a smaller trainer.per_device_train_batch_size with a larger "
+            "trainer.gradient_accumulation_steps; 2) a smaller data.max_length; 3) trainer.activation_checkpointing=true; "
             "4) lora=default instead of full fine-tuning; 5) deepspeed=zero3 (or fsdp=full_shard), then "
             "deepspeed=zero3_offload (or fsdp=full_shard_offload).")
 

@@ -1,0 +1,188 @@
+"""How a run fits its step in memory, decided before the first step from the estimate (`sft.model.memory`): the
+rows of a micro-batch, and whether activations are checkpointed. Said in one line:
+
+    memory: about 61.2 GiB of 71.2 GiB (90% of the GPU's 79.1) for up to 16,384 tokens a micro-batch: weights 15.2,
+    gradients 0.2, optimizer 0.3, activations 44.9, loss 0.6 GiB (activation checkpointing off; on, about 19.1 GiB);
+    4 rows a micro-batch x 4 accumulated: the step's 16 rows (set: 16 x 1)
+
+The step's rows on a device, `per_device_train_batch_size x gradient_accumulation_steps`, are the user's and stay:
+the plan only splits them, so the step's loss and update are those of the split as set (the loss is exact over
+micro-batches). In order, the first that fits the limit:
+
+1. without activation checkpointing (unless `trainer.activation_checkpointing=true`), the most rows a micro-batch
+   that divide the step's (`trainer.fit_micro_batch=true`; else the micro-batch as set);
+2. the same with activation checkpointing (unless `trainer.activation_checkpointing=false`): it recomputes each
+   layer's forward in the backward, about a third more compute, so it is on only where memory needs it.
+
+Where nothing fits, the smallest such micro-batch (with checkpointing, unless it is false), and a warning; a CUDA
+out-of-memory error then cuts the step further (`trainer.oom_retry`). The limit is `trainer.memory_limit_gib`, or
+90% of the GPU's memory (the rest for what the estimate leaves out: CUDA's allocator cache, kernels' workspaces, the
+optimizer step's transient peak). On a CPU without `memory_limit_gib` nothing is fitted: the micro-batch as set,
+checkpointing off unless set; the line is logged. Under DeepSpeed, FSDP2 or sequence parallelism, whose sharding
+and splitting the estimate does not count, nothing is estimated: the micro-batch as set, checkpointing off unless
+set. Under DDP rank 0's plan is every rank's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from sft.model.memory import GIB, Footprint, MemoryEstimate
+
+log = logging.getLogger("sft")
+
+DEVICE_SHARE = 0.9  # of a GPU's memory, where trainer.memory_limit_gib is null
+
+
+@dataclass(frozen=True)
+class MicroBatchBound:
+    """The most a micro-batch of so many rows can hold, from the training split's longest samples: padded rows are
+    each as long as the longest sample (rounded up to the collator's `pad_to_multiple_of`); a packed row is the
+    longest samples one after another, each attending within itself. A stream, whose samples are not known before
+    they are read, is bounded by `data.max_length`.
+
+        longest (9, 5, 2), padded: 2 rows -> 18 tokens, squares 2 x 81;  packed: 14 tokens, squares 81 + 25
+    """
+
+    longest: tuple[int, ...]  # the longest samples' lengths, longest first
+    packed: bool
+
+    def tokens(self, rows: int) -> tuple[int, int]:
+        """A micro-batch of `rows` rows: (its tokens, the sum of its attention spans' squares)."""
+        if self.packed:
+            top = self.longest[:rows]
+            return sum(top), sum(n * n for n in top)
+        return rows * self.longest[0], rows * self.longest[0] ** 2
+
+    @classmethod
+    def of(cls, train, rows: int, max_length: int, packed: bool, pad_to_multiple_of: int | None) -> MicroBatchBound:
+        """The bound for micro-batches of up to `rows` rows of the split `train` (a stream: `max_length` each)."""
+        import datasets
+        import pyarrow.compute as pc
+
+        if isinstance(train, datasets.Dataset) and len(train):
+            ids = train.with_format("arrow").select_columns(["input_ids"])[:]["input_ids"]
+            lengths = sorted(pc.list_value_length(ids).to_pylist(), reverse=True)[:rows]
+        else:
+            lengths = [max_length] * rows
+        if not packed and pad_to_multiple_of:
+            lengths = [-(-n // pad_to_multiple_of) * pad_to_multiple_of for n in lengths]
+        return cls(tuple(lengths), packed)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    rows: int  # a micro-batch's
+    accumulation: int  # micro-batches a step
+    estimate: MemoryEstimate  # at `rows`, with its checkpointing
+    fits: bool  # the estimate is within the limit
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.estimate.checkpointing
+
+
+def plan(footprint: Footprint, bound: MicroBatchBound, per_device: int, accumulation: int, limit: float | None,
+         checkpointing: bool | None, fit: bool) -> MemoryPlan:
+    """The micro-batch's rows and the checkpointing for a step of `per_device x accumulation` rows (see the module's
+    docstring). `limit` None: nothing is fitted. With a step of 16 rows:
+
+        fit, 16 rows fit without checkpointing                  -> 16 x 1, off
+        fit, only 4 fit without it                              -> 4 x 4, off
+        fit, not 1 without it, 8 with it                        -> 8 x 2, on
+        not fit (per_device 16), 16 do not fit without it       -> 16 x 1, on
+        checkpointing=False, not 1 fits                         -> 1 x 16, off (fits: False)
+    """
+    def estimate(rows: int, way: bool) -> MemoryEstimate:
+        return footprint.estimate_tokens(*bound.tokens(rows), way)
+
+    step_rows = per_device * accumulation
+    if limit is None:
+        return MemoryPlan(per_device, accumulation, estimate(per_device, bool(checkpointing)), True)
+    sizes = [rows for rows in range(step_rows, 0, -1) if step_rows % rows == 0] if fit else [per_device]
+    ways = [checkpointing] if checkpointing is not None else [False, True]
+    for way in ways:
+        for rows in sizes:
+            found = estimate(rows, way)
+            if found.total <= limit:
+                return MemoryPlan(rows, step_rows // rows, found, True)
+    return MemoryPlan(sizes[-1], step_rows // sizes[-1], estimate(sizes[-1], ways[-1]), False)
+
+
+def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multiple_of: int | None) -> None:
+    """The plan of `cfg` for `model` and the training split `train`, logged and put into `args` (the micro-batch's
+    rows, the accumulation, the checkpointing); before the trainer is built from them. On a GPU the model is moved
+    there first (the plain Trainer would), as the activations are measured where they will be held."""
+    import torch
+
+    from sft.loss.kernels import choose_impl
+    from sft.model.memory import footprint
+    from sft.training.processes.sequence_parallel import sequence_parallel_size
+
+    asked = cfg.trainer.activation_checkpointing
+    if cfg.deepspeed or cfg.fsdp is not None or sequence_parallel_size(cfg) > 1:
+        if asked is None:
+            log.info("activation checkpointing: off (trainer.activation_checkpointing=null chooses it from the "
+                     "memory estimate, which DeepSpeed, FSDP2 and sequence parallelism do not have: set it)")
+        return
+    on_gpu = args.device.type == "cuda"
+    if on_gpu and next(model.parameters()).device.type == "cpu":
+        model.to(args.device)
+    impl = choose_impl(loss.impl, vocab_size=model.config.vocab_size, on_gpu=on_gpu, zero3_trainable_head=False)
+    try:
+        found = footprint(model, optim=args.optim, optim_args=args.optim_args, pure=cfg.trainer.precision == "pure",
+                          autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+                          lean_loss=impl != "naive", chunk_tokens=getattr(loss, "chunk_tokens", 1024))
+    except Exception as e:  # noqa: BLE001 - a model the probe's plain forward does not fit: the run goes on as set
+        log.info("memory: not estimated (the probe's forward of %s failed: %s); activation checkpointing %s",
+                 type(model).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__,
+                 "on" if asked else "off")
+        return
+    device = torch.cuda.get_device_properties(args.device).total_memory if on_gpu else None
+    limit_gib = cfg.trainer.memory_limit_gib
+    limit = limit_gib * GIB if limit_gib is not None else DEVICE_SHARE * device if device else None
+    per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    bound = MicroBatchBound.of(train, per_device * accumulation, cfg.data.max_length, cfg.data.packing,
+                               pad_to_multiple_of)
+    chosen = plan(found, bound, per_device, accumulation, limit, asked, cfg.trainer.fit_micro_batch)
+    chosen = same_on_every_rank(chosen)
+    log.info("%s", line(chosen, per_device, accumulation, limit, limit_gib, device))
+    if not chosen.fits:
+        log.warning("memory: no micro-batch of the step's %d rows fits the limit%s: set a smaller data.max_length%s, "
+                    "or a larger trainer.memory_limit_gib where the device has more; an out-of-memory error will "
+                    "cut the step further (trainer.oom_retry)", chosen.rows * chosen.accumulation,
+                    "" if chosen.checkpointing else " without activation checkpointing",
+                    "" if chosen.checkpointing else ", trainer.activation_checkpointing=null (or true)")
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = chosen.rows, chosen.accumulation
+    if chosen.checkpointing and not args.activation_checkpointing:
+        args.activation_checkpointing = True
+        args.activation_checkpointing_kwargs = {"use_reentrant": False}
+
+
+def line(chosen: MemoryPlan, per_device: int, accumulation: int, limit: float | None, limit_gib: float | None,
+         device: int | None) -> str:
+    """The one line the plan is said in (the module's docstring)."""
+    if limit is None:
+        said = chosen.estimate.line()  # a CPU
+    elif limit_gib is not None:
+        said = chosen.estimate.line(f"{limit / GIB:.1f} GiB (trainer.memory_limit_gib)")
+    else:
+        said = chosen.estimate.line(f"{limit / GIB:.1f} GiB ({DEVICE_SHARE:.0%} of the GPU's {device / GIB:.1f})")
+    if (chosen.rows, chosen.accumulation) != (per_device, accumulation):
+        said += (f"; {chosen.rows} rows a micro-batch x {chosen.accumulation} accumulated: the step's "
+                 f"{chosen.rows * chosen.accumulation} rows (set: {per_device} x {accumulation})")
+    return said
+
+
+def same_on_every_rank(chosen: MemoryPlan) -> MemoryPlan:
+    """Rank 0's plan on every rank: a split that differed between ranks would hang the first all-reduce."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return chosen
+    shared = [chosen]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
