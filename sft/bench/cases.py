@@ -17,27 +17,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from sft.bench import config as bench_config
+from sft.bench.config import CASE_OVERRIDES
 from sft.bench.device import memory_peak, memory_reset, on_gpu
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES, run_loss_case
 from sft.bench.matmul import MATMUL_CASES, run_matmul_case
 from sft.ranks import is_rank_zero
 
-# Each training case and the overrides it trains with (what each measures: `sft.bench.run`'s docstring). `raw`, `hf`,
-# `ce_naive` and `trl` compute the same full logits and cross entropy (the framework's cost alone); `ce` and
-# `packing` the lean loss that `loss.impl=auto` picks; the packed cases all run the sdpa_varlen kernel but
-# `trl_padding_free_mask` (TRL's own: a block-diagonal mask) and `packing_flex` (FlexAttention's document mask).
-CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": ["loss=ce", "loss.impl=naive"],
-                  "ce": ["loss=ce"], "ce_bf16": ["loss=ce", "trainer.bf16=true"],
-                  "ce_bf16_pure": ["loss=ce", "trainer.bf16=true", "trainer.precision=pure"],
-                  "ce_lora": ["loss=ce", "lora=default"],
-                  "ce_lora_naive": ["loss=ce", "lora=default", "loss.impl=naive"],
-                  "ce_compiled": ["loss=ce", "trainer.torch_compile=true"],
-                  "hard_sample": ["loss=hard_sample"], "packing": ["loss=ce", "data.packing=true"],
-                  "ce_spread": ["loss=ce"], "packing_spread": ["loss=ce", "data.packing=true"],
-                  "trl": ["loss=ce"], "trl_padding_free": ["loss=ce", "model.attn_implementation=sdpa_varlen"],
-                  "trl_padding_free_mask": ["loss=ce"],
-                  "packing_flex": ["loss=ce", "data.packing=true", "model.attn_implementation=flex_attention"],
-                  "packing_pure": ["loss=ce", "data.packing=true", "trainer.bf16=true", "trainer.precision=pure"]}
 TRAINING_CASES = tuple(CASE_OVERRIDES)
 SPREAD_CASES = ("ce_spread", "packing_spread")
 TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped

@@ -16,7 +16,39 @@ LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequen
 # a 15 GB checkpoint; rows of up to 16k tokens; torch.compile's minutes of compiling; each lean loss kernel by name
 # (cases.LOSS_KERNEL_CASES); packing on FlexAttention (a GPU's), and in pure bf16: only when named in bench.cases
 ON_REQUEST = ["checksums", "checkpoint_memory", "stream", "long_rows", "ce_compiled", "loss_chunked", "loss_cce",
-              "loss_liger", "packing_flex", "packing_pure"]
+              "loss_liger", "packing_flex", "packing_pure", "packing_compiled"]
+
+# Each training case and the overrides it trains with (what each measures: `sft.bench.run`'s docstring). `raw`, `hf`,
+# `ce_naive` and `trl` compute the same full logits and cross entropy (the framework's cost alone); `ce` and
+# `packing` the lean loss that `loss.impl=auto` picks; the packed cases all run the sdpa_varlen kernel but
+# `trl_padding_free_mask` (TRL's own: a block-diagonal mask) and `packing_flex` (FlexAttention's document mask).
+CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": ["loss=ce", "loss.impl=naive"],
+                  "ce": ["loss=ce"], "ce_bf16": ["loss=ce", "trainer.bf16=true"],
+                  "ce_bf16_pure": ["loss=ce", "trainer.bf16=true", "trainer.precision=pure"],
+                  "ce_lora": ["loss=ce", "lora=default"],
+                  "ce_lora_naive": ["loss=ce", "lora=default", "loss.impl=naive"],
+                  "ce_compiled": ["loss=ce", "trainer.torch_compile=true"],
+                  "hard_sample": ["loss=hard_sample"], "packing": ["loss=ce", "data.packing=true"],
+                  "ce_spread": ["loss=ce"], "packing_spread": ["loss=ce", "data.packing=true"],
+                  "trl": ["loss=ce"], "trl_padding_free": ["loss=ce", "model.attn_implementation=sdpa_varlen"],
+                  "trl_padding_free_mask": ["loss=ce"],
+                  "packing_flex": ["loss=ce", "data.packing=true", "model.attn_implementation=flex_attention"],
+                  "packing_pure": ["loss=ce", "data.packing=true", "trainer.bf16=true", "trainer.precision=pure"],
+                  "packing_compiled": ["loss=ce", "data.packing=true", "trainer.compile_layers=true"]}
+
+# name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL and
+# for the lean loss against the model's own logits
+TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_naive", "hf"),
+                   "lean_loss_gain": ("ce", "ce_naive"), "hard_sample_vs_ce": ("hard_sample", "ce"),
+                   "packing_gain": ("packing", "ce"), "packing_gain_spread": ("packing_spread", "ce_spread"),
+                   "bf16_vs_fp32": ("ce_bf16_pure", "ce"), "bf16_mixed_vs_fp32": ("ce_bf16", "ce"),
+                   "pure_vs_mixed": ("ce_bf16_pure", "ce_bf16"), "lora_vs_full": ("ce_lora", "ce"),
+                   "lean_loss_gain_lora": ("ce_lora", "ce_lora_naive"), "compile_gain": ("ce_compiled", "ce"),
+                   "ce_vs_trl": ("ce", "trl"),
+                   "packing_vs_trl_padding_free": ("packing", "trl_padding_free"),
+                   "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask"),
+                   "flex_vs_varlen": ("packing_flex", "packing"), "packing_pure_vs_mixed": ("packing_pure", "packing"),
+                   "compile_layers_gain": ("packing_compiled", "packing")}
 
 
 @dataclass

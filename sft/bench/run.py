@@ -16,7 +16,8 @@ Trains the same model on the same rows in the same order for `bench.steps` optim
   of a published dataset's length spread (LLaMA-Factory's alpaca_en_demo: 47 to 750 tokens, `sft.bench.rows`);
 - `packing_flex`: `packing` on FlexAttention with the packed samples' document mask (`flex_attention`; on a GPU
   only, else skipped with one line); `packing_pure`: `packing` with `trainer.bf16=true trainer.precision=pure`
-  (with `preset=gpu_7b`'s LoRA: the frozen base in bf16 only);
+  (with `preset=gpu_7b`'s LoRA: the frozen base in bf16 only); `packing_compiled`: `packing` with each decoder layer
+  compiled (`trainer.compile_layers=true`; on request);
 - `trl`, `trl_padding_free`, `trl_padding_free_mask`: TRL's `SFTTrainer` padded, padding-free on the same
   sdpa_varlen kernel as `packing`, and padding-free on its own kernel (a block-diagonal mask), all on `sft`'s own
   tokenised rows and labels with the model's own loss (tested: the same step losses as `sft` with `loss=ce`);
@@ -34,7 +35,8 @@ The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same lo
 `lora_vs_full` (`ce_lora` over `ce`), `compile_gain` (`ce_compiled` over `ce`), `packing_gain` (`packing` over
 `ce`), `packing_gain_spread` (the same on the spread), `ce_vs_trl`, `packing_vs_trl_padding_free` (the same kernel)
 and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two kernels), `flex_vs_varlen` (`packing_flex` over
-`packing`), `packing_pure_vs_mixed` (`packing_pure` over `packing`). Each case runs in a fresh process with the same
+`packing`), `packing_pure_vs_mixed` (`packing_pure` over `packing`), `compile_layers_gain` (`packing_compiled` over
+`packing`). Each case runs in a fresh process with the same
 torch threads (`bench.threads`) and, on a CPU, the same
 allocator settings (`sft.training.processes.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the
 whole process's peak resident memory, imports and data included). The rounds interleave the cases, every other round in
@@ -98,7 +100,7 @@ from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LON
                              GPU_CASES, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
                              timed_training_overrides)
 from sft.bench.checkpoint_memory import run_checkpoint_memory
-from sft.bench.config import compose
+from sft.bench.config import TRAINING_RATIOS, compose
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
 from sft.bench.matmul import MATMUL_CASES
 from sft.bench.report import breakdowns, hardware_ratios, print_report
@@ -131,18 +133,6 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "checkpoint_rank0_vs_share": (1.0, "max"),
     "stream_peak_rss_ratio": (1.2, "max"),
 }
-# name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL and
-# for the lean loss against the model's own logits
-TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_naive", "hf"),
-                   "lean_loss_gain": ("ce", "ce_naive"), "hard_sample_vs_ce": ("hard_sample", "ce"),
-                   "packing_gain": ("packing", "ce"), "packing_gain_spread": ("packing_spread", "ce_spread"),
-                   "bf16_vs_fp32": ("ce_bf16_pure", "ce"), "bf16_mixed_vs_fp32": ("ce_bf16", "ce"),
-                   "pure_vs_mixed": ("ce_bf16_pure", "ce_bf16"), "lora_vs_full": ("ce_lora", "ce"),
-                   "lean_loss_gain_lora": ("ce_lora", "ce_lora_naive"), "compile_gain": ("ce_compiled", "ce"),
-                   "ce_vs_trl": ("ce", "trl"),
-                   "packing_vs_trl_padding_free": ("packing", "trl_padding_free"),
-                   "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask"),
-                   "flex_vs_varlen": ("packing_flex", "packing"), "packing_pure_vs_mixed": ("packing_pure", "packing")}
 
 
 # --- the driver --------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """`sft gpu-pack [--out gpu_pack] [--no-readme]`: every check that needs a CUDA GPU, in one command.
 
 1. `pytest -m gpu` (tests/e2e/test_gpu.py: cut-cross-entropy and Liger per-token losses against the chunked loss,
-   flash attention varlen packing against padded logits, QLoRA trains and merges, bf16 follows fp32, long rows
-   offloaded and tiled, sequence parallelism over 2 GPUs with flash attention where there are 2);
-2. `python -m sft.bench preset=gpu_7b` (LoRA on Qwen2.5-7B's shape, bf16, packed ~4k-token rows: tokens/s,
-   MFU, peak memory; the lean loss against the naive one).
+   flash attention varlen packing against padded logits, QLoRA trains and merges, bf16 follows fp32, the memory
+   estimate and plan against CUDA's allocator, compiled layers against eager ones, long rows offloaded and tiled,
+   sequence parallelism over 2 GPUs with flash attention where there are 2);
+2. `python -m sft.bench preset=gpu_7b` (LoRA on Qwen2.5-7B's shape, bf16, packed ~4k-token rows, as planned and
+   with compiled layers: tokens/s, MFU, peak memory; the lean loss against the naive one).
 
 Each part runs under its own time limit (`--tests-timeout`, `--bench-timeout`; 240 s + 330 s by default, so
 the pack fits in 10 minutes on one GPU). Writes `<out>/figures.md` (the date, the GPU, every test's outcome,

@@ -47,6 +47,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     from sft.data.load import load_sft_datasets
     from sft.data.weights import scores_used_by
     from sft.loss.base import build_loss
+    from sft.model.compile import compile_layers, compile_refusal
     from sft.model.loading import may_leave_parameters_unused
     from sft.run.memory_plan import fit_step_in_memory
     from sft.training.controllers import build_controllers
@@ -70,6 +71,9 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     # numbers, which would give the adapters (or a random-init model) other initial weights on the next run.
     set_seed(args.seed)
     model = build_model(cfg, args.activation_checkpointing)
+    if cfg.trainer.compile_layers and (refusal := compile_refusal(model, bool(cfg.deepspeed), cfg.fsdp is not None,
+                                                                  cfg.trainer.torch_compile)):
+        raise ConfigError("trainer.compile_layers", True, refusal)
     if args.ddp_find_unused_parameters is None:
         # Transformers' default looks for unused parameters after every backward of a model without activation
         # checkpointing: an extra pass over the graph, and a warning from every rank that found none
@@ -110,6 +114,9 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
         master_weights=cfg.trainer.precision == "pure",
         oom_retry=cfg.trainer.oom_retry,
     )
+    if cfg.trainer.compile_layers:  # after the trainer's probes (the memory plan's, the lean loss's) ran eager
+        log.info("trainer.compile_layers: %d decoder layers compiled in place (torch.compile; the first steps "
+                 "compile them)", compile_layers(trainer.model))
     return Recipe(trainer, data, tokenizer, clip_policy, controllers)
 
 

@@ -132,23 +132,25 @@ def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multipl
     if on_gpu and next(model.parameters()).device.type == "cpu":
         model.to(args.device)
     impl = choose_impl(loss.impl, vocab_size=model.config.vocab_size, on_gpu=on_gpu, zero3_trainable_head=False)
+    device = torch.cuda.get_device_properties(args.device).total_memory if on_gpu else None
+    limit_gib = cfg.trainer.memory_limit_gib
+    limit = limit_gib * GIB if limit_gib is not None else DEVICE_SHARE * device if device else None
+    per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     try:
         found = footprint(model, optim=args.optim, optim_args=args.optim_args, pure=cfg.trainer.precision == "pure",
                           autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
                           lean_loss=impl != "naive", chunk_tokens=getattr(loss, "chunk_tokens", 1024))
     except Exception as e:  # noqa: BLE001 - a model the probe's plain forward does not fit: the run goes on as set
-        log.info("memory: not estimated (the probe's forward of %s failed: %s); activation checkpointing %s",
-                 type(model).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__,
-                 "on" if asked else "off")
+        chosen = f"the probe's forward of {type(model).__name__} failed: " + (str(e).splitlines()[0] if str(e) else
+                                                                            type(e).__name__)
+    else:
+        bound = MicroBatchBound.of(train, per_device * accumulation, cfg.data.max_length, cfg.data.packing,
+                                   pad_to_multiple_of)
+        chosen = plan(found, bound, per_device, accumulation, limit, asked, cfg.trainer.fit_micro_batch)
+    chosen = same_on_every_rank(chosen)  # every rank, whatever its own probe did: all join the broadcast
+    if isinstance(chosen, str):
+        log.info("memory: not estimated (%s); activation checkpointing %s", chosen, "on" if asked else "off")
         return
-    device = torch.cuda.get_device_properties(args.device).total_memory if on_gpu else None
-    limit_gib = cfg.trainer.memory_limit_gib
-    limit = limit_gib * GIB if limit_gib is not None else DEVICE_SHARE * device if device else None
-    per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    bound = MicroBatchBound.of(train, per_device * accumulation, cfg.data.max_length, cfg.data.packing,
-                               pad_to_multiple_of)
-    chosen = plan(found, bound, per_device, accumulation, limit, asked, cfg.trainer.fit_micro_batch)
-    chosen = same_on_every_rank(chosen)
     log.info("%s", line(chosen, per_device, accumulation, limit, limit_gib, device))
     if not chosen.fits:
         log.warning("memory: no micro-batch of the step's %d rows fits the limit%s: set a smaller data.max_length%s, "
@@ -168,17 +170,20 @@ def line(chosen: MemoryPlan, per_device: int, accumulation: int, limit: float | 
     if limit is None:
         said = chosen.estimate.line()  # a CPU
     elif limit_gib is not None:
-        said = chosen.estimate.line(f"{limit / GIB:.1f} GiB (trainer.memory_limit_gib)")
+        size = f"{limit / GIB:.1f} GiB" if limit >= GIB else f"{limit / 2**20:.0f} MiB"
+        said = chosen.estimate.line(f"{size} (trainer.memory_limit_gib)")
     else:
         said = chosen.estimate.line(f"{limit / GIB:.1f} GiB ({DEVICE_SHARE:.0%} of the GPU's {device / GIB:.1f})")
     if (chosen.rows, chosen.accumulation) != (per_device, accumulation):
-        said += (f"; {chosen.rows} rows a micro-batch x {chosen.accumulation} accumulated: the step's "
+        said += (f"; {chosen.rows} row{'s' if chosen.rows > 1 else ''} a micro-batch x {chosen.accumulation} "
+                 f"accumulated: the step's "
                  f"{chosen.rows * chosen.accumulation} rows (set: {per_device} x {accumulation})")
     return said
 
 
-def same_on_every_rank(chosen: MemoryPlan) -> MemoryPlan:
-    """Rank 0's plan on every rank: a split that differed between ranks would hang the first all-reduce."""
+def same_on_every_rank(chosen: MemoryPlan | str) -> MemoryPlan | str:
+    """Rank 0's plan (or why it has none) on every rank: a split that differed between ranks would hang the first
+    all-reduce."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -123,7 +123,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
                                             "oom_retry": "WeightedLossTrainer's micro-batch pieces",
                                             "fit_micro_batch": "per_device_train_batch_size and "
                                                                "gradient_accumulation_steps (sft.run.memory_plan)",
-                                            "memory_limit_gib": "the limit the memory plan fits the step in"}
+                                            "memory_limit_gib": "the limit the memory plan fits the step in",
+                                            "compile_layers": "torch.compile of each decoder layer (sft.run.build)"}
     precision: Precision = knob(Precision.mixed, "with bf16: mixed (fp32 weights, each linear layer's cast to "
                                 "bf16 in every forward) or pure (the linear layers' weights held in bf16, the "
                                 "optimizer stepping fp32 copies of them: the same step without the casts or the fp32 "
@@ -137,6 +138,9 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
                                  "memory_limit_gib; sft.run.memory_plan); false: the split as set")
     memory_limit_gib: Optional[float] = knob(None, "the memory a step may fill, in GiB; null: 90% of the GPU's (on a "
                                              "CPU: none, nothing fitted)")
+    compile_layers: bool = knob(False, "torch.compile each decoder layer in place (regional compilation: one cold "
+                                "start for all layers, their kernels fused); for the families checked exact "
+                                "(sft.model.compile.COMPILE_CHECKED), one process or DDP")
     activation_offloading: bool = knob(False, "hold the activation checkpoints in pinned host memory from the forward "
                                        "to the backward (transformers' offload): frees layers x tokens x hidden of "
                                        "GPU memory, a slower step; with activation_checkpointing")
@@ -293,6 +297,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     fields.pop("precision")  # the linear layers' dtype (sft.run.build) and the trainer's master weights
     fields.pop("oom_retry")  # the trainer's
     fields.pop("fit_micro_batch"), fields.pop("memory_limit_gib")  # sft.run.memory_plan's: it changes the fields below
+    fields.pop("compile_layers")  # sft.run.build's
     fields["learning_rate"] = learning_rate(cfg)
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints.store rotates, counting complete checkpoints only

@@ -88,10 +88,17 @@ SIGKILL_AT = SIGNAL_AT.format(cls="SigkillAt", name="sigkill_at", signal="SIGKIL
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, one_process):
+    """With a memory limit nothing fits in (1 MiB): every rank takes rank 0's memory plan, one row a micro-batch
+    with activation checkpointing (sft.run.memory_plan), and the run is still the one process's."""
     two = tmp_path / "two"
-    double = launch("--nproc", "2", *EXACT, *WEIGHTED, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}")
+    double = launch("--nproc", "2", *EXACT, *WEIGHTED, "trainer.per_device_train_batch_size=2",
+                    "trainer.memory_limit_gib=0.001", f"hydra.run.dir={two}")
     assert double.returncode == 0, double.stderr[-3000:]
     assert_same_run(one_process, two)
+    log = (two / "train.log").read_text()
+    assert "(activation checkpointing on; off, about " in log
+    assert "; 1 row a micro-batch x 2 accumulated: the step's 2 rows (set: 2 x 1)" in log
+    assert "memory: no micro-batch of the step's 2 rows fits the limit: set a smaller data.max_length" in log
     cores = len(os.sched_getaffinity(0))  # torchrun set OMP_NUM_THREADS=1; each process gets half the cores
     assert f"cpu: {max(1, cores // 2)} torch thread(s) per process, 2 process(es) on {cores} core(s)" in \
         (two / "train.log").read_text()

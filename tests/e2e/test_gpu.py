@@ -8,7 +8,9 @@ figures (README: "The GPU pack").
 - flash attention's varlen kernel on a packed row equals each sample's logits alone (padded);
 - QLoRA (4-bit NF4 base) trains, and its adapter merges into the base;
 - bf16 training of the tiny model follows fp32's step losses;
-- the memory estimate's activations (`sft.model.memory`) against what CUDA's allocator holds after a forward;
+- the memory estimate's activations (`sft.model.memory`) against what CUDA's allocator holds after a forward, and
+  the memory plan's split step within its limit (`sft.run.memory_plan`);
+- compiled decoder layers (`trainer.compile_layers`) train the eager layers' losses;
 - a long row trains the same losses offloaded and with tiled MLPs, in less GPU memory;
 - sequence parallelism over 2 GPUs with flash attention trains one GPU's losses (skipped with fewer GPUs)."""
 
@@ -260,6 +262,52 @@ def test_the_memory_estimate_of_a_step_is_within_a_quarter_of_what_cuda_allocate
     hidden.float().pow(2).mean().backward()
     print(f"activations: estimated {found.activations / 2**20:.0f} MiB, held after the forward {held / 2**20:.0f} MiB")
     assert found.activations == pytest.approx(held, rel=0.25)
+
+
+def test_the_memory_plan_trains_within_its_limit_and_the_steps_losses(tmp_path):
+    """`sft.run.memory_plan` on a GPU: under a `trainer.memory_limit_gib` that 16 rows of the tiny model in bf16 do not
+    fit, the step is split; CUDA's allocator peak stays within the limit, and the step losses are those of the
+    step as set (bf16: within 1%)."""
+    from conftest import composed
+
+    from sft.run.build import build
+
+    def trained(name, *overrides):
+        torch.cuda.reset_peak_memory_stats()
+        trainer = build(composed("data.eval_file=null", "trainer.max_steps=3", "trainer.logging_steps=1",
+                                 "trainer.report_to=[]", "trainer.save_strategy=no", "trainer.bf16=true",
+                                 "trainer.per_device_train_batch_size=16", "data.max_length=1024", *overrides),
+                        str(tmp_path / name)).trainer
+        trainer.train()
+        return trainer, [e["loss"] for e in trainer.state.log_history if "loss" in e], torch.cuda.max_memory_allocated()
+
+    whole, expected, peak = trained("whole", "trainer.fit_micro_batch=false")
+    limit = peak * 0.6 / 2**30
+    split, losses, split_peak = trained("split", f"trainer.memory_limit_gib={limit}")
+    print(f"memory plan: as set {peak / 2**20:.0f} MiB; under {limit * 1024:.0f} MiB: "
+          f"{split.args.per_device_train_batch_size} x {split.args.gradient_accumulation_steps}, "
+          f"{'checkpointed' if split.args.activation_checkpointing else 'not checkpointed'}, "
+          f"peak {split_peak / 2**20:.0f} MiB")
+    assert split.args.per_device_train_batch_size * split.args.gradient_accumulation_steps == 16
+    assert split_peak <= limit * 2**30
+    assert losses == pytest.approx(expected, rel=1e-2)
+
+
+def test_compiled_layers_train_the_eager_layers_losses_on_a_gpu(tmp_path):
+    """`trainer.compile_layers=true` on CUDA (inductor's Triton kernels, bf16, packed rows, LoRA): the eager run's
+    step losses (within 1%)."""
+    from conftest import composed
+
+    from sft.run.build import build
+
+    def trained(name, *overrides):
+        trainer = build(composed("data.eval_file=null", "trainer.max_steps=4", "trainer.logging_steps=1",
+                                 "trainer.report_to=[]", "trainer.save_strategy=no", "trainer.bf16=true",
+                                 "data.packing=true", "lora=default", *overrides), str(tmp_path / name)).trainer
+        trainer.train()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    assert trained("compiled", "trainer.compile_layers=true") == pytest.approx(trained("eager"), rel=1e-2)
 
 
 def test_long_rows_offloaded_and_tiled_train_the_same_losses_in_less_gpu_memory(tmp_path):

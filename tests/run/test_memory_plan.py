@@ -88,7 +88,7 @@ def test_under_a_memory_limit_the_step_is_split_into_micro_batches_to_the_same_l
     assert (split.args.per_device_train_batch_size, split.args.gradient_accumulation_steps) == (4, 2)
     assert not split.args.activation_checkpointing
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: "))
-    assert f" of {limit:.1f} GiB (trainer.memory_limit_gib) for up to {4 * bound.longest[0]:,} tokens" in line
+    assert f" of {limit * 1024:.0f} MiB (trainer.memory_limit_gib) for up to {4 * bound.longest[0]:,} tokens" in line
     assert line.endswith("; 4 rows a micro-batch x 2 accumulated: the step's 8 rows (set: 8 x 1)")
     assert logged == pytest.approx(expected, rel=1e-6)  # the step's rows, loss and update as set
     # Adam divides by the root of a gradient's square: an embedding row whose gradient is near 0 turns the sums' other
@@ -112,3 +112,18 @@ def test_where_no_micro_batch_fits_without_it_activations_are_checkpointed_to_th
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (rows, 8 // rows)
     assert "(activation checkpointing on; off, about " in caplog.text
     assert logged == pytest.approx(expected, rel=1e-6)  # recomputed, not changed
+
+
+def test_where_the_probe_fails_the_run_goes_on_as_set_saying_so(tmp_path, caplog, monkeypatch):
+    import sft.model.memory
+    from sft.run.build import build
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("this model's forward needs more than input_ids")
+
+    monkeypatch.setattr(sft.model.memory, "activation_bytes", fails)
+    with caplog.at_level(logging.INFO, logger="sft"):
+        trainer = build(composed(*RUN, "trainer.memory_limit_gib=0.001"), str(tmp_path)).trainer
+    assert (f"memory: not estimated (the probe's forward of {type(trainer.model).__name__} failed: this model's "
+            "forward needs more than input_ids); activation checkpointing off") in caplog.text
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (8, 1)
