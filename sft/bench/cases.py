@@ -27,6 +27,7 @@ TRAINING_CASES = tuple(CASE_OVERRIDES)
 SPREAD_CASES = ("ce_spread", "packing_spread")
 TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped
 GPU_CASES = ("packing_flex",)  # FlexAttention has no backward on a CPU (torch 2.13)
+LIGER_CASES = ("packing_liger",)  # Triton's kernels: a GPU, and liger-kernel
 EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
 RESULT = "BENCH_RESULT "
 

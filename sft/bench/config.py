@@ -16,7 +16,8 @@ LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequen
 # a 15 GB checkpoint; rows of up to 16k tokens; torch.compile's minutes of compiling; each lean loss kernel by name
 # (cases.LOSS_KERNEL_CASES); packing on FlexAttention (a GPU's), and in pure bf16: only when named in bench.cases
 ON_REQUEST = ["checksums", "checkpoint_memory", "stream", "long_rows", "ce_compiled", "loss_chunked", "loss_cce",
-              "loss_liger", "packing_flex", "packing_pure", "packing_compiled"]
+              "loss_liger", "packing_flex", "packing_pure", "packing_compiled",
+              "packing_liger"]
 
 # Each training case and the overrides it trains with (what each measures: `sft.bench.run`'s docstring). `raw`, `hf`,
 # `ce_naive` and `trl` compute the same full logits and cross entropy (the framework's cost alone); `ce` and
@@ -34,7 +35,8 @@ CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": [
                   "trl_padding_free_mask": ["loss=ce"],
                   "packing_flex": ["loss=ce", "data.packing=true", "model.attn_implementation=flex_attention"],
                   "packing_pure": ["loss=ce", "data.packing=true", "trainer.bf16=true", "trainer.precision=pure"],
-                  "packing_compiled": ["loss=ce", "data.packing=true", "trainer.compile_layers=true"]}
+                  "packing_compiled": ["loss=ce", "data.packing=true", "trainer.compile_layers=true"],
+                  "packing_liger": ["loss=ce", "data.packing=true", "trainer.use_liger_kernel=true"]}
 
 # name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL and
 # for the lean loss against the model's own logits
@@ -48,7 +50,8 @@ TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_nai
                    "packing_vs_trl_padding_free": ("packing", "trl_padding_free"),
                    "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask"),
                    "flex_vs_varlen": ("packing_flex", "packing"), "packing_pure_vs_mixed": ("packing_pure", "packing"),
-                   "compile_layers_gain": ("packing_compiled", "packing")}
+                   "compile_layers_gain": ("packing_compiled", "packing"),
+                   "liger_layers_gain": ("packing_liger", "packing")}
 
 
 @dataclass

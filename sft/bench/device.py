@@ -1,5 +1,5 @@
-"""Where a bench case runs and what it measures there: the GPU or the CPU, synchronising before a clock is read, and
-peak memory (the CUDA allocator's, or on a CPU the process's resident set, /proc/self/status)."""
+"""Where a bench case runs and what it measures there: the GPU or the CPU, whether a case can run on this machine
+(`gpu_missing`, `liger_missing`, `bf16_missing`), synchronising before a clock is read, and peak memory (the CUDA allocator's, or on a CPU the process's resident set, /proc/self/status)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,30 @@ def proc_status(key: str) -> float:
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 2**20
     raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def gpu_missing() -> str | None:
+    """Why the GPU-only cases cannot run here (`packing_flex`: FlexAttention has no backward on a CPU), or None."""
+    import torch
+
+    return None if torch.cuda.is_available() else "needs a CUDA GPU (FlexAttention has no backward on a CPU)"
+
+
+def liger_missing() -> str | None:
+    """Why `packing_liger` cannot run here (Liger's kernels are Triton's: a GPU, and liger-kernel), or None."""
+    import importlib.util
+
+    if gpu_missing():
+        return "needs a CUDA GPU (Liger's kernels are Triton's)"
+    return None if importlib.util.find_spec("liger_kernel") else "needs liger-kernel (pip install -e '.[gpu]')"
+
+
+def bf16_missing() -> str | None:
+    """Why the bf16 cases cannot run here (no GPU, and a CPU without bf16 instructions), or None."""
+    import torch
+
+    from sft.training.processes.precision import cpu_bf16_instructions
+
+    if torch.cuda.is_available() or cpu_bf16_instructions():
+        return None
+    return "no GPU, and this CPU has no bf16 instructions (sft.training.processes.precision)"

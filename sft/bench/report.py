@@ -136,6 +136,8 @@ def print_report(report: dict) -> None:
                                                  for n, r in by_length.items()))
     for case, reason in report.get("skipped", {}).items():
         print(f"{case:<22}skipped: {reason}")
+    for case, error in report.get("failed", {}).items():
+        print(f"{case:<22}failed: {error.splitlines()[-1]}")
     for info in report.get("rounds", []):
         share = "" if info["min_cpu_share"] is None else f", least CPU share {info['min_cpu_share']:.0%}"
         flag = "  LOADED: its ratios are not to be trusted" if info["loaded"] else ""

@@ -17,7 +17,8 @@ Trains the same model on the same rows in the same order for `bench.steps` optim
 - `packing_flex`: `packing` on FlexAttention with the packed samples' document mask (`flex_attention`; on a GPU
   only, else skipped with one line); `packing_pure`: `packing` with `trainer.bf16=true trainer.precision=pure`
   (with `preset=gpu_7b`'s LoRA: the frozen base in bf16 only); `packing_compiled`: `packing` with each decoder layer
-  compiled (`trainer.compile_layers=true`; on request);
+  compiled (`trainer.compile_layers=true`; on request); `packing_liger`: with Liger's RMSNorm, RoPE and SwiGLU
+  (`trainer.use_liger_kernel=true`; on a GPU with liger-kernel, else skipped with one line; on request);
 - `trl`, `trl_padding_free`, `trl_padding_free_mask`: TRL's `SFTTrainer` padded, padding-free on the same
   sdpa_varlen kernel as `packing`, and padding-free on its own kernel (a block-diagonal mask), all on `sft`'s own
   tokenised rows and labels with the model's own loss (tested: the same step losses as `sft` with `loss=ce`);
@@ -36,7 +37,7 @@ The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same lo
 `ce`), `packing_gain_spread` (the same on the spread), `ce_vs_trl`, `packing_vs_trl_padding_free` (the same kernel)
 and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two kernels), `flex_vs_varlen` (`packing_flex` over
 `packing`), `packing_pure_vs_mixed` (`packing_pure` over `packing`), `compile_layers_gain` (`packing_compiled` over
-`packing`). Each case runs in a fresh process with the same
+`packing`), `liger_layers_gain` (`packing_liger` over `packing`). Each case runs in a fresh process with the same
 torch threads (`bench.threads`) and, on a CPU, the same
 allocator settings (`sft.training.processes.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the
 whole process's peak resident memory, imports and data included). The rounds interleave the cases, every other round in
@@ -97,10 +98,11 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, RESULT,
-                             GPU_CASES, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
+                             GPU_CASES, LIGER_CASES, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
                              timed_training_overrides)
 from sft.bench.checkpoint_memory import run_checkpoint_memory
 from sft.bench.config import TRAINING_RATIOS, compose
+from sft.bench.device import bf16_missing, gpu_missing, liger_missing
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
 from sft.bench.matmul import MATMUL_CASES
 from sft.bench.report import breakdowns, hardware_ratios, print_report
@@ -201,24 +203,6 @@ def first_step_seconds(repeats: int = 5) -> float:
 BF16_CASES = ("ce_bf16", "ce_bf16_pure", "packing_pure", "matmul_bf16")
 
 
-def gpu_missing() -> str | None:
-    """Why the GPU-only cases cannot run here (`packing_flex`: FlexAttention has no backward on a CPU), or None."""
-    import torch
-
-    return None if torch.cuda.is_available() else "needs a CUDA GPU (FlexAttention has no backward on a CPU)"
-
-
-def bf16_missing() -> str | None:
-    """Why the bf16 cases cannot run here (no GPU, and a CPU without bf16 instructions), or None."""
-    import torch
-
-    from sft.training.processes.precision import cpu_bf16_instructions
-
-    if torch.cuda.is_available() or cpu_bf16_instructions():
-        return None
-    return "no GPU, and this CPU has no bf16 instructions (sft.training.processes.precision)"
-
-
 def trl_missing() -> str | None:
     """Why the TRL cases cannot run here, or None."""
     import importlib.util
@@ -261,6 +245,7 @@ def run_rounds(jobs: dict, b, report: dict) -> list[dict]:
     and, on a CPU, the least CPU share a training case got (`report["rounds"]`). A loaded round (a share below
     `b.min_cpu_share`) is run again, at most `b.reruns` times, and kept flagged if it stays loaded."""
     rounds = []
+    report.setdefault("failed", {})
     for number in range(1, b.repeats + 1):
         for attempt in range(b.reruns + 1):
             load = os.getloadavg()[0]
@@ -269,8 +254,14 @@ def run_rounds(jobs: dict, b, report: dict) -> list[dict]:
             # here) then favours no case; a ratio's paired rounds see each of its cases first as often
             order = list(jobs.items()) if number % 2 else list(jobs.items())[::-1]
             for name, (case, cfg) in order:
+                if name in report["failed"]:
+                    continue
                 print(f"[round {number}/{b.repeats}] {name} ...", file=sys.stderr, flush=True)
-                results[name] = spawn(case, cfg)
+                try:
+                    results[name] = spawn(case, cfg)
+                except RuntimeError as e:  # one case's fault (a kernel that fails here): said; the others run on
+                    report["failed"][name] = str(e)
+                    print(f"[round {number}/{b.repeats}] {name} failed: {e}", file=sys.stderr, flush=True)
             shares = [r["cpu_share"] for r in results.values() if "cpu_share" in r]
             info = {"round": number, "attempt": attempt + 1, "load_before": load, "load_after": os.getloadavg()[0],
                     "min_cpu_share": min(shares) if shares else None,
@@ -281,6 +272,9 @@ def run_rounds(jobs: dict, b, report: dict) -> list[dict]:
                   "(other work took cores); running the round again", file=sys.stderr, flush=True)
         rounds.append(results)
         report["rounds"].append(info)
+    for results in rounds:  # a case that failed in any round is in none: its figures are not comparable
+        for name in report["failed"]:
+            results.pop(name, None)
     return rounds
 
 
@@ -290,9 +284,10 @@ def run_all(overrides: list[str]) -> dict:
     check(base)  # the bench's node and the training config it runs, as python -m sft.train checks them
     b = base.bench
     report: dict = {"overrides": overrides, "raw": {}, "cases": {}, "ratios": {}, "spread": {}, "rounds": [],
-                    "skipped": {}, "isolated": bool(base.bench.isolate)}
+                    "skipped": {}, "failed": {}, "isolated": bool(base.bench.isolate)}
     wanted = list(b.cases)
-    for group, reason in ((TRL_CASES, trl_missing()), (BF16_CASES, bf16_missing()), (GPU_CASES, gpu_missing())):
+    for group, reason in ((TRL_CASES, trl_missing()), (BF16_CASES, bf16_missing()), (GPU_CASES, gpu_missing()),
+                          (LIGER_CASES, liger_missing())):
         if reason and any(case in group for case in wanted):
             print(f"skipping {', '.join(c for c in wanted if c in group)}: {reason}", file=sys.stderr)
             report["skipped"].update({case: reason for case in wanted if case in group})
@@ -318,7 +313,7 @@ def run_all(overrides: list[str]) -> dict:
     jobs.update({case: (case, base) for case in wanted if case in (*LOSS_CASES, *LOSS_KERNEL_CASES, *MATMUL_CASES)})
     with rows_dir:
         rounds = run_rounds(jobs, b, report) if jobs else []
-    for name in jobs:
+    for name in (name for name in jobs if name not in report["failed"]):
         runs = [r[name] for r in rounds]
         report["raw"][name] = runs
         report["cases"][name] = {key: statistics.median(run[key] for run in runs)

@@ -176,6 +176,8 @@ def figures_markdown(report: dict) -> str:
                           if "grad_error" in c else "")
                 lines.append(f"| {case} ({bench['raw'][case][0]['impl']}) | {c['seconds'] * 1000:.0f} ms forward+"
                              f"backward of {c['tokens']:,.0f} tokens, peak {c['peak_memory_gb']:.2f} GiB{errors} |")
+        for case, error in bench.get("failed", {}).items():
+            lines.append(f"| {case} | failed: {error.splitlines()[-1][:200]} |")
         for key, value in bench["ratios"].items():
             target = bench["targets"].get(key)
             mark = "" if target is None else f" (target {'>=' if target['kind'] == 'min' else '<='} " \

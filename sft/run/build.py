@@ -48,6 +48,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     from sft.data.weights import scores_used_by
     from sft.loss.base import build_loss
     from sft.model.compile import compile_layers, compile_refusal
+    from sft.model.liger import liger_refusal
     from sft.model.loading import may_leave_parameters_unused
     from sft.run.memory_plan import fit_step_in_memory
     from sft.training.controllers import build_controllers
@@ -74,6 +75,8 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     if cfg.trainer.compile_layers and (refusal := compile_refusal(model, bool(cfg.deepspeed), cfg.fsdp is not None,
                                                                   cfg.trainer.torch_compile)):
         raise ConfigError("trainer.compile_layers", True, refusal)
+    if args.use_liger_kernel and (refusal := liger_refusal(model.config.model_type, cfg.trainer.compile_layers)):
+        raise ConfigError("trainer.use_liger_kernel", True, refusal)
     if args.ddp_find_unused_parameters is None:
         # Transformers' default looks for unused parameters after every backward of a model without activation
         # checkpointing: an extra pass over the graph, and a warning from every rank that found none

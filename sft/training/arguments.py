@@ -180,6 +180,15 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         self.require("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1,
                      "must be >= 1 (or null to keep every checkpoint)")
         self.require("fp16", not (self.fp16 and self.bf16), "fp16 and bf16 cannot both be on")
+        if self.use_liger_kernel:
+            from sft.model.liger import LOSS_KERNELS
+
+            self.require("use_liger_kernel", cuda_available() and not self.use_cpu,
+                         "Liger's kernels are Triton's, which run on a CUDA GPU: set it to false on a CPU")
+            asked = self.liger_kernel_config or {}
+            self.require("liger_kernel_config", not any(asked.get(k) for k in LOSS_KERNELS),
+                         "sft computes the loss from the decoder's output itself: Liger's cross entropy stays off "
+                         "(loss.impl=liger is its fused linear cross entropy, per token)")
         self.require("memory_limit_gib", self.memory_limit_gib is None or (math.isfinite(self.memory_limit_gib)
                                                                            and self.memory_limit_gib > 0),
                      "must be a number of GiB > 0 (or null: 90% of the GPU's memory)")
@@ -310,6 +319,10 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     if fields["bf16"] and not on_gpu:  # transformers takes bf16 on a CPU only with use_cpu (checked: it has bf16)
         fields["use_cpu"] = True
     resolve_nulls(fields, on_gpu)
+    if fields["use_liger_kernel"]:  # the decoder layers' kernels only (sft.model.liger)
+        from sft.model.liger import liger_config
+
+        fields["liger_kernel_config"] = liger_config(fields["liger_kernel_config"])
     if cfg.data.streaming:  # the stream resumes at its saved position itself (sft.data.streaming), not by skipping
         fields["ignore_data_skip"] = True
     if cfg.fsdp is not None:

@@ -207,3 +207,38 @@ def test_the_flex_attention_case_is_skipped_with_one_line_without_a_gpu(monkeypa
     assert report["raw"] == {} and report["skipped"] == {
         "packing_flex": "needs a CUDA GPU (FlexAttention has no backward on a CPU)"}
     assert "skipping packing_flex: needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_case_that_fails_is_reported_failed_and_the_others_figures_stand(monkeypatch, capsys):
+    """A GPU pack whose compiled case breaks keeps its other figures: the case is left out of every round."""
+    import sft.bench.run
+
+    def spawn(case, cfg):
+        if case == "packing_compiled" and spawn.calls:  # its second round fails: its first is dropped too
+            raise RuntimeError("bench case packing_compiled failed (exit 1):\ninductor: no C++ compiler")
+        spawn.calls += case == "packing_compiled"
+        return {"tokens_per_second": 100.0 if case == "packing" else 90.0, "peak_memory_gb": 1.0}
+
+    spawn.calls = 0
+    monkeypatch.setattr(sft.bench.run, "spawn", spawn)
+    report = sft.bench.run.run_all(["bench.cases=[packing,packing_compiled,ce]", "bench.batch_sizes=[8]",
+                                    "bench.repeats=2", "bench.min_cpu_share=0"])
+    assert report["failed"] == {"packing_compiled": "bench case packing_compiled failed (exit 1):\n"
+                                                    "inductor: no C++ compiler"}
+    assert set(report["cases"]) == {"packing", "ce"} and report["ratios"]["packing_gain"] == pytest.approx(100 / 90)
+    assert "compile_layers_gain" not in report["ratios"]
+    sft.bench.run.print_report(report)
+    assert "packing_compiled      failed: inductor: no C++ compiler" in capsys.readouterr().out
+
+
+def test_the_liger_case_is_skipped_with_one_line_on_a_cpu(capsys):
+    import torch
+
+    import sft.bench.run
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    report = sft.bench.run.run_all(["bench.cases=[packing_liger]"])  # nothing spawned
+    assert report["raw"] == {} and report["skipped"] == {"packing_liger": "needs a CUDA GPU (Liger's kernels are "
+                                                                           "Triton's)"}
+    assert "skipping packing_liger: needs a CUDA GPU" in capsys.readouterr().err

@@ -10,7 +10,8 @@ figures (README: "The GPU pack").
 - bf16 training of the tiny model follows fp32's step losses;
 - the memory estimate's activations (`sft.model.memory`) against what CUDA's allocator holds after a forward, and
   the memory plan's split step within its limit (`sft.run.memory_plan`);
-- compiled decoder layers (`trainer.compile_layers`) train the eager layers' losses;
+- compiled decoder layers (`trainer.compile_layers`) and Liger's layer kernels (`trainer.use_liger_kernel`) train
+  the eager, unfused layers' losses;
 - a long row trains the same losses offloaded and with tiled MLPs, in less GPU memory;
 - sequence parallelism over 2 GPUs with flash attention trains one GPU's losses (skipped with fewer GPUs)."""
 
@@ -308,6 +309,26 @@ def test_compiled_layers_train_the_eager_layers_losses_on_a_gpu(tmp_path):
         return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
     assert trained("compiled", "trainer.compile_layers=true") == pytest.approx(trained("eager"), rel=1e-2)
+
+
+@pytest.mark.skipif(CUDA and importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel")
+def test_liger_layer_kernels_train_the_unfused_layers_losses(tmp_path):
+    """`trainer.use_liger_kernel=true` (Liger's RMSNorm, RoPE and SwiGLU, sft.model.liger) on the tiny Qwen2 in bf16,
+    packed: the unfused run's step losses (within 1%), with the norms replaced by Liger's."""
+    from conftest import composed
+
+    from sft.run.build import build
+
+    def trained(name, *overrides):
+        trainer = build(composed("data.eval_file=null", "trainer.max_steps=4", "trainer.logging_steps=1",
+                                 "trainer.report_to=[]", "trainer.save_strategy=no", "trainer.bf16=true",
+                                 "data.packing=true", *overrides), str(tmp_path / name)).trainer
+        trainer.train()
+        return trainer, [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    fused, losses = trained("fused", "trainer.use_liger_kernel=true")
+    assert "Liger" in type(fused.model.get_decoder().norm).__name__
+    assert losses == pytest.approx(trained("unfused")[1], rel=1e-2)
 
 
 def test_long_rows_offloaded_and_tiled_train_the_same_losses_in_less_gpu_memory(tmp_path):

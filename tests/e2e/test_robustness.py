@@ -166,7 +166,8 @@ def test_out_of_memory_names_the_settings_and_the_knobs(tmp_path):
     assert "CUDA out of memory with trainer.per_device_train_batch_size=16, data.max_length=256" in proc.stderr
     assert "(not retried at a smaller micro-batch: each piece of the micro-batch (16 sample(s) in 16 piece(s)) holds " \
            "one sample)" in proc.stderr
-    assert "1) a smaller trainer.per_device_train_batch_size" in proc.stderr and "zero3_offload" in proc.stderr
+    assert "1) a smaller trainer.memory_limit_gib" in proc.stderr and "zero3_offload" in proc.stderr
+    assert "a smaller trainer.per_device_train_batch_size with a larger trainer.gradient_accumulation_steps" in proc.stderr
 
 
 GOOD = json.dumps(chat("What is 1 + 1?", "1 + 1 = 2", 1.0))

@@ -145,3 +145,45 @@ def test_fused_adamw_trains_to_the_losses_and_weights_of_the_multi_tensor_one(tm
     assert fused_losses == pytest.approx(plain_losses, rel=1e-6)
     for ours, theirs in zip(fused.model.parameters(), plain.model.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, on_gpu, key, words", [
+    ([], False, "trainer.use_liger_kernel", "Liger's kernels are Triton's, which run on a CUDA GPU"),
+    (["trainer.liger_kernel_config={fused_linear_cross_entropy: true}"], True, "trainer.liger_kernel_config",
+     "sft computes the loss from the decoder's output itself"),
+])
+def test_liger_where_it_cannot_work_is_one_config_error(overrides, on_gpu, key, words, monkeypatch):
+    import sft.training.arguments
+
+    monkeypatch.setattr(sft.training.arguments, "cuda_available", lambda: on_gpu)
+    with pytest.raises(ConfigError) as e:
+        check(composed("trainer.use_liger_kernel=true", *overrides))
+    assert e.value.key == key and words in str(e.value)
+
+
+def test_liger_patches_the_layers_only_of_a_family_it_has_kernels_for(monkeypatch):
+    """sft's loss stays its own (Liger's cross entropy off); a family outside liger-kernel's table, which it would
+    leave unpatched saying so at info level, is refused."""
+    import importlib.util
+    import sys
+    import types
+
+    import sft.model.liger
+    from sft.model.liger import liger_config, liger_refusal
+
+    assert liger_config(None) == {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+                                  "fused_linear_cross_entropy": False}
+    assert liger_config({"rope": False})["rope"] is False  # a kernel turned off as asked
+    if importlib.util.find_spec("liger_kernel") is None:  # as on this project's CPU machines
+        assert liger_refusal("qwen2", compile_layers=False) == ("liger-kernel is not installed "
+                                                                "(pip install -e '.[gpu]')")
+    monkeypatch.setattr(sft.model.liger, "version", lambda name: "0.8.5")
+    patch = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    patch.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": None, "qwen2": None}
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", patch)
+    assert liger_refusal("qwen2", compile_layers=False) is None
+    assert liger_refusal("lfm2", compile_layers=False) == ("liger-kernel 0.8.5 has no kernels for lfm2 (it patches "
+                                                           "llama, qwen2): set it to false")
+    assert "not checked together" in liger_refusal("qwen2", compile_layers=True)
