@@ -25,6 +25,9 @@ FIXED_ON_RESUME = ("model.", "lora.", "tokenizer.", "deepspeed", "deepspeed.zero
                    "trainer.data_seed", "trainer.optim", "trainer.train_sampling_strategy",
                    "trainer.precision")  # pure's optimizer state holds the fp32 weights, mixed's model does
 CHANGEABLE_ON_RESUME = ("model.attn_implementation",)  # the same weights, another kernel
+# One AdamW state, fused or not (PyTorch's `fused=` is a kernel choice); null names one of the two
+# (`optimizer_name`), so a checkpoint saved before the null default resumes under it.
+ADAMW = (None, "adamw_torch", "adamw_torch_fused")
 NOT_COMPARED = ("resume", "resume_force", "overwrite", "trust_checkpoint")
 ABSENT = "<absent>"
 
@@ -75,6 +78,14 @@ def fixed_on_resume(key: str) -> bool:
     return any(key == fixed.rstrip(".") or (fixed.endswith(".") and key.startswith(fixed)) for fixed in FIXED_ON_RESUME)
 
 
+def refused_on_resume(key: str, old, new) -> bool:
+    """Whether a resume must refuse this change (`fixed_on_resume`), a change between the names of one AdamW aside.
+
+        ("trainer.optim", "adamw_torch", None) -> False      ("trainer.optim", "adamw_torch", "adafactor") -> True
+    """
+    return fixed_on_resume(key) and not (key == "trainer.optim" and old in ADAMW and new in ADAMW)
+
+
 def check_resume_config(checkpoint: str, current: dict, force: bool) -> tuple[list[tuple[str, object, object]], dict]:
     """The settings that differ from the checkpoint's saved config, each logged; a change of one the
     checkpoint cannot follow (`fixed_on_resume`: model, LoRA shape, batch shape, optimizer ...) is refused
@@ -88,7 +99,7 @@ def check_resume_config(checkpoint: str, current: dict, force: bool) -> tuple[li
     if saved is None:
         return [], {}
     changes = config_changes(saved, current)
-    fixed = [(key, old, new) for key, old, new in changes if fixed_on_resume(key)]
+    fixed = [(key, old, new) for key, old, new in changes if refused_on_resume(key, old, new)]
     if changes:
         log.warning("resume: %d setting(s) differ from %s:\n%s", len(changes), checkpoint, "\n".join(
             f"  {key}: {old!r} -> {new!r} ({'refused' if (key, old, new) in fixed and not force else 'applied'})"

@@ -5,7 +5,7 @@ import pytest
 
 from sft.config import ConfigError
 from sft.training.checkpoints.resume import (batch_for_ranks, check_resume_processes, config_changes, data_ranks,
-                                             fixed_on_resume)
+                                             fixed_on_resume, refused_on_resume)
 
 
 def test_config_changes_list_every_differing_leaf_and_which_a_resume_refuses():
@@ -19,6 +19,14 @@ def test_config_changes_list_every_differing_leaf_and_which_a_resume_refuses():
     assert not fixed_on_resume("model.attn_implementation") and fixed_on_resume("model.pretrained_model_name_or_path")
     assert fixed_on_resume("deepspeed") and not fixed_on_resume("deepspeed.gradient_clipping")
     assert fixed_on_resume("trainer.precision")  # pure keeps the fp32 weights in the optimizer, mixed in the model
+
+
+def test_a_checkpoint_saved_before_the_null_optimizer_resumes_under_it_and_another_optimizer_is_refused():
+    """`trainer.optim` was `adamw_torch` before null (AdamW, fused on a GPU) became the default: one AdamW state."""
+    assert not refused_on_resume("trainer.optim", "adamw_torch", None)
+    assert not refused_on_resume("trainer.optim", "adamw_torch_fused", "adamw_torch")
+    assert refused_on_resume("trainer.optim", "adamw_torch", "adafactor")
+    assert refused_on_resume("trainer.optim", None, "sgd") and refused_on_resume("lora.r", 8, 16)
 
 
 def test_another_number_of_processes_keeps_the_steps_rows_and_a_weights_only_checkpoint_is_refused(monkeypatch):
