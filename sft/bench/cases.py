@@ -1,7 +1,8 @@
 """One case of `python -m sft.bench` (`sft.bench.run`), run in a process of its own (`child`), so that its peak
 memory is its own: a training case (this project's trainer, a plain `Trainer`, TRL's `SFTTrainer`), an
-evaluation, the loss alone, preprocessing, tokenising, preprocessing at scale. Each prints its result as one
-JSON line (`RESULT`)."""
+evaluation, long rows; the loss alone (`sft.bench.loss_cases`), a matrix product (`sft.bench.matmul`), the data
+cases (`sft.bench.data_cases`: preprocessing, tokenising, scale, streaming, checksums). Each prints its result as
+one JSON line (`RESULT`)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import atexit
 import json
 import os
 import shutil
-import statistics
+import sys
 import tempfile
 import time
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from sft.bench import config as bench_config
+from sft.bench import data_cases
 from sft.bench.config import CASE_OVERRIDES
 from sft.bench.device import memory_peak, memory_reset, on_gpu
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES, run_loss_case
@@ -25,9 +26,11 @@ from sft.ranks import is_rank_zero
 
 TRAINING_CASES = tuple(CASE_OVERRIDES)
 SPREAD_CASES = ("ce_spread", "packing_spread")
-TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask")  # need `pip install -e .[bench]`, else skipped
+TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask", "trl_best")  # need `pip install -e .[bench]`, else skipped
+FASTEST_CASES = ("trl_best", "hf_padding_free")  # each trainer with its own fastest documented settings
 GPU_CASES = ("packing_flex",)  # FlexAttention has no backward on a CPU (torch 2.13)
 LIGER_CASES = ("packing_liger",)  # Triton's kernels: a GPU, and liger-kernel
+FLASH_CASES = ("packing_flash",)  # flash attention's varlen kernel: a GPU, and flash-attn
 EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
 RESULT = "BENCH_RESULT "
 
@@ -80,9 +83,9 @@ class CountingCollator:
 
 def case_trainer(case: str, cfg, run_dir: str):
     """The trainer `case` trains (or evaluates) with: this project's (`sft.run.build`), a plain `Trainer`
-    (`hf`), or TRL's `SFTTrainer` (`trl`, `trl_padding_free`), the last two on `sft`'s own tokenised rows and
+    (`hf`, `hf_padding_free`), or TRL's `SFTTrainer` (`trl`, ...), the last two on `sft`'s own tokenised rows and
     labels, so every case sees the same tokens."""
-    if case not in ("hf", *TRL_CASES, "eval_hf"):
+    if case not in ("hf", "hf_padding_free", *TRL_CASES, "eval_hf"):
         from sft.run.build import build
 
         return build(cfg, run_dir).trainer
@@ -100,12 +103,16 @@ def case_trainer(case: str, cfg, run_dir: str):
     fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 0.0), learning_rate=learning_rate(cfg))
     fields["dataloader_pin_memory"] &= on_gpu()
     resolve_nulls(fields, on_gpu())  # the optimizer a null is; checkpointing off (no memory plan here)
+    if case in FASTEST_CASES:
+        settings = fastest_settings()
+        fields["use_liger_kernel"] = settings["use_liger_kernel"]
+        cfg = OmegaConf.merge(cfg, {"model": {"attn_implementation": settings["attn_implementation"]}})
     if case.startswith("trl"):
         from trl import SFTConfig
 
         # sft's rows are already cut to data.max_length; the rest of TRL's defaults as a user meets them.
-        args = SFTConfig(**fields, max_length=None, padding_free=case.startswith("trl_padding_free"),
-                         dataset_num_proc=None)
+        padding_free = case.startswith("trl_padding_free") or case == "trl_best"
+        args = SFTConfig(**fields, max_length=None, padding_free=padding_free, dataset_num_proc=None)
     else:
         from transformers import TrainingArguments
 
@@ -121,11 +128,29 @@ def case_trainer(case: str, cfg, run_dir: str):
         return SFTTrainer(model=model, args=args, train_dataset=data.train.select_columns(keep),
                           eval_dataset=data.eval.select_columns(keep) if data.eval is not None else None,
                           processing_class=tokenizer)
-    from transformers import DataCollatorForSeq2Seq, Trainer
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer
 
-    return Trainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval,
-                   data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100),
+    # transformers' own padding-free batches (one row, position_ids restarting at each sample; the first label of
+    # each sample dropped, which sft's prompt tokens already are), or rows padded to the longest
+    collator = (DataCollatorWithFlattening() if case == "hf_padding_free"
+                else DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100))
+    return Trainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval, data_collator=collator,
                    processing_class=tokenizer)
+
+
+def fastest_settings() -> dict:
+    """TRL's and a plain Trainer's fastest documented settings on this machine: Liger's kernels
+    (`use_liger_kernel`: RMSNorm, RoPE, SwiGLU and the fused linear cross entropy) on a GPU with liger-kernel, and
+    flash attention 2 where flash-attn is installed, else sdpa (on padding-free rows transformers then masks each
+    sample from the others, read from the position ids). Activation checkpointing stays off (their fastest where
+    the step fits, as sft's memory plan leaves it)."""
+    import importlib.util
+
+    from sft.bench.device import liger_missing
+
+    flash = on_gpu() and importlib.util.find_spec("flash_attn") is not None
+    return {"use_liger_kernel": liger_missing() is None,
+            "attn_implementation": "flash_attention_2" if flash else "sdpa"}
 
 
 def run_training_case(case: str, cfg) -> dict:
@@ -135,7 +160,7 @@ def run_training_case(case: str, cfg) -> dict:
 
     from sft.data.split import assistant_tokens, column
     from sft.training.observability.throughput import (device_peak_tflops, flops_per_token, model_flops_per_token,
-                                                       peak_memory_gb)
+                                                       peak_memory_gb, unknown_peak)
 
     from sft.bench.profile import step_profiler
 
@@ -175,8 +200,11 @@ def run_training_case(case: str, cfg) -> dict:
     result["model_gflops"] = model_flops_per_token(trainer.model, mean_length) * tokens_per_second / 1e9  # 6N: MFU's
     result["dtype"] = "bfloat16" if trainer.args.bf16 else str(cfg.model.dtype)  # the limit it is held to
     peak = cfg.throughput.peak_tflops or device_peak_tflops()
-    if peak:
+    if peak is None and on_gpu():
+        print(unknown_peak(torch.cuda.get_device_name()), file=sys.stderr)
+    if peak:  # executed FLOPs over the GPUs' peak; beside it the 6N convention's (`mfu_6n`)
         result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
+        result["mfu_6n"] = result["model_gflops"] * 1e9 / (peak * 1e12 * trainer.args.world_size)
     return result
 
 
@@ -278,161 +306,6 @@ def run_eval_case(case: str, cfg) -> dict:
     return {"seconds_per_1000_rows": 1000 * best / rows, "rows": rows}
 
 
-def run_preprocess_case(case: str, cfg) -> dict:
-    """Load `bench.preprocess_rows` rows with `sft.data.load.load_sft_datasets` (a cold or a warm cache)."""
-    from hydra.utils import instantiate
-
-    from sft.data.load import load_sft_datasets
-
-    tokenizer = instantiate(cfg.tokenizer)
-    started = time.perf_counter()
-    data = load_sft_datasets(instantiate(cfg.data, _convert_="object"), tokenizer)
-    return {"seconds": time.perf_counter() - started, "rows": len(data.train)}
-
-
-def run_tokenize_case(case: str, cfg) -> dict:
-    """`data.train_file`'s rows tokenised side by side in this process, `bench.repeats` interleaved rounds: by
-    `sft.data.labels.tokenize_batch`, by sft 0.1's (`sft.bench.baseline`), both through `datasets.map` as preprocessing
-    runs them, and by the tokenizer's own chat path through it too (`chat_template_batch`: one render and the encoding
-    a chat, no labels); and by the tokenizer alone on the texts already rendered (`encode`). Also how many
-    chat-template renders a row costs."""
-    from datasets import Dataset, disable_progress_bars
-    from hydra.utils import instantiate
-
-    from sft.bench import baseline as bench_baseline
-    from sft.data import labels as sft_labels
-    from sft.data.chat_settings import chat_settings
-    from sft.data.labels import encode, tokenize_batch
-    from sft.data.preprocess import write_rows
-    from sft.data.rows import iter_jsonl
-    from sft.data.spec import Labelling
-    from sft.data.templates import ChatRenderer
-    from sft.data.turns import chat_views
-
-    disable_progress_bars()
-    tokenizer = instantiate(cfg.tokenizer)
-    # the same rows as each stores them: sft 0.1 a list of them (Dataset.from_list), sft in an Arrow file
-    rows = Dataset.from_list(list(iter_jsonl(cfg.data.train_file, [])))
-    with tempfile.TemporaryDirectory() as tmp:
-        write_rows(iter_jsonl(cfg.data.train_file, []), Path(tmp, "rows.arrow"))
-        stored = Dataset.from_file(str(Path(tmp, "rows.arrow")), in_memory=True)
-    kwargs = {"baseline": {"tokenizer": tokenizer, "max_length": cfg.data.max_length},
-              "sft": {"tokenizer": tokenizer, "labelling": Labelling(max_length=cfg.data.max_length)},
-              "chat": {"tokenizer": tokenizer, "chat_kwargs": chat_settings(tokenizer).kwargs}}
-    texts = [text for messages in rows["messages"] for text, _ in chat_views(tokenizer, messages)]
-    seconds: dict[str, list[float]] = {"baseline": [], "sft": [], "chat": [], "tokenizer": []}
-    for round_ in range(cfg.bench.repeats):
-        for name, function, source in (("baseline", bench_baseline.tokenize_batch, rows),
-                                       ("sft", tokenize_batch, stored), ("chat", chat_template_batch, rows)):
-            started = time.perf_counter()
-            source.map(function, batched=True, batch_size=256, remove_columns=["messages", "tools"],
-                       fn_kwargs=kwargs[name], keep_in_memory=True, new_fingerprint=f"{name}-{round_}")
-            seconds[name].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        for i in range(0, len(texts), 256):
-            encode(tokenizer, texts[i:i + 256])
-        seconds["tokenizer"].append(time.perf_counter() - started)
-    renders = {"baseline": 0, "sft": 0}
-    plain, fast, views = tokenizer.apply_chat_template, ChatRenderer.__call__, sft_labels.chat_views
-    labelling = [False]  # sft's renders a row: those of labelling a chat (not the template's probes, once a batch)
-    try:
-        def count(name, render):
-            def counted(*args, **kw):
-                renders[name] += name == "baseline" or labelling[0]
-                return render(*args, **kw)
-            return counted
-
-        def counted_views(*args, **kw):
-            labelling[0] = True
-            try:
-                return views(*args, **kw)
-            finally:
-                labelling[0] = False
-
-        counted = rows[:100]
-        tokenizer.apply_chat_template = count("baseline", plain)
-        bench_baseline.tokenize_batch(counted, **kwargs["baseline"])
-        ChatRenderer.__call__, sft_labels.chat_views = count("sft", fast), counted_views
-        tokenize_batch(counted, **kwargs["sft"])
-    finally:
-        tokenizer.apply_chat_template, ChatRenderer.__call__, sft_labels.chat_views = plain, fast, views
-    n = len(rows)
-    return {"rows": n, **{f"{name}_rows_per_second": n / statistics.median(s) for name, s in seconds.items()},
-            **{f"{name}_renders_per_row": count / len(counted["messages"]) for name, count in renders.items()},
-            # each round's ratio of sft's rows/s to the others' (the bench's ratios are their medians)
-            "round_ratios": {f"vs_{name}": [theirs / ours for theirs, ours in zip(seconds[name], seconds["sft"])]
-                             for name in ("baseline", "chat", "tokenizer")}}
-
-
-def chat_template_batch(batch: dict, tokenizer, chat_kwargs: dict) -> dict:
-    """`datasets.map` function: each chat's ids as the tokenizer's own chat path makes them (one render of the
-    template, then the encoding; no labels), the rows' absent fields (Arrow's nulls) left out as in the JSON."""
-    chats = [[{k: v for k, v in m.items() if v is not None} for m in messages] for messages in batch["messages"]]
-    return {"input_ids": tokenizer.apply_chat_template(chats, tokenize=True, **chat_kwargs)["input_ids"]}
-
-
-def run_scale_case(case: str, cfg) -> dict:
-    """Preprocess `data.train_file` (or load it from the cache): seconds and the peak resident memory of this
-    process and of its largest worker (`datasets.map`'s processes)."""
-    import resource
-
-    result = run_preprocess_case(case, cfg)
-    return {**result, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "worker_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
-
-
-def run_stream_case(case: str, cfg) -> dict:
-    """Read `bench.stream_read` training sequences of `data.train_file` as `data.streaming=true` reads them (validated,
-    labelled, weighed: `sft.data.streaming`), from the tokenizer's start: seconds and this process's peak resident
-    memory, start-up (the sources identified, the eval rows) included."""
-    import resource
-
-    from hydra.utils import instantiate
-
-    from sft.data.load import load_sft_datasets
-    from sft.loss.base import build_loss
-
-    started = time.perf_counter()
-    tokenizer = instantiate(cfg.tokenizer)
-    data = load_sft_datasets(instantiate(cfg.data, _convert_="object"), tokenizer, build_loss(cfg.loss))
-    read = 0
-    for _ in data.train:
-        read += 1
-        if read == cfg.bench.stream_read:
-            break
-    return {"sequences": read, "seconds": time.perf_counter() - started,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-
-
-def run_checksums_case(case: str, cfg) -> dict:
-    """A checkpoint of `bench.checksum_gb` GB (four shards, as a 7B model's bf16 weights) written to a temporary
-    dir beside `bench.checksum_dir`, then its manifest (every file's CRC-32, `sft.training.checkpoints.store.manifest`)
-    timed twice: as at a save (the shards just written, in the page cache) and as at a resume after a restart
-    (read from the disk: the page cache dropped first, where this process may; else reported as not measured)."""
-    import os
-
-    from sft.training.checkpoints.store import manifest
-
-    shard = int(cfg.bench.checksum_gb * 1e9 / 4)
-    with tempfile.TemporaryDirectory(prefix="sft-bench-checksums-", dir=cfg.bench.checksum_dir) as tmp:
-        for i in range(4):
-            with open(Path(tmp, f"model-{i + 1:05d}-of-00004.safetensors"), "wb") as f:
-                for _ in range(0, shard, 1 << 26):
-                    f.write(os.urandom(min(1 << 26, shard)))
-                f.truncate(shard)
-        started = time.perf_counter()
-        manifest(Path(tmp))
-        cached = time.perf_counter() - started
-        try:
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("3")
-        except OSError:
-            return {"gb": 4 * shard / 1e9, "cached_s": cached, "disk_s": None}
-        started = time.perf_counter()
-        manifest(Path(tmp))
-        return {"gb": 4 * shard / 1e9, "cached_s": cached, "disk_s": time.perf_counter() - started}
-
-
 def threads(cfg) -> int:
     """The torch threads of every case on a CPU: `bench.threads`, else one per core this process may use; shared out
     where a case runs in several processes (torchrun's `LOCAL_WORLD_SIZE`: oversubscribed cores slow every one)."""
@@ -467,20 +340,20 @@ def run_case(case: str, cfg) -> dict:
     elif case in LOSS_CASES or case in LOSS_KERNEL_CASES:
         result = run_loss_case(case, cfg)
     elif case == "tokenize":
-        result = run_tokenize_case(case, cfg)
+        result = data_cases.run_tokenize_case(case, cfg)
     elif case == "scale":
-        result = run_scale_case(case, cfg)
+        result = data_cases.run_scale_case(case, cfg)
     elif case == "checksums":
-        result = run_checksums_case(case, cfg)
+        result = data_cases.run_checksums_case(case, cfg)
     elif case == "stream":
-        result = run_stream_case(case, cfg)
+        result = data_cases.run_stream_case(case, cfg)
     elif case == "long_rows":
         result = run_long_rows_case(case, cfg)
     elif case in MATMUL_CASES:
 
         result = run_matmul_case(case, cfg)
     else:
-        result = run_preprocess_case(case, cfg)
+        result = data_cases.run_preprocess_case(case, cfg)
     return result
 
 

@@ -14,15 +14,19 @@ CASES = ["raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_bf16_pure", "ce_lora", "c
          "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
 LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequence_parallel")  # cases.LONG_ROW_VARIANTS
 # a 15 GB checkpoint; rows of up to 16k tokens; torch.compile's minutes of compiling; each lean loss kernel by name
-# (cases.LOSS_KERNEL_CASES); packing on FlexAttention (a GPU's), and in pure bf16: only when named in bench.cases
+# (cases.LOSS_KERNEL_CASES); packing on FlexAttention (a GPU's), and in pure bf16; the GPU pack's side-by-side cases
+# (TRL and a plain Trainer at their fastest, a full fine-tune of `bench.full_model`): only when named in bench.cases
 ON_REQUEST = ["checksums", "checkpoint_memory", "stream", "long_rows", "ce_compiled", "loss_chunked", "loss_cce",
               "loss_liger", "packing_flex", "packing_pure", "packing_compiled",
-              "packing_liger"]
+              "packing_liger", "packing_flash", "trl_best", "hf_padding_free", "packing_full"]
 
 # Each training case and the overrides it trains with (what each measures: `sft.bench.run`'s docstring). `raw`, `hf`,
 # `ce_naive` and `trl` compute the same full logits and cross entropy (the framework's cost alone); `ce` and
 # `packing` the lean loss that `loss.impl=auto` picks; the packed cases all run the sdpa_varlen kernel but
 # `trl_padding_free_mask` (TRL's own: a block-diagonal mask) and `packing_flex` (FlexAttention's document mask).
+# `trl_best` and `hf_padding_free` are TRL's SFTTrainer and a plain Trainer each with its own fastest documented
+# settings (`cases.fastest_settings`: padding-free batches, Liger's kernels and flash attention where installed, the
+# model's own loss); `packing_full` a full fine-tune in pure bf16 (of `bench.full_model` where set).
 CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": ["loss=ce", "loss.impl=naive"],
                   "ce": ["loss=ce"], "ce_bf16": ["loss=ce", "trainer.bf16=true"],
                   "ce_bf16_pure": ["loss=ce", "trainer.bf16=true", "trainer.precision=pure"],
@@ -36,7 +40,12 @@ CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": [
                   "packing_flex": ["loss=ce", "data.packing=true", "model.attn_implementation=flex_attention"],
                   "packing_pure": ["loss=ce", "data.packing=true", "trainer.bf16=true", "trainer.precision=pure"],
                   "packing_compiled": ["loss=ce", "data.packing=true", "trainer.compile_layers=true"],
-                  "packing_liger": ["loss=ce", "data.packing=true", "trainer.use_liger_kernel=true"]}
+                  "packing_liger": ["loss=ce", "data.packing=true", "trainer.use_liger_kernel=true"],
+                  "packing_flash": ["loss=ce", "data.packing=true", "model.attn_implementation=flash_attention_2"],
+                  # their own attention (`cases.fastest_settings`), not the sdpa_varlen sft's packing turns sdpa into
+                  "trl_best": ["loss=ce", "data.packing=false"], "hf_padding_free": ["loss=ce", "data.packing=false"],
+                  "packing_full": ["loss=ce", "data.packing=true", "lora=none", "model.dtype=float32",
+                                   "trainer.bf16=true", "trainer.precision=pure"]}
 
 # name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL and
 # for the lean loss against the model's own logits
@@ -51,7 +60,10 @@ TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_nai
                    "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask"),
                    "flex_vs_varlen": ("packing_flex", "packing"), "packing_pure_vs_mixed": ("packing_pure", "packing"),
                    "compile_layers_gain": ("packing_compiled", "packing"),
-                   "liger_layers_gain": ("packing_liger", "packing")}
+                   "liger_layers_gain": ("packing_liger", "packing"),
+                   "flash_vs_varlen": ("packing_flash", "packing"),
+                   "packing_vs_trl_best": ("packing", "trl_best"),
+                   "packing_vs_hf_padding_free": ("packing", "hf_padding_free")}
 
 
 @dataclass
@@ -105,6 +117,8 @@ class BenchConfig(Schema):
     long_row_variants: List[str] = knob(help="long_rows: the variants run (offloaded: with a GPU; sequence_parallel: "
                                         "2 processes, on a CPU or 2 GPUs)",
                                         factory=lambda: list(LONG_ROW_VARIANT_NAMES))
+    full_model: Optional[str] = knob(None, "packing_full: the model config it fully fine-tunes (a name of the model "
+                                     "group, e.g. qwen2_5_1_5b_random); null: the run's model")
     case_timeout_s: int = knob(1800, "a case running longer is stopped and reported")
     isolate: bool = knob(True, "each training, eval and long_rows case in a fresh process, so that its peak memory is "
                          "its own; false: all in this one (faster, a quick check of the cases; memory not per case)")

@@ -1,5 +1,6 @@
 """Where a bench case runs and what it measures there: the GPU or the CPU, whether a case can run on this machine
-(`gpu_missing`, `liger_missing`, `bf16_missing`), synchronising before a clock is read, and peak memory (the CUDA allocator's, or on a CPU the process's resident set, /proc/self/status)."""
+(`gpu_missing`, `liger_missing`, `flash_missing`,
+`bf16_missing`), synchronising before a clock is read, and peak memory (the CUDA allocator's, or on a CPU the process's resident set, /proc/self/status)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,16 @@ def liger_missing() -> str | None:
     if gpu_missing():
         return "needs a CUDA GPU (Liger's kernels are Triton's)"
     return None if importlib.util.find_spec("liger_kernel") else "needs liger-kernel (pip install -e '.[gpu]')"
+
+
+def flash_missing() -> str | None:
+    """Why `packing_flash` cannot run here (flash attention's varlen kernel: a GPU, and flash-attn), or None."""
+    import importlib.util
+
+    if gpu_missing():
+        return "needs a CUDA GPU (flash-attn's kernels are CUDA's)"
+    return None if importlib.util.find_spec("flash_attn") else ("needs flash-attn (pip install flash-attn "
+                                                                "--no-build-isolation: built for the machine's CUDA)")
 
 
 def bf16_missing() -> str | None:

@@ -1,9 +1,12 @@
 """The bench's figures put together and printed: each training case's hardware ratios against the machine's own
-matrix-product rate (`hardware_ratios`), and the table of every case (`print_report`)."""
+matrix-product rate (`hardware_ratios`), the table of every case (`print_report`), and the results so far of a run
+still going (`write_partial`), read back as a report where a time limit stopped it (`read_partial`)."""
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 from sft.bench.cases import EVAL_CASES
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
@@ -151,3 +154,27 @@ def print_report(report: dict) -> None:
         mark = "" if target is None else (f"target {'>=' if target['kind'] == 'min' else '<='} {target['target']}: "
                                           f"{'met' if target['met'] else 'NOT MET'}")
         print(f"{key:<40}{value:>8.3f}  {rounds:<18}{mark}")
+
+
+def write_partial(path: Path, report: dict, rounds: list[dict]) -> None:
+    """The results so far (`rounds`: each round's cases that have run), in the form of the report's `raw`; written
+    whole, then renamed over the last one (a reader never sees half a file)."""
+    raw: dict = {}
+    for results in rounds:
+        for name, result in results.items():
+            raw.setdefault(name, []).append(result)
+    partial = {"overrides": report["overrides"], "partial": True, "raw": raw, "failed": report["failed"],
+               "skipped": report["skipped"]}
+    path.with_name(path.name + ".tmp").write_text(json.dumps(partial, indent=2) + "\n")
+    path.with_name(path.name + ".tmp").replace(path)
+
+
+def read_partial(path: Path) -> dict:
+    """A report of the cases a stopped run finished (`write_partial`'s file): each case's median figures, no ratios
+    (a ratio's cases may not both have run), `partial: true`."""
+    report = json.loads(path.read_text())
+    report["cases"] = {name: {key: statistics.median(run[key] for run in runs)
+                              for key in runs[0] if isinstance(runs[0][key], (int, float))}
+                       for name, runs in report["raw"].items()}
+    report.update(ratios={}, spread={}, targets={})
+    return report

@@ -19,10 +19,18 @@ Trains the same model on the same rows in the same order for `bench.steps` optim
   (with `preset=gpu_7b`'s LoRA: the frozen base in bf16 only); `packing_compiled`: `packing` with each decoder layer
   compiled (`trainer.compile_layers=true`; on request); `packing_liger`: with Liger's RMSNorm, RoPE and SwiGLU
   (`trainer.use_liger_kernel=true`; on a GPU with liger-kernel, else skipped with one line; on request);
+  `packing_flash`: on flash attention 2's varlen kernel (on a GPU with flash-attn, else skipped with one line; on
+  request);
 - `trl`, `trl_padding_free`, `trl_padding_free_mask`: TRL's `SFTTrainer` padded, padding-free on the same
   sdpa_varlen kernel as `packing`, and padding-free on its own kernel (a block-diagonal mask), all on `sft`'s own
   tokenised rows and labels with the model's own loss (tested: the same step losses as `sft` with `loss=ce`);
-  skipped with one line when TRL is not installed (`pip install -e '.[bench]'`);
+  skipped with one line when TRL is not installed (`pip install -e '.[bench]'`); `trl_best` and `hf_padding_free`
+  (on request: the GPU pack's): TRL's SFTTrainer and a plain Trainer each at its own fastest documented settings
+  (padding-free batches, TRL's or transformers' `DataCollatorWithFlattening`; `use_liger_kernel` on a GPU with
+  liger-kernel; flash attention 2 where flash-attn is installed, else sdpa with the per-sample mask transformers reads
+  from the position ids; the model's own loss; no activation checkpointing), tested to log sft's step losses;
+- `packing_full` (on request): `packing` as a full fine-tune in pure bf16, of `bench.full_model` where set
+  (`preset=gpu_7b`: Qwen2.5-1.5B's shape);
 each at every micro-batch size of `bench.batch_sizes` (64, then the training default of 16: `ce_b16` ...);
 times `Trainer.evaluate()` on the eval rows, a plain Trainer's (`eval_hf`) against this project's
 (`eval_sft`), per 1,000 rows; and times the loss alone, forward and backward, on `bench.loss_batch x
@@ -37,7 +45,10 @@ The ratios say what they measure: `sft_vs_raw` and `overhead_vs_hf` (the same lo
 `ce`), `packing_gain_spread` (the same on the spread), `ce_vs_trl`, `packing_vs_trl_padding_free` (the same kernel)
 and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two kernels), `flex_vs_varlen` (`packing_flex` over
 `packing`), `packing_pure_vs_mixed` (`packing_pure` over `packing`), `compile_layers_gain` (`packing_compiled` over
-`packing`), `liger_layers_gain` (`packing_liger` over `packing`). Each case runs in a fresh process with the same
+`packing`), `liger_layers_gain` (`packing_liger` over `packing`), `flash_vs_varlen` (`packing_flash` over
+`packing`), `packing_vs_trl_best` and
+`packing_vs_hf_padding_free` (sft's packed run over each trainer at its fastest), and where the GPU's peak is known
+`mfu_packing` and `mfu_packing_full` (executed FLOPs; `mfu_6n_<case>`, the 6N convention's). Each case runs in a fresh process with the same
 torch threads (`bench.threads`) and, on a CPU, the same
 allocator settings (`sft.training.processes.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the
 whole process's peak resident memory, imports and data included). The rounds interleave the cases, every other round in
@@ -77,7 +88,9 @@ gradient) over the limit, and `hw_model_<case>`, the MFU convention's 6N per tok
 and `matmul_bf16`. `preset=qwen_vocab` trains `packing` and `trl_padding_free` with Qwen2.5's 151,936-token
 vocabulary on the tiny model's body, where the output layer weighs as in real fine-tuning. `preset=gpu_7b` is the GPU
 check: LoRA on a randomly initialised model of Qwen2.5-7B's shape, bf16, packed rows of about 4k tokens, the lean
-loss, 20 steps (see sft/conf/preset/gpu_7b.yaml).
+loss, beside TRL and a plain Trainer at their fastest and a full fine-tune of Qwen2.5-1.5B's shape (see
+sft/conf/preset/gpu_7b.yaml). While it runs, the results so far stand in `<out>.partial` (after each case): a run
+stopped by a time limit keeps what it measured (`sft.bench.report.read_partial`).
 
 The overrides are the training config's (`loss.impl=naive`, `trainer.per_device_train_batch_size=8`,
 `model=...`), plus `bench.*`. Prints a table and writes the raw numbers and ratios to `--out`.
@@ -92,21 +105,21 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, RESULT,
-                             GPU_CASES, LIGER_CASES, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
+                             FLASH_CASES, GPU_CASES, LIGER_CASES, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
                              timed_training_overrides)
 from sft.bench.checkpoint_memory import run_checkpoint_memory
 from sft.bench.config import TRAINING_RATIOS, compose
-from sft.bench.device import bf16_missing, gpu_missing, liger_missing
+from sft.bench.device import bf16_missing, flash_missing, gpu_missing, liger_missing
 from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
 from sft.bench.matmul import MATMUL_CASES
-from sft.bench.report import breakdowns, hardware_ratios, print_report
+from sft.bench.report import breakdowns, hardware_ratios, print_report, write_partial
 from sft.bench.rows import multi_turn_rows, spread_rows, synthetic_rows
+from sft.bench.startup import startup_times
 from sft.config.schema import ConfigError
 from sft.config.validate import check
 
@@ -122,6 +135,9 @@ TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if
     "hw_exec_ce_bf16": (0.60, "min"),
     "ce_vs_trl": (1.0, "min"),
     "packing_vs_trl_padding_free": (1.3, "min"),
+    "packing_vs_trl_best": (1.3, "min"),
+    "mfu_packing": (0.40, "min"),
+    "mfu_packing_full": (0.40, "min"),
     "lean_vs_naive_loss_memory": (0.3, "max"),
     "lean_vs_naive_loss_time": (1.3, "max"),
     "preprocess_cached_speedup": (10.0, "min"),
@@ -174,33 +190,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def startup_seconds(*args: str, repeats: int = 5) -> float:
-    """Wall time of `python -m sft.train args...`: the median of `repeats` runs."""
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "sft.train", *args], capture_output=True, check=True)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def first_step_seconds(repeats: int = 5) -> float:
-    """Wall time of the default run (`python -m sft.train`, no overrides but these) trained for one step,
-    with no evaluation or checkpoint: from the command to the first optimizer step, plus saving the tiny
-    model. Caches are warmed by one untimed run; the median of `repeats`."""
-    times = []
-    one_step = ["trainer.max_steps=1", "trainer.eval_strategy=no", "trainer.save_strategy=no", "trainer.report_to=[]"]
-    with tempfile.TemporaryDirectory(prefix="sft-bench-first-step-") as tmp:
-        for n in range(repeats + 1):
-            started = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "sft.train", *one_step, f"hydra.run.dir={tmp}/{n}"],
-                           capture_output=True, check=True)
-            if n:  # the first run warms the caches (tiny model, tokenised data)
-                times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-BF16_CASES = ("ce_bf16", "ce_bf16_pure", "packing_pure", "matmul_bf16")
+BF16_CASES = ("ce_bf16", "ce_bf16_pure", "packing_pure", "packing_full", "matmul_bf16")
+MFU_CASES = ("packing", "packing_full")  # the pack's sft cases whose MFU has a target (`mfu_<case>`)
 
 
 def trl_missing() -> str | None:
@@ -240,10 +231,11 @@ def target_of(key: str):
     return TARGETS.get(base)
 
 
-def run_rounds(jobs: dict, b, report: dict) -> list[dict]:
+def run_rounds(jobs: dict, b, report: dict, partial: Path | None = None) -> list[dict]:
     """`b.repeats` rounds over every job, in turn (every other round in reverse order); each round's load average
     and, on a CPU, the least CPU share a training case got (`report["rounds"]`). A loaded round (a share below
-    `b.min_cpu_share`) is run again, at most `b.reruns` times, and kept flagged if it stays loaded."""
+    `b.min_cpu_share`) is run again, at most `b.reruns` times, and kept flagged if it stays loaded. After each case,
+    every result so far is written to `partial` (a run stopped by a time limit keeps what it measured)."""
     rounds = []
     report.setdefault("failed", {})
     for number in range(1, b.repeats + 1):
@@ -262,6 +254,8 @@ def run_rounds(jobs: dict, b, report: dict) -> list[dict]:
                 except RuntimeError as e:  # one case's fault (a kernel that fails here): said; the others run on
                     report["failed"][name] = str(e)
                     print(f"[round {number}/{b.repeats}] {name} failed: {e}", file=sys.stderr, flush=True)
+                if partial is not None:
+                    write_partial(partial, report, rounds + [results])
             shares = [r["cpu_share"] for r in results.values() if "cpu_share" in r]
             info = {"round": number, "attempt": attempt + 1, "load_before": load, "load_after": os.getloadavg()[0],
                     "min_cpu_share": min(shares) if shares else None,
@@ -278,8 +272,9 @@ def run_rounds(jobs: dict, b, report: dict) -> list[dict]:
     return rounds
 
 
-def run_all(overrides: list[str]) -> dict:
-    """Every case of `bench.cases`, interleaved and repeated; the raw numbers, medians and ratios."""
+def run_all(overrides: list[str], partial: Path | None = None) -> dict:
+    """Every case of `bench.cases`, interleaved and repeated; the raw numbers, medians and ratios (and, after each
+    case, the results so far in `partial`)."""
     base = compose(overrides)
     check(base)  # the bench's node and the training config it runs, as python -m sft.train checks them
     b = base.bench
@@ -287,7 +282,7 @@ def run_all(overrides: list[str]) -> dict:
                     "skipped": {}, "failed": {}, "isolated": bool(base.bench.isolate)}
     wanted = list(b.cases)
     for group, reason in ((TRL_CASES, trl_missing()), (BF16_CASES, bf16_missing()), (GPU_CASES, gpu_missing()),
-                          (LIGER_CASES, liger_missing())):
+                          (LIGER_CASES, liger_missing()), (FLASH_CASES, flash_missing())):
         if reason and any(case in group for case in wanted):
             print(f"skipping {', '.join(c for c in wanted if c in group)}: {reason}", file=sys.stderr)
             report["skipped"].update({case: reason for case in wanted if case in group})
@@ -305,14 +300,15 @@ def run_all(overrides: list[str]) -> dict:
         for case in wanted:
             if case in TRAINING_CASES:
                 case_rows = [f"data.train_file={spread}"] if case in SPREAD_CASES else rows
-                cfg = compose(overrides + case_rows + CASE_OVERRIDES[case] + timed_training_overrides(base)
+                model = [f"model={b.full_model}"] if case == "packing_full" and b.full_model else []
+                cfg = compose(overrides + case_rows + model + CASE_OVERRIDES[case] + timed_training_overrides(base)
                               + [f"trainer.per_device_train_batch_size={size}"])
                 jobs[case_id(case, size, batch_sizes[0])] = (case, cfg)
     evaluation = compose(overrides + ["loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"])
     jobs.update({case: (case, evaluation) for case in wanted if case in EVAL_CASES})
     jobs.update({case: (case, base) for case in wanted if case in (*LOSS_CASES, *LOSS_KERNEL_CASES, *MATMUL_CASES)})
     with rows_dir:
-        rounds = run_rounds(jobs, b, report) if jobs else []
+        rounds = run_rounds(jobs, b, report, partial) if jobs else []
     for name in (name for name in jobs if name not in report["failed"]):
         runs = [r[name] for r in rounds]
         report["raw"][name] = runs
@@ -322,6 +318,10 @@ def run_all(overrides: list[str]) -> dict:
     for size in batch_sizes:
         per_round.update(training_ratios(rounds, case_id("", size, batch_sizes[0])))
     per_round.update(hardware_ratios(rounds, cases))
+    for case in MFU_CASES:  # known where the peak is (a GPU the table names, or throughput.peak_tflops)
+        if "mfu" in cases.get(case, {}):
+            per_round[f"mfu_{case}"] = [r[case]["mfu"] for r in rounds if case in r]
+            per_round[f"mfu_6n_{case}"] = [r[case]["mfu_6n"] for r in rounds if case in r]
     breakdowns(rounds, cases)
     if all(case in cases for case in EVAL_CASES):
         per_round["eval_vs_hf_time"] = paired(rounds, "eval_sft", "eval_hf", "seconds_per_1000_rows")
@@ -410,11 +410,7 @@ def run_all(overrides: list[str]) -> dict:
         ratios["checkpoint_rank0_gathered_mib"] = c["gathered"]["rank_mib"][0]
         ratios["checkpoint_rank0_sharded_mib"] = c["sharded"]["rank_mib"][0]
     if "startup" in b.cases:
-        n = b.startup_repeats
-        ratios["startup_cfg_job_s"] = startup_seconds("--cfg", "job", repeats=n)
-        ratios["startup_help_s"] = startup_seconds("--help", repeats=n)
-        ratios["startup_help_group_s"] = startup_seconds("--help", "loss", "loss=focal", repeats=n)
-        ratios["startup_first_step_s"] = first_step_seconds(n)
+        ratios.update(startup_times(b.startup_repeats))
     report["targets"] = {}
     for key, value in ratios.items():
         if (target := target_of(key)) is not None:
@@ -465,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from sft.config.argv import composition_error
 
+    partial = Path(args.out + ".partial")  # the results so far, while it runs (`write_partial`)
     try:
-        report = run_all(overrides)
+        report = run_all(overrides, partial)
     except ConfigError as e:
         print(f"error: config: {e}", file=sys.stderr)
         return 2
@@ -475,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    partial.unlink(missing_ok=True)
     print_report(report)
     print(f"\nwrote {args.out}")
     return 0

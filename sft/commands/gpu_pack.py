@@ -1,16 +1,20 @@
 """`sft gpu-pack [--out gpu_pack] [--no-readme]`: every check that needs a CUDA GPU, in one command.
 
-1. `pytest -m gpu` (tests/e2e/test_gpu.py: cut-cross-entropy and Liger per-token losses against the chunked loss,
+1. `python -m sft.bench preset=gpu_7b`, side by side on one GPU: sft's LoRA on Qwen2.5-7B's shape as a user runs
+   it (bf16, packed ~4k-token rows, the memory plan), TRL's SFTTrainer and a plain `Trainer` on the same rows with
+   their own fastest documented settings, sft's full fine-tune of Qwen2.5-1.5B's shape (pure bf16, packed), then
+   the levers (Liger's layer kernels, compiled layers) and the loss alone: tokens/s, MFU (executed FLOPs, and the
+   6N convention beside it), peak memory, the ratios sft/TRL and sft/Trainer;
+2. `pytest -m gpu` (tests/e2e/test_gpu.py: cut-cross-entropy and Liger per-token losses against the chunked loss,
    flash attention varlen packing against padded logits, QLoRA trains and merges, bf16 follows fp32, the memory
    estimate and plan against CUDA's allocator, compiled layers against eager ones, long rows offloaded and tiled,
-   sequence parallelism over 2 GPUs with flash attention where there are 2);
-2. `python -m sft.bench preset=gpu_7b` (LoRA on Qwen2.5-7B's shape, bf16, packed ~4k-token rows, as planned and
-   with compiled layers: tokens/s, MFU, peak memory; the lean loss against the naive one).
+   sequence parallelism over 2 GPUs with flash attention where there are 2).
 
-Each part runs under its own time limit (`--tests-timeout`, `--bench-timeout`; 240 s + 330 s by default, so
-the pack fits in 10 minutes on one GPU). Writes `<out>/figures.md` (the date, the GPU, every test's outcome,
-the bench's figures), `<out>/gpu_pack.json`, the pytest and bench outputs, and puts figures.md between the
-`gpu-pack` markers of docs/performance.md and a summary of it between the README's.
+The bench goes first: its figures are what the pack is for. Each part runs under its own time limit
+(`--bench-timeout`, `--tests-timeout`; 330 s + 150 s by default: 8 minutes on one GPU); a bench stopped by its limit
+keeps the cases it finished (written after each), and the figures say it stopped. Writes `<out>/figures.md` (the
+date, the GPU, the bench's figures, every test's outcome), `<out>/gpu_pack.json`, the pytest and bench outputs, and
+puts figures.md between the `gpu-pack` markers of docs/performance.md and a summary of it between the README's.
 
 Without a CUDA GPU it says so in one line and exits 2, running nothing. Needs the project installed with a
 CUDA build of torch (`pip install -e '.[gpu]'`; flash-attn and bitsandbytes separately, as their builds
@@ -26,6 +30,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -113,7 +119,7 @@ def machine() -> dict:
 
     props = torch.cuda.get_device_properties(0)
     installed = {}
-    for name in ("torch", "transformers", "peft", *KERNELS):
+    for name in ("torch", "transformers", "peft", "trl", *KERNELS):
         try:
             installed[name] = version(name)
         except PackageNotFoundError:
@@ -123,12 +129,17 @@ def machine() -> dict:
 
 
 def run_part(args: list[str], timeout: int, log: Path) -> dict:
-    """Run one part of the pack with its output into `log`; its exit code (124 when it ran out of time)."""
+    """Run one part of the pack with its output into `log`; its exit code (124 when it ran out of time: then it
+    and every process it started, such as the bench's case in its own process, are killed, so that none holds the
+    GPU into the next part)."""
     started = time.monotonic()
     with log.open("w") as out:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = subprocess.run(args, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             code = 124
     return {"command": " ".join(args[1:]), "exit_code": code, "seconds": round(time.monotonic() - started, 1),
             "log": log.name}
@@ -152,23 +163,33 @@ def test_outcomes(junit: Path) -> list[dict]:
     return outcomes
 
 
+def bench_report(bench_json: Path) -> dict | None:
+    """The bench's report; where its time limit stopped it, the cases it finished (`sft.bench.run.write_partial`'s
+    file, `partial: true`); None where it wrote neither."""
+    from sft.bench.report import read_partial
+
+    if bench_json.is_file():
+        return json.loads(bench_json.read_text())
+    partial = bench_json.with_name(bench_json.name + ".partial")
+    return read_partial(partial) if partial.is_file() else None
+
+
 def figures_markdown(report: dict) -> str:
     """The GPU figures (docs/performance.md): where and when, each test's outcome, the bench's cases and ratios."""
     m = report["machine"]
     kernels = ", ".join(f"{k} {v}" if v else f"{k} not installed" for k, v in m["versions"].items() if k in KERNELS)
     lines = [f"Measured {m['date']} on {m['gpus']} x {m['gpu']} ({m['memory_gib']} GiB), torch "
-             f"{m['versions']['torch']}, CUDA {m['cuda']}, transformers {m['versions']['transformers']}; {kernels}. "
-             "Command: `sft gpu-pack`.", "", "| GPU test | outcome |", "|---|---|"]
-    for t in report["tests"]:
-        lines.append(f"| `{t['test']}` | {t['outcome']}{': ' + t['detail'] if t['detail'] else ''} |")
-    if not report["tests"]:
-        lines.append(f"| (no test result) | pytest exit {report['parts']['tests']['exit_code']} |")
+             f"{m['versions']['torch']}, CUDA {m['cuda']}, transformers {m['versions']['transformers']}, TRL "
+             f"{m['versions'].get('trl') or 'not installed'}; {kernels}. Command: `sft gpu-pack`."]
     bench = report.get("bench")
     lines += ["", "| `sft.bench.run preset=gpu_7b` | value |", "|---|---|"]
+    if bench and bench.get("partial"):
+        lines.append(f"| (stopped) | the bench ran out of its {report['parts']['bench']['seconds']:.0f} s: the cases "
+                     "it finished, no ratios |")
     if bench:
         for case, c in bench["cases"].items():
             if "tokens_per_second" in c:
-                mfu = f", MFU {c['mfu']:.3f}" if "mfu" in c else ""
+                mfu = f", MFU {c['mfu']:.3f} (6N: {c['mfu_6n']:.3f})" if "mfu" in c else ", MFU unknown (GPU not in the table)"
                 lines.append(f"| {case} | {c['tokens_per_second']:,.0f} tokens/s{mfu}, "
                              f"peak {c['peak_memory_gb']:.1f} GiB |")
             elif case.startswith("loss_"):  # the loss alone: its kernel, time, memory, distance from fp32
@@ -185,6 +206,11 @@ def figures_markdown(report: dict) -> str:
             lines.append(f"| {key} | {value:.3f}{mark} |")
     else:
         lines.append(f"| (no bench result) | exit {report['parts']['bench']['exit_code']} |")
+    lines += ["", "| GPU test | outcome |", "|---|---|"]
+    for t in report["tests"]:
+        lines.append(f"| `{t['test']}` | {t['outcome']}{': ' + t['detail'] if t['detail'] else ''} |")
+    if not report["tests"]:
+        lines.append(f"| (no test result) | pytest exit {report['parts']['tests']['exit_code']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -195,12 +221,18 @@ def readme_summary(report: dict) -> str:
     counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "failed", "skipped")}
     lines = [f"Measured {m['date']} on {m['gpus']} x {m['gpu']} (`sft gpu-pack`): GPU tests {counts['passed']} passed, "
              f"{counts['failed']} failed, {counts['skipped']} skipped."]
-    packing = (bench or {}).get("cases", {}).get("packing")
-    if packing:
-        mfu = f", MFU {packing['mfu']:.3f}" if "mfu" in packing else ""
-        lines.append(f"LoRA on Qwen2.5-7B's shape (bf16, packed 4k-token rows): {packing['tokens_per_second']:,.0f} "
-                     f"tokens/s{mfu}, peak {packing['peak_memory_gb']:.1f} GiB.")
-    ratios = (bench or {}).get("ratios", {})
+    cases, ratios = (bench or {}).get("cases", {}), (bench or {}).get("ratios", {})
+    for case, what in (("packing", "LoRA on Qwen2.5-7B's shape (bf16, packed 4k-token rows)"),
+                       ("packing_full", "a full fine-tune of Qwen2.5-1.5B's shape (pure bf16, packed)")):
+        if case in cases:
+            c = cases[case]
+            mfu = f", MFU {c['mfu']:.3f}" if "mfu" in c else ""
+            lines.append(f"{what}: {c['tokens_per_second']:,.0f} tokens/s{mfu}, peak {c['peak_memory_gb']:.1f} GiB.")
+    versus = [f"{ratios[key]:.2f}x {who}" for key, who in (("packing_vs_trl_best", "TRL's SFTTrainer"),
+                                                          ("packing_vs_hf_padding_free", "a plain Trainer"))
+              if key in ratios]
+    if versus:
+        lines.append(f"The LoRA 7B's tokens/s: {' and '.join(versus)} at their fastest settings, same rows.")
     if "lean_vs_naive_loss_time" in ratios:
         impl = bench["raw"]["loss_lean"][0]["impl"]
         lines.append(f"The loss `loss.impl=auto` picks ({impl}) at its output layer: "
@@ -223,8 +255,8 @@ def put_between_markers(path: Path, text: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sft gpu-pack", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(REPO / "gpu_pack"), help="where the figures and logs go")
-    parser.add_argument("--tests-timeout", type=int, default=240)
     parser.add_argument("--bench-timeout", type=int, default=330)
+    parser.add_argument("--tests-timeout", type=int, default=150)
     parser.add_argument("--no-readme", action="store_true", help="leave README.md and docs/performance.md as they are")
     parser.add_argument("--check", action="store_true", help="list what the pack needs and this machine has; run "
                         "nothing")
@@ -244,15 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"machine": machine(), "parts": {}}
+    bench_json = out / "bench_gpu_7b.json"
+    report["parts"]["bench"] = run_part([sys.executable, "-m", "sft.bench", "--out", str(bench_json), "preset=gpu_7b"],
+                                        args.bench_timeout, out / "bench_gpu_7b.log")
+    report["bench"] = bench_report(bench_json)
     junit = out / "gpu_tests.xml"
     report["parts"]["tests"] = run_part([sys.executable, "-m", "pytest", "-m", "gpu", str(GPU_TESTS), "-rA",
                                          "-p", "no:cacheprovider", f"--junitxml={junit}"],
                                         args.tests_timeout, out / "gpu_tests.log")
     report["tests"] = test_outcomes(junit)
-    bench_json = out / "bench_gpu_7b.json"
-    report["parts"]["bench"] = run_part([sys.executable, "-m", "sft.bench", "--out", str(bench_json), "preset=gpu_7b"],
-                                        args.bench_timeout, out / "bench_gpu_7b.log")
-    report["bench"] = json.loads(bench_json.read_text()) if bench_json.is_file() else None
     (out / "gpu_pack.json").write_text(json.dumps(report, indent=2) + "\n")
     figures = figures_markdown(report)
     (out / "figures.md").write_text(figures)

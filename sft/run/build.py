@@ -93,8 +93,9 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
 
     sequence_parallel = sequence_parallel_size(cfg)
     collator = instantiate(cfg.collator, tokenizer=tokenizer, sequence_parallel=sequence_parallel)
-    # the micro-batch's rows and the activation checkpointing, into args before the trainer takes them
-    fit_step_in_memory(cfg, args, model, loss, data.train, collator.pad_to_multiple_of)
+    # the micro-batch's rows and the activation checkpointing, into args before the trainer takes them; a
+    # packed micro-batch's pieces
+    micro_batch_tokens = fit_step_in_memory(cfg, args, model, loss, data.train, collator.pad_to_multiple_of)
     trainer = WeightedLossTrainer(
         model=model,
         args=args,
@@ -116,6 +117,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
         async_save=cfg.checkpoint.async_save,
         master_weights=cfg.trainer.precision == "pure",
         oom_retry=cfg.trainer.oom_retry,
+        micro_batch_tokens=micro_batch_tokens,
     )
     if cfg.trainer.compile_layers:  # after the trainer's probes (the memory plan's, the lean loss's) ran eager
         log.info("trainer.compile_layers: %d decoder layers compiled in place (torch.compile; the first steps "

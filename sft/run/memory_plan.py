@@ -10,12 +10,20 @@ the plan only splits them, so the step's loss and update are those of the split 
 micro-batches). In order, the first that fits the limit:
 
 1. without activation checkpointing (unless `trainer.activation_checkpointing=true`), the most rows a micro-batch
-   that divide the step's (`trainer.fit_micro_batch=true`; else the micro-batch as set);
+   that divide the step's (`trainer.fit_micro_batch=true`; else the micro-batch as set); packed rows in one process
+   are fitted in tokens instead: the step's rows in one micro-batch, whole where it fits, else trained in pieces of
+   consecutive samples of as many tokens as fit (`sft.training.step.micro_batches`), so that a micro-batch is as
+   large as the memory allows whatever its samples' lengths, not sized for its longest samples;
 2. the same with activation checkpointing (unless `trainer.activation_checkpointing=false`): it recomputes each
    layer's forward in the backward, about a third more compute, so it is on only where memory needs it.
 
-Where nothing fits, the smallest such micro-batch (with checkpointing, unless it is false), and a warning; a CUDA
-out-of-memory error then cuts the step further (`trainer.oom_retry`). The limit is `trainer.memory_limit_gib`, or
+    memory: about 70.9 GiB of 71.2 GiB (90% of the GPU's 79.1) for up to 21,504 tokens a micro-batch: ... (activation
+    checkpointing off; on, about 22.0 GiB); the step's 80 rows in one packed micro-batch (set: 40 x 2), trained in
+    pieces of at most 21,504 tokens
+
+`trainer.micro_batch_tokens` sets the pieces' tokens itself (the split of the rows as set; checkpointing chosen at
+it). Where nothing fits, the smallest micro-batch (a piece of one sample), with checkpointing unless it is false,
+and a warning; a CUDA out-of-memory error then cuts the step further (`trainer.oom_retry`). The limit is `trainer.memory_limit_gib`, or
 90% of the GPU's memory (the rest for what the estimate leaves out: CUDA's allocator cache, kernels' workspaces, the
 optimizer step's transient peak). On a CPU without `memory_limit_gib` nothing is fitted: the micro-batch as set,
 checkpointing off unless set; the line is logged. Under DeepSpeed, FSDP2 or sequence parallelism, whose sharding
@@ -57,6 +65,16 @@ class MicroBatchBound:
             return sum(top), sum(n * n for n in top)
         return rows * self.longest[0], rows * self.longest[0] ** 2
 
+    def piece(self, budget: int) -> tuple[int, int]:
+        """A piece of a packed micro-batch cut at `budget` tokens: (its tokens, at most; its squares, at most). A
+        sample longer than the budget is a piece alone; every sample is at most the longest, so the squares are at
+        most the tokens times it.
+
+            longest (9, 5, 2): budget 12 -> (12, 108); budget 4 -> (9, 81)
+        """
+        tokens = max(budget, self.longest[0])
+        return tokens, tokens * self.longest[0]
+
     @classmethod
     def of(cls, train, rows: int, max_length: int, packed: bool, pad_to_multiple_of: int | None) -> MicroBatchBound:
         """The bound for micro-batches of up to `rows` rows of the split `train` (a stream: `max_length` each)."""
@@ -79,6 +97,7 @@ class MemoryPlan:
     accumulation: int  # micro-batches a step
     estimate: MemoryEstimate  # at `rows`, with its checkpointing
     fits: bool  # the estimate is within the limit
+    tokens: int | None = None  # a packed micro-batch trained in pieces of at most so many tokens (None: whole)
 
     @property
     def checkpointing(self) -> bool:
@@ -86,12 +105,14 @@ class MemoryPlan:
 
 
 def plan(footprint: Footprint, bound: MicroBatchBound, per_device: int, accumulation: int, limit: float | None,
-         checkpointing: bool | None, fit: bool) -> MemoryPlan:
-    """The micro-batch's rows and the checkpointing for a step of `per_device x accumulation` rows (see the module's
-    docstring). `limit` None: nothing is fitted. With a step of 16 rows:
+         checkpointing: bool | None, fit: bool, by_tokens: bool = False, tokens: int | None = None) -> MemoryPlan:
+    """The micro-batch's rows (and, packed, its pieces' tokens) and the checkpointing for a step of
+    `per_device x accumulation` rows (see the module's docstring). `limit` None: nothing is fitted; `by_tokens`: a
+    packed step fitted in tokens; `tokens`: the pieces' tokens as set. With a step of 16 rows:
 
         fit, 16 rows fit without checkpointing                  -> 16 x 1, off
         fit, only 4 fit without it                              -> 4 x 4, off
+        fit by tokens, pieces of up to 3,000 fit without it     -> 16 x 1 in pieces of 3,000 tokens, off
         fit, not 1 without it, 8 with it                        -> 8 x 2, on
         not fit (per_device 16), 16 do not fit without it       -> 16 x 1, on
         checkpointing=False, not 1 fits                         -> 1 x 16, off (fits: False)
@@ -99,26 +120,56 @@ def plan(footprint: Footprint, bound: MicroBatchBound, per_device: int, accumula
     def estimate(rows: int, way: bool) -> MemoryEstimate:
         return footprint.estimate_tokens(*bound.tokens(rows), way)
 
+    def in_pieces(budget: int, way: bool) -> MemoryEstimate:
+        return footprint.estimate_tokens(*bound.piece(budget), way)
+
     step_rows = per_device * accumulation
+    ways = [checkpointing] if checkpointing is not None else [False, True]
+    if tokens is not None:  # the pieces as set: checkpointing where they need it
+        budget = min(tokens, bound.tokens(per_device)[0])
+        if limit is None:
+            return MemoryPlan(per_device, accumulation, in_pieces(budget, bool(checkpointing)), True, tokens)
+        found = next((e for e in (in_pieces(budget, way) for way in ways) if e.total <= limit), None)
+        return MemoryPlan(per_device, accumulation, found or in_pieces(budget, ways[-1]), found is not None, tokens)
     if limit is None:
         return MemoryPlan(per_device, accumulation, estimate(per_device, bool(checkpointing)), True)
-    sizes = [rows for rows in range(step_rows, 0, -1) if step_rows % rows == 0] if fit else [per_device]
-    ways = [checkpointing] if checkpointing is not None else [False, True]
+    by_tokens &= fit
+    sizes = [step_rows] if by_tokens else [rows for rows in range(step_rows, 0, -1) if step_rows % rows == 0] if fit \
+        else [per_device]
     for way in ways:
         for rows in sizes:
             found = estimate(rows, way)
             if found.total <= limit:
                 return MemoryPlan(rows, step_rows // rows, found, True)
+        if by_tokens and (budget := largest_budget(lambda b: in_pieces(b, way).total <= limit, bound.longest[0],
+                                                   bound.tokens(step_rows)[0])):
+            return MemoryPlan(step_rows, 1, in_pieces(budget, way), True, budget)
+    if by_tokens:  # a piece of one sample, the least there is
+        return MemoryPlan(step_rows, 1, in_pieces(bound.longest[0], ways[-1]), False, bound.longest[0])
     return MemoryPlan(sizes[-1], step_rows // sizes[-1], estimate(sizes[-1], ways[-1]), False)
 
 
-def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multiple_of: int | None) -> None:
+def largest_budget(fits, least: int, whole: int) -> int | None:
+    """The most tokens below `whole` for which `fits(tokens)` (true up to some number, false beyond it), at least
+    `least` (a piece's longest sample); None where `least` does not fit."""
+    if not fits(least):
+        return None
+    low, high = least, whole  # fits(low); high: does not (the whole micro-batch, tried before)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multiple_of: int | None) -> int | None:
     """The plan of `cfg` for `model` and the training split `train`, logged and put into `args` (the micro-batch's
-    rows, the accumulation, the checkpointing); before the trainer is built from them. On a GPU the model is moved
+    rows, the accumulation, the checkpointing), before the trainer is built from them; returns the tokens of a
+    packed micro-batch's pieces for the trainer (None: whole). On a GPU the model is moved
     there first (the plain Trainer would), as the activations are measured where they will be held."""
     import torch
 
     from sft.loss.kernels import choose_impl
+    from sft.loss.logits import router_aux_loss_coef
     from sft.model.memory import footprint
     from sft.training.processes.sequence_parallel import sequence_parallel_size
 
@@ -127,7 +178,7 @@ def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multipl
         if asked is None:
             log.info("activation checkpointing: off (trainer.activation_checkpointing=null chooses it from the "
                      "memory estimate, which DeepSpeed, FSDP2 and sequence parallelism do not have: set it)")
-        return
+        return cfg.trainer.micro_batch_tokens
     on_gpu = args.device.type == "cuda"
     if on_gpu and next(model.parameters()).device.type == "cpu":
         model.to(args.device)
@@ -136,6 +187,8 @@ def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multipl
     limit_gib = cfg.trainer.memory_limit_gib
     limit = limit_gib * GIB if limit_gib is not None else DEVICE_SHARE * device if device else None
     per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    # packed rows fitted in tokens where pieces are exact (sft.training.step.micro_batches.refusal)
+    by_tokens = bool(cfg.data.packing) and args.world_size == 1 and not router_aux_loss_coef(model.config)
     try:
         found = footprint(model, optim=args.optim, optim_args=args.optim_args, pure=cfg.trainer.precision == "pure",
                           autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
@@ -146,11 +199,12 @@ def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multipl
     else:
         bound = MicroBatchBound.of(train, per_device * accumulation, cfg.data.max_length, cfg.data.packing,
                                    pad_to_multiple_of)
-        chosen = plan(found, bound, per_device, accumulation, limit, asked, cfg.trainer.fit_micro_batch)
+        chosen = plan(found, bound, per_device, accumulation, limit, asked, cfg.trainer.fit_micro_batch, by_tokens,
+                      cfg.trainer.micro_batch_tokens)
     chosen = same_on_every_rank(chosen)  # every rank, whatever its own probe did: all join the broadcast
     if isinstance(chosen, str):
         log.info("memory: not estimated (%s); activation checkpointing %s", chosen, "on" if asked else "off")
-        return
+        return cfg.trainer.micro_batch_tokens
     log.info("%s", line(chosen, per_device, accumulation, limit, limit_gib, device))
     if not chosen.fits:
         log.warning("memory: no micro-batch of the step's %d rows fits the limit%s: set a smaller data.max_length%s, "
@@ -162,6 +216,7 @@ def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multipl
     if chosen.checkpointing and not args.activation_checkpointing:
         args.activation_checkpointing = True
         args.activation_checkpointing_kwargs = {"use_reentrant": False}
+    return chosen.tokens
 
 
 def line(chosen: MemoryPlan, per_device: int, accumulation: int, limit: float | None, limit_gib: float | None,
@@ -174,7 +229,12 @@ def line(chosen: MemoryPlan, per_device: int, accumulation: int, limit: float | 
         said = chosen.estimate.line(f"{size} (trainer.memory_limit_gib)")
     else:
         said = chosen.estimate.line(f"{limit / GIB:.1f} GiB ({DEVICE_SHARE:.0%} of the GPU's {device / GIB:.1f})")
-    if (chosen.rows, chosen.accumulation) != (per_device, accumulation):
+    changed = (chosen.rows, chosen.accumulation) != (per_device, accumulation)
+    if chosen.tokens is not None:
+        rows = (f"the step's {chosen.rows} rows in one packed micro-batch (set: {per_device} x {accumulation})"
+                if changed else "each packed micro-batch")
+        said += f"; {rows}, trained in pieces of at most {chosen.tokens:,} tokens"
+    elif changed:
         said += (f"; {chosen.rows} row{'s' if chosen.rows > 1 else ''} a micro-batch x {chosen.accumulation} "
                  f"accumulated: the step's "
                  f"{chosen.rows * chosen.accumulation} rows (set: {per_device} x {accumulation})")

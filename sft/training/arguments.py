@@ -124,18 +124,27 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
                                             "fit_micro_batch": "per_device_train_batch_size and "
                                                                "gradient_accumulation_steps (sft.run.memory_plan)",
                                             "memory_limit_gib": "the limit the memory plan fits the step in",
+                                            "micro_batch_tokens": "WeightedLossTrainer's pieces of a packed "
+                                                                  "micro-batch",
                                             "compile_layers": "torch.compile of each decoder layer (sft.run.build)"}
     precision: Precision = knob(Precision.mixed, "with bf16: mixed (fp32 weights, each linear layer's cast to "
                                 "bf16 in every forward) or pure (the linear layers' weights held in bf16, the "
                                 "optimizer stepping fp32 copies of them: the same step without the casts or the fp32 "
                                 "copy of a frozen base; sft.training.step.master_weights; one process)")
     oom_retry: bool = knob(True, "on a CUDA out-of-memory error in a micro-batch, train the step again with every "
-                           "micro-batch in twice as many pieces, and go on so (the step's rows, loss and update "
-                           "unchanged; logged, kept on resume; sft.training.step.micro_batches; one process)")
+                           "micro-batch in twice as many pieces (a packed one: pieces of half the tokens), and go on "
+                           "so (the step's rows, loss and update unchanged; logged, kept on resume; "
+                           "sft.training.step.micro_batches; one process)")
     fit_micro_batch: bool = knob(True, "before the first step, split the step's rows (per_device_train_batch_size x "
                                  "gradient_accumulation_steps) into the largest micro-batches the memory estimate "
-                                 "fits in the limit (the step's rows, loss and update unchanged; on a GPU, or with "
-                                 "memory_limit_gib; sft.run.memory_plan); false: the split as set")
+                                 "fits in the limit; packed, in one process: the step's rows in one micro-batch, "
+                                 "trained in pieces of as many tokens as fit (the step's rows, loss and update "
+                                 "unchanged; on a GPU, or with memory_limit_gib; sft.run.memory_plan); false: the "
+                                 "split as set")
+    micro_batch_tokens: Optional[int] = knob(None, "with data.packing: train each packed micro-batch in pieces of "
+                                             "consecutive samples of at most this many tokens (a longer sample "
+                                             "alone; the step's rows, loss and update unchanged; one process); "
+                                             "null: as many as the memory plan fits (fit_micro_batch), or whole")
     memory_limit_gib: Optional[float] = knob(None, "the memory a step may fill, in GiB; null: 90% of the GPU's (on a "
                                              "CPU: none, nothing fitted)")
     compile_layers: bool = knob(False, "torch.compile each decoder layer in place (regional compilation: one cold "
@@ -189,6 +198,11 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
             self.require("liger_kernel_config", not any(asked.get(k) for k in LOSS_KERNELS),
                          "sft computes the loss from the decoder's output itself: Liger's cross entropy stays off "
                          "(loss.impl=liger is its fused linear cross entropy, per token)")
+        self.require("micro_batch_tokens", self.micro_batch_tokens is None or self.micro_batch_tokens >= 1,
+                     "must be >= 1 (or null)")
+        if self.micro_batch_tokens is not None and cfg is not None:
+            self.require("micro_batch_tokens", bool(cfg.data.get("packing")), "cuts packed micro-batches only: set "
+                         "data.packing=true too (or null)")
         self.require("memory_limit_gib", self.memory_limit_gib is None or (math.isfinite(self.memory_limit_gib)
                                                                            and self.memory_limit_gib > 0),
                      "must be a number of GiB > 0 (or null: 90% of the GPU's memory)")
@@ -305,7 +319,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
     fields.pop("precision")  # the linear layers' dtype (sft.run.build) and the trainer's master weights
     fields.pop("oom_retry")  # the trainer's
-    fields.pop("fit_micro_batch"), fields.pop("memory_limit_gib")  # sft.run.memory_plan's: it changes the fields below
+    fields.pop("fit_micro_batch"), fields.pop("memory_limit_gib"), fields.pop("micro_batch_tokens")  # sft.run.memory_plan's: it changes the fields below
     fields.pop("compile_layers")  # sft.run.build's
     fields["learning_rate"] = learning_rate(cfg)
     fields["output_dir"] = fields["output_dir"] or run_dir

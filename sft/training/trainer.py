@@ -26,8 +26,9 @@ still has each one, with the same parameters):
 - `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
   curriculum's) when one provides it (`Controller.train_sampler`), under sequence parallelism given to the ranks of
   a group alike (`sft.training.processes.sequence_parallel`);
-- `training_step` (public) trains the micro-batch in pieces after a CUDA out-of-memory error, the step started again
-  from its first micro-batch (`sft.training.step.micro_batches`: the step's rows and loss unchanged); and runs under
+- `training_step` (public) trains a packed micro-batch in pieces of at most `micro_batch_tokens` tokens (the memory
+  plan's or the user's), and any micro-batch in smaller pieces after a CUDA out-of-memory error, the step started
+  again from its first micro-batch (`sft.training.step.micro_batches`: the step's rows and loss unchanged); and runs under
   sequence parallelism with DeepSpeed's Ulysses attention installed (forward and backward), where `compute_loss`
   gives the model this rank's slice of the positions and takes the numerator of the targets predicted there, the
   denominator and per-sample sums being the whole micro-batch's;
@@ -69,7 +70,7 @@ from sft.training.processes.sequence_parallel import SequenceParallel
 from sft.training.step.clipping import GradClipPolicy
 from sft.training.step.control import StepContext, StepControl, StepReport, step_gradients
 from sft.training.step.master_weights import MasterWeights
-from sft.training.step.micro_batches import MicroBatchPieces, split_micro_batch
+from sft.training.step.micro_batches import MicroBatchPieces
 from sft.training.step.micro_batches import refusal as pieces_refusal
 
 log = logging.getLogger("sft")
@@ -84,7 +85,8 @@ class WeightedLossTrainer(ExactEvaluation):
                  sources: list[str] | None = None, tasks: dict[int, str] | None = None,
                  throughput: ThroughputMeter | None = None, eval_generation=None, eval_harness=None,
                  sequence_parallel: int = 1, console: str = "short", async_save: bool = False,
-                 master_weights: bool = False, oom_retry: bool = True, **kwargs):
+                 master_weights: bool = False, oom_retry: bool = True, micro_batch_tokens: int | None = None,
+                 **kwargs):
         self.controllers = dict(controllers or {})
         self.pure_bf16 = master_weights  # trainer.precision=pure: create_optimizer gives it fp32 copies
         self.master_weights: MasterWeights | None = None
@@ -127,9 +129,13 @@ class WeightedLossTrainer(ExactEvaluation):
                               "splits: not exact with sp (or set model.config_overrides.output_router_logits=false)")
         self._aux_denominators = None  # each term's denominator summed over the step and all ranks
         self._aux_stats = torch.zeros(2 * len(self.aux_terms), dtype=torch.float64, device=self.args.device)
-        self.micro_batches = MicroBatchPieces(pieces_refusal(oom_retry, self.accelerator.num_processes,
-                                                             self.is_deepspeed_enabled, self.sp is not None,
-                                                             bool(self.router_aux_coef)))
+        cannot_cut = pieces_refusal(self.accelerator.num_processes, self.is_deepspeed_enabled, self.sp is not None,
+                                    bool(self.router_aux_coef))
+        if micro_batch_tokens is not None and cannot_cut:
+            raise ConfigError("trainer.micro_batch_tokens", micro_batch_tokens, f"trains a packed micro-batch in "
+                              f"pieces, which this run cannot: {cannot_cut}; set it to null")
+        self.micro_batches = MicroBatchPieces(cannot_cut or (None if oom_retry else "trainer.oom_retry=false"),
+                                              micro_batch_tokens)
         self._step_start = ([], None)  # the step's micro-batches, and the statistics before its first one
         if self.loss_impl != "naive":
             self._check_lean_loss_reproduces_the_logits()
@@ -309,12 +315,13 @@ class WeightedLossTrainer(ExactEvaluation):
 
     @override
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Trainer's, on each piece of the micro-batch (one until an out-of-memory error). After one, the step is
+        """Trainer's, on each piece of the micro-batch (packed: pieces of at most `micro_batch_tokens`; else one
+        until an out-of-memory error). After one, the step is
         trained again from its first micro-batch in more pieces (`sft.training.step.micro_batches`): the error may
         have come inside a backward, some gradients accumulated and others not."""
         try:
             return sum(self._train_piece(model, piece, num_items_in_batch)
-                       for piece in split_micro_batch(inputs, self.micro_batches.pieces))
+                       for piece in self.micro_batches.split(inputs))
         except torch.OutOfMemoryError as e:
             self.micro_batches.after_out_of_memory(e, inputs, self.state.global_step + 1)
         # out of the except clause: the error's frames, and the activations they hold, are freed

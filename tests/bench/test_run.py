@@ -242,3 +242,18 @@ def test_the_liger_case_is_skipped_with_one_line_on_a_cpu(capsys):
     assert report["raw"] == {} and report["skipped"] == {"packing_liger": "needs a CUDA GPU (Liger's kernels are "
                                                                            "Triton's)"}
     assert "skipping packing_liger: needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_flash_attention_case_is_skipped_with_one_line_without_flash_attn(capsys, monkeypatch):
+    import importlib.util
+
+    import sft.bench.device
+    import sft.bench.run
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(sft.bench.device, "gpu_missing", lambda: None)  # as on a GPU machine without flash-attn
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else find_spec(name, *a))
+    report = sft.bench.run.run_all(["bench.cases=[packing_flash]"])  # nothing spawned
+    reason = "needs flash-attn (pip install flash-attn --no-build-isolation: built for the machine's CUDA)"
+    assert report["raw"] == {} and report["skipped"] == {"packing_flash": reason}
+    assert f"skipping packing_flash: {reason}" in capsys.readouterr().err

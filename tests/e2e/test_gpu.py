@@ -9,7 +9,7 @@ figures (README: "The GPU pack").
 - QLoRA (4-bit NF4 base) trains, and its adapter merges into the base;
 - bf16 training of the tiny model follows fp32's step losses;
 - the memory estimate's activations (`sft.model.memory`) against what CUDA's allocator holds after a forward, and
-  the memory plan's split step within its limit (`sft.run.memory_plan`);
+  the memory plan's split step within its limit, padded and packed (`sft.run.memory_plan`);
 - compiled decoder layers (`trainer.compile_layers`) and Liger's layer kernels (`trainer.use_liger_kernel`) train
   the eager, unfused layers' losses;
 - a long row trains the same losses offloaded and with tiled MLPs, in less GPU memory;
@@ -265,10 +265,11 @@ def test_the_memory_estimate_of_a_step_is_within_a_quarter_of_what_cuda_allocate
     assert found.activations == pytest.approx(held, rel=0.25)
 
 
-def test_the_memory_plan_trains_within_its_limit_and_the_steps_losses(tmp_path):
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_the_memory_plan_trains_within_its_limit_and_the_steps_losses(tmp_path, packing):
     """`sft.run.memory_plan` on a GPU: under a `trainer.memory_limit_gib` that 16 rows of the tiny model in bf16 do not
-    fit, the step is split; CUDA's allocator peak stays within the limit, and the step losses are those of the
-    step as set (bf16: within 1%)."""
+    fit, the step is split (packed: trained in pieces of tokens); CUDA's allocator peak stays within the limit, and
+    the step losses are those of the step as set (bf16: within 1%)."""
     from conftest import composed
 
     from sft.run.build import build
@@ -277,7 +278,8 @@ def test_the_memory_plan_trains_within_its_limit_and_the_steps_losses(tmp_path):
         torch.cuda.reset_peak_memory_stats()
         trainer = build(composed("data.eval_file=null", "trainer.max_steps=3", "trainer.logging_steps=1",
                                  "trainer.report_to=[]", "trainer.save_strategy=no", "trainer.bf16=true",
-                                 "trainer.per_device_train_batch_size=16", "data.max_length=1024", *overrides),
+                                 "trainer.per_device_train_batch_size=16", "data.max_length=1024",
+                                 f"data.packing={str(packing).lower()}", *overrides),
                         str(tmp_path / name)).trainer
         trainer.train()
         return trainer, [e["loss"] for e in trainer.state.log_history if "loss" in e], torch.cuda.max_memory_allocated()
@@ -287,6 +289,7 @@ def test_the_memory_plan_trains_within_its_limit_and_the_steps_losses(tmp_path):
     split, losses, split_peak = trained("split", f"trainer.memory_limit_gib={limit}")
     print(f"memory plan: as set {peak / 2**20:.0f} MiB; under {limit * 1024:.0f} MiB: "
           f"{split.args.per_device_train_batch_size} x {split.args.gradient_accumulation_steps}, "
+          f"pieces of {split.micro_batches.tokens} tokens, "
           f"{'checkpointed' if split.args.activation_checkpointing else 'not checkpointed'}, "
           f"peak {split_peak / 2**20:.0f} MiB")
     assert split.args.per_device_train_batch_size * split.args.gradient_accumulation_steps == 16

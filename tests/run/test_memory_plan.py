@@ -39,6 +39,34 @@ def test_the_plan_splits_the_steps_rows_into_the_largest_micro_batch_that_fits_c
     assert found.estimate.total == per_token * 10 * found.rows
 
 
+# packed samples of 100, 90, 80 ... tokens: the step's 16 rows hold 100 + 90 + ... (at most) tokens
+PACKED = MicroBatchBound(tuple(range(100, 0, -10)) + (10,) * 6, packed=True)
+
+
+@pytest.mark.parametrize("limit, checkpointing, chosen", [
+    (700_000, None, (16, 1, None, False, True)),  # the step's 16 rows, 610 tokens, fit whole
+    (300_000, None, (16, 1, 300, False, True)),  # in pieces of as many tokens as fit: 300 x 1,000 bytes
+    (90_000, None, (16, 1, 219, True, True)),  # not the longest sample without checkpointing: on, 219 x 410 fit
+    (30_000, None, (16, 1, 100, True, False)),  # not one sample even with it: pieces of one sample, said
+])
+def test_packed_rows_in_one_process_are_fitted_in_tokens_the_step_in_one_micro_batch(limit, checkpointing, chosen):
+    found = plan(FOOTPRINT, PACKED, 8, 2, limit, checkpointing, fit=True, by_tokens=True)
+    assert (found.rows, found.accumulation, found.tokens, found.checkpointing, found.fits) == chosen
+    per_token = 410 if found.checkpointing else 1000
+    if found.tokens is not None and found.fits:  # the largest budget that fits: one token more would not
+        assert found.estimate.total <= limit < per_token * (found.tokens + 1)
+    # without by_tokens (padded, or several processes) the rows are split as before, sized for the longest samples
+    rows = plan(FOOTPRINT, PACKED, 8, 2, 300_000, None, fit=True)
+    assert (rows.rows, rows.accumulation, rows.tokens) == (2, 8, None)  # 4 rows: 100+90+80+70 = 340 tokens
+
+
+def test_a_budget_as_set_keeps_the_rows_split_and_checkpoints_only_where_its_pieces_need_it():
+    found = plan(FOOTPRINT, PACKED, 8, 2, 100_000, None, fit=True, by_tokens=True, tokens=50)
+    assert (found.rows, found.accumulation, found.tokens, found.checkpointing) == (8, 2, 50, False)
+    assert found.estimate.tokens == 100  # a piece of at least the longest sample
+    assert plan(FOOTPRINT, PACKED, 8, 2, 90_000, None, fit=True, by_tokens=True, tokens=500).checkpointing
+
+
 def test_a_micro_batch_is_bounded_by_the_longest_samples_padded_or_packed():
     import datasets
 
@@ -112,6 +140,32 @@ def test_where_no_micro_batch_fits_without_it_activations_are_checkpointed_to_th
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (rows, 8 // rows)
     assert "(activation checkpointing on; off, about " in caplog.text
     assert logged == pytest.approx(expected, rel=1e-6)  # recomputed, not changed
+
+
+def test_packed_under_a_memory_limit_the_steps_rows_train_in_pieces_of_tokens_to_the_same_losses(tmp_path, caplog):
+    """A packed step of 8 rows set as 4 x 2 that does not fit whole: one micro-batch of the 8 rows, trained in pieces
+    of as many tokens as the limit holds, logs the losses of the step as set."""
+    from sft.model.memory import footprint
+
+    packed = ["data.packing=true", "trainer.per_device_train_batch_size=4", "trainer.gradient_accumulation_steps=2"]
+    as_set, expected = trained(tmp_path, "as_set", *packed, "trainer.fit_micro_batch=false")
+    found = footprint(as_set.model, optim=as_set.args.optim, chunk_tokens=as_set.loss.chunk_tokens)
+    bound = MicroBatchBound.of(as_set.train_dataset, 8, 512, packed=True, pad_to_multiple_of=None)
+    whole = bound.tokens(8)[0]
+    budget = max(bound.longest[0], whole // 2)
+    limit = found.estimate_tokens(*bound.piece(budget), False).total / 2**30  # half the whole step fits, no more
+    with caplog.at_level(logging.INFO, logger="sft"):
+        cut, logged = trained(tmp_path, "cut", *packed, f"trainer.memory_limit_gib={limit}")
+    assert (cut.args.per_device_train_batch_size, cut.args.gradient_accumulation_steps) == (8, 1)
+    assert cut.micro_batches.tokens == budget and not cut.args.activation_checkpointing
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: "))
+    assert line.endswith(f"; the step's 8 rows in one packed micro-batch (set: 4 x 2), trained in pieces of at most "
+                         f"{budget:,} tokens")
+    batches = [b for _, b in zip(range(3), cut.get_train_dataloader())]  # the run's three steps, in its order
+    assert any(len(cut.micro_batches.split(b)) > 1 for b in batches), [b["input_ids"].shape[1] for b in batches]
+    assert logged == pytest.approx(expected, rel=1e-6)
+    for ours, theirs in zip(cut.model.parameters(), as_set.model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
 def test_where_the_probe_fails_the_run_goes_on_as_set_saying_so(tmp_path, caplog, monkeypatch):

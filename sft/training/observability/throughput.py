@@ -18,6 +18,7 @@ training steps only: the clock stops for evaluations and checkpoint saves. Logge
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from dataclasses import dataclass
@@ -26,21 +27,31 @@ from typing import Optional
 from sft.config.schema import Schema, knob
 from sft.training.callbacks import Callback
 
+log = logging.getLogger("sft")
+
 # Dense bf16 tensor-core peak per device, TFLOP/s (vendor data sheets), matched in this order.
-PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
-               ("H800", 989.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0),
+PEAK_TFLOPS = [("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0),
+               ("H100", 989.0), ("H800", 989.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0),
                ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0), ("RTX 4090", 165.0), ("RTX 3090", 71.0),
                ("MI300X", 1307.0), ("MI250", 362.0), ("V100", 125.0), ("T4", 65.0)]
 
 
-def device_peak_tflops() -> float | None:
-    """The table's peak for this machine's GPU, or None (no GPU, or not in the table)."""
-    import torch
+def device_peak_tflops(name: str | None = None) -> float | None:
+    """The table's peak for the GPU of that name (None: this machine's), or None (no GPU, or not in the table, which
+    `unknown_peak` says in a line)."""
+    if name is None:
+        import torch
 
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name()
     return next((peak for key, peak in PEAK_TFLOPS if key in name), None)
+
+
+def unknown_peak(name: str) -> str:
+    """The line that says why a GPU's throughput has no MFU."""
+    return (f"throughput: no mfu: {name} is not in the table of peak bf16 rates "
+            "(sft.training.observability.throughput.PEAK_TFLOPS); set throughput.peak_tflops=<its TFLOP/s>")
 
 
 def peak_memory_gb() -> float:
@@ -110,6 +121,10 @@ class ThroughputMeter(Callback, Schema):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.model, self.devices = model, args.world_size
         self.peak_tflops = self.peak_tflops or device_peak_tflops()
+        if self.peak_tflops is None and args.device.type == "cuda" and state.is_world_process_zero:
+            import torch
+
+            log.info("%s", unknown_peak(torch.cuda.get_device_name(args.device)))
         self._clock = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):

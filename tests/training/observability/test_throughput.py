@@ -57,3 +57,19 @@ def test_throughput_values_are_logged(tmp_path, tokenizer, monkeypatch):
     assert log["peak_memory_gb"] > 0.05
     expected = flops_per_token(trainer.model, sum(lengths) / 4) * log["tokens_per_second"] / 0.05e12
     assert log["mfu"] == pytest.approx(expected, rel=1e-2)
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA L40S", 362.0),
+                                        ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA A10G", 70.0),
+                                        ("NVIDIA GeForce RTX 5090", None)])
+def test_a_gpus_peak_is_read_from_its_name_the_more_specific_name_first(name, peak):
+    """H100 PCIe and NVL are not the SXM part's 989 TFLOP/s, nor an L40S an L40: a name is matched to the first key it
+    contains, the specific before the general; a GPU the table lacks has no peak, and the line says what to set."""
+    from sft.training.observability.throughput import device_peak_tflops, unknown_peak
+
+    assert device_peak_tflops(name) == peak
+    if peak is None:
+        assert unknown_peak(name) == ("throughput: no mfu: NVIDIA GeForce RTX 5090 is not in the table of peak bf16 "
+                                      "rates (sft.training.observability.throughput.PEAK_TFLOPS); set "
+                                      "throughput.peak_tflops=<its TFLOP/s>")
