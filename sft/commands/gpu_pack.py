@@ -58,7 +58,9 @@ REQUIREMENTS = [
      "(a source distribution only: needs setuptools and wheel in the image)"),
     ("pytest", "pytest", "the GPU tests", "pip install -e '.[dev]'"),
     ("sft", "sft", "python -m sft.bench in a subprocess", "pip install -e . from the repository"),
-    ("cut_cross_entropy", "cut-cross-entropy", "loss.impl=cce (the GPU default) and its test", "pip install -e '.[gpu]'"),
+    ("trl", "trl", "the bench's TRL cases (trl_best, trl_padding_free: sft against TRL)",
+     "pip install -e '.[bench]' (trl==1.16.0, the version the cases' like-for-like test was written against)"),
+    ("cut_cross_entropy", "cut-cross-entropy", "loss.impl=cce and its test", "pip install -e '.[gpu]'"),
     ("liger_kernel", "liger-kernel", "loss.impl=liger and its test", "pip install -e '.[gpu]'"),
     ("flash_attn", "flash-attn", "the varlen packing test and flash_attention_2",
      "pip install flash-attn --no-build-isolation (no wheel for most images: it compiles against the machine's "
