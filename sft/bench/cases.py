@@ -26,7 +26,8 @@ from sft.ranks import is_rank_zero
 
 TRAINING_CASES = tuple(CASE_OVERRIDES)
 SPREAD_CASES = ("ce_spread", "packing_spread")
-TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask", "trl_best")  # need `pip install -e .[bench]`, else skipped
+# need `pip install -e .[bench]`, else skipped
+TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask", "trl_best")
 FASTEST_CASES = ("trl_best", "hf_padding_free")  # each trainer with its own fastest documented settings
 GPU_CASES = ("packing_flex",)  # FlexAttention has no backward on a CPU (torch 2.13)
 LIGER_CASES = ("packing_liger",)  # Triton's kernels: a GPU, and liger-kernel

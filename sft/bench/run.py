@@ -48,8 +48,8 @@ and, apart, `varlen_vs_mask_kernel` (TRL padding-free on the two kernels), `flex
 `packing`), `liger_layers_gain` (`packing_liger` over `packing`), `flash_vs_varlen` (`packing_flash` over
 `packing`), `packing_vs_trl_best` and
 `packing_vs_hf_padding_free` (sft's packed run over each trainer at its fastest), and where the GPU's peak is known
-`mfu_packing` and `mfu_packing_full` (executed FLOPs; `mfu_6n_<case>`, the 6N convention's). Each case runs in a fresh process with the same
-torch threads (`bench.threads`) and, on a CPU, the same
+`mfu_packing` and `mfu_packing_full` (executed FLOPs; `mfu_6n_<case>`, the 6N convention's). Each case runs in a
+fresh process with the same torch threads (`bench.threads`) and, on a CPU, the same
 allocator settings (`sft.training.processes.distributed.reuse_freed_memory`), so peak memory is its own (on a CPU: the
 whole process's peak resident memory, imports and data included). The rounds interleave the cases, every other round in
 reverse order, and repeat `bench.repeats` times; a ratio is the median of its per-round ratios, with their spread. Each

@@ -191,7 +191,8 @@ def figures_markdown(report: dict) -> str:
     if bench:
         for case, c in bench["cases"].items():
             if "tokens_per_second" in c:
-                mfu = f", MFU {c['mfu']:.3f} (6N: {c['mfu_6n']:.3f})" if "mfu" in c else ", MFU unknown (GPU not in the table)"
+                mfu = (f", MFU {c['mfu']:.3f} (6N: {c['mfu_6n']:.3f})" if "mfu" in c
+                       else ", MFU unknown (GPU not in the table)")
                 lines.append(f"| {case} | {c['tokens_per_second']:,.0f} tokens/s{mfu}, "
                              f"peak {c['peak_memory_gb']:.1f} GiB |")
             elif case.startswith("loss_"):  # the loss alone: its kernel, time, memory, distance from fp32

@@ -23,9 +23,9 @@ micro-batches). In order, the first that fits the limit:
 
 `trainer.micro_batch_tokens` sets the pieces' tokens itself (the split of the rows as set; checkpointing chosen at
 it). Where nothing fits, the smallest micro-batch (a piece of one sample), with checkpointing unless it is false,
-and a warning; a CUDA out-of-memory error then cuts the step further (`trainer.oom_retry`). The limit is `trainer.memory_limit_gib`, or
-90% of the GPU's memory (the rest for what the estimate leaves out: CUDA's allocator cache, kernels' workspaces, the
-optimizer step's transient peak). On a CPU without `memory_limit_gib` nothing is fitted: the micro-batch as set,
+and a warning; a CUDA out-of-memory error then cuts the step further (`trainer.oom_retry`). The limit is
+`trainer.memory_limit_gib`, or 90% of the GPU's memory (the rest for what the estimate leaves out: CUDA's allocator
+cache, kernels' workspaces, the optimizer step's transient peak). On a CPU without `memory_limit_gib` nothing is fitted: the micro-batch as set,
 checkpointing off unless set; the line is logged. Under DeepSpeed, FSDP2 or sequence parallelism, whose sharding
 and splitting the estimate does not count, nothing is estimated: the micro-batch as set, checkpointing off unless
 set. Under DDP rank 0's plan is every rank's.
@@ -134,8 +134,12 @@ def plan(footprint: Footprint, bound: MicroBatchBound, per_device: int, accumula
     if limit is None:
         return MemoryPlan(per_device, accumulation, estimate(per_device, bool(checkpointing)), True)
     by_tokens &= fit
-    sizes = [step_rows] if by_tokens else [rows for rows in range(step_rows, 0, -1) if step_rows % rows == 0] if fit \
-        else [per_device]
+    if by_tokens:
+        sizes = [step_rows]  # whole; else in pieces of tokens (below)
+    elif fit:
+        sizes = [rows for rows in range(step_rows, 0, -1) if step_rows % rows == 0]
+    else:
+        sizes = [per_device]
     for way in ways:
         for rows in sizes:
             found = estimate(rows, way)
@@ -164,8 +168,8 @@ def largest_budget(fits, least: int, whole: int) -> int | None:
 def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multiple_of: int | None) -> int | None:
     """The plan of `cfg` for `model` and the training split `train`, logged and put into `args` (the micro-batch's
     rows, the accumulation, the checkpointing), before the trainer is built from them; returns the tokens of a
-    packed micro-batch's pieces for the trainer (None: whole). On a GPU the model is moved
-    there first (the plain Trainer would), as the activations are measured where they will be held."""
+    packed micro-batch's pieces for the trainer (None: whole). On a GPU the model is moved there first (the plain
+    Trainer would), as the activations are measured where they will be held."""
     import torch
 
     from sft.loss.kernels import choose_impl

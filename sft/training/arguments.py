@@ -319,7 +319,8 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
     fields.pop("precision")  # the linear layers' dtype (sft.run.build) and the trainer's master weights
     fields.pop("oom_retry")  # the trainer's
-    fields.pop("fit_micro_batch"), fields.pop("memory_limit_gib"), fields.pop("micro_batch_tokens")  # sft.run.memory_plan's: it changes the fields below
+    # sft.run.memory_plan's: it changes the fields below
+    fields.pop("fit_micro_batch"), fields.pop("memory_limit_gib"), fields.pop("micro_batch_tokens")
     fields.pop("compile_layers")  # sft.run.build's
     fields["learning_rate"] = learning_rate(cfg)
     fields["output_dir"] = fields["output_dir"] or run_dir

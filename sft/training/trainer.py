@@ -28,8 +28,8 @@ still has each one, with the same parameters):
   a group alike (`sft.training.processes.sequence_parallel`);
 - `training_step` (public) trains a packed micro-batch in pieces of at most `micro_batch_tokens` tokens (the memory
   plan's or the user's), and any micro-batch in smaller pieces after a CUDA out-of-memory error, the step started
-  again from its first micro-batch (`sft.training.step.micro_batches`: the step's rows and loss unchanged); and runs under
-  sequence parallelism with DeepSpeed's Ulysses attention installed (forward and backward), where `compute_loss`
+  again from its first micro-batch (`sft.training.step.micro_batches`: the step's rows and loss unchanged); and runs
+  under sequence parallelism with DeepSpeed's Ulysses attention installed (forward and backward), where `compute_loss`
   gives the model this rank's slice of the positions and takes the numerator of the targets predicted there, the
   denominator and per-sample sums being the whole micro-batch's;
 - `create_accelerator_and_postprocess` (public) lets accelerate's FSDP2 plugin take a CPU process group too

@@ -252,7 +252,8 @@ def test_the_flash_attention_case_is_skipped_with_one_line_without_flash_attn(ca
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(sft.bench.device, "gpu_missing", lambda: None)  # as on a GPU machine without flash-attn
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flash_attn" else find_spec(name, *a))
     report = sft.bench.run.run_all(["bench.cases=[packing_flash]"])  # nothing spawned
     reason = "needs flash-attn (pip install flash-attn --no-build-isolation: built for the machine's CUDA)"
     assert report["raw"] == {} and report["skipped"] == {"packing_flash": reason}
