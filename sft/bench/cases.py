@@ -145,13 +145,10 @@ def fastest_settings() -> dict:
     flash attention 2 where flash-attn is installed, else sdpa (on padding-free rows transformers then masks each
     sample from the others, read from the position ids). Activation checkpointing stays off (their fastest where
     the step fits, as sft's memory plan leaves it)."""
-    import importlib.util
+    from sft.bench.device import flash_missing, liger_missing
 
-    from sft.bench.device import liger_missing
-
-    flash = on_gpu() and importlib.util.find_spec("flash_attn") is not None
     return {"use_liger_kernel": liger_missing() is None,
-            "attn_implementation": "flash_attention_2" if flash else "sdpa"}
+            "attn_implementation": "sdpa" if flash_missing() else "flash_attention_2"}
 
 
 def run_training_case(case: str, cfg) -> dict:

@@ -1,6 +1,6 @@
 """Where a bench case runs and what it measures there: the GPU or the CPU, whether a case can run on this machine
-(`gpu_missing`, `liger_missing`, `flash_missing`,
-`bf16_missing`), synchronising before a clock is read, and peak memory (the CUDA allocator's, or on a CPU the process's resident set, /proc/self/status)."""
+(`gpu_missing`, `liger_missing`, `flash_missing`, `bf16_missing`), synchronising before a clock is read, and peak
+memory (the CUDA allocator's, or on a CPU the process's resident set, /proc/self/status)."""
 
 from __future__ import annotations
 

@@ -166,7 +166,7 @@ def test_outcomes(junit: Path) -> list[dict]:
 
 
 def bench_report(bench_json: Path) -> dict | None:
-    """The bench's report; where its time limit stopped it, the cases it finished (`sft.bench.run.write_partial`'s
+    """The bench's report; where its time limit stopped it, the cases it finished (`sft.bench.report.write_partial`'s
     file, `partial: true`); None where it wrote neither."""
     from sft.bench.report import read_partial
 

@@ -176,6 +176,7 @@ def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multipl
     from sft.loss.logits import router_aux_loss_coef
     from sft.model.memory import footprint
     from sft.training.processes.sequence_parallel import sequence_parallel_size
+    from sft.training.step.micro_batches import refusal as pieces_refusal
 
     asked = cfg.trainer.activation_checkpointing
     if cfg.deepspeed or cfg.fsdp is not None or sequence_parallel_size(cfg) > 1:
@@ -191,8 +192,9 @@ def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multipl
     limit_gib = cfg.trainer.memory_limit_gib
     limit = limit_gib * GIB if limit_gib is not None else DEVICE_SHARE * device if device else None
     per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    # packed rows fitted in tokens where pieces are exact (sft.training.step.micro_batches.refusal)
-    by_tokens = bool(cfg.data.packing) and args.world_size == 1 and not router_aux_loss_coef(model.config)
+    # packed rows fitted in tokens where the trainer can cut them (DeepSpeed and sequence parallelism returned above)
+    by_tokens = bool(cfg.data.packing) and pieces_refusal(args.world_size, False, False,
+                                                          bool(router_aux_loss_coef(model.config))) is None
     try:
         found = footprint(model, optim=args.optim, optim_args=args.optim_args, pure=cfg.trainer.precision == "pure",
                           autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
