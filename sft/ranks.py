@@ -16,3 +16,9 @@ def rank() -> int:
 def is_rank_zero() -> bool:
     """Whether this process is the run's first (the only one without a launcher)."""
     return rank() == 0
+
+
+def is_local_rank_zero() -> bool:
+    """Whether this process is the first on its machine (`LOCAL_RANK`; the only one without a launcher): what is said
+    once a machine."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"

@@ -488,7 +488,7 @@ QUIRKS = {
 def family_tokenizer(family: str):
     """The tiny tokenizer with `family`'s special tokens and chat template (a fresh copy: safe to change); a family
     of `FAMILIES` or `QUIRKS`."""
-    from sft.data.chat_settings import configure_chat
+    from sft.data.chat.settings import configure_chat
     from sft.model.loading import load_tokenizer
 
     spec = FAMILIES.get(family) or QUIRKS[family]

@@ -97,7 +97,7 @@ def sft_loss(model, tokenizer, features: list, labels, impl: str, packing: bool,
     training step back-propagates, to compare with the model's own."""
     from transformers import TrainingArguments
 
-    from sft.data.collator import WeightedDataCollator
+    from sft.data.tokens.collator import WeightedDataCollator
     from sft.loss.builtin import CrossEntropyLoss
     from sft.training.trainer import WeightedLossTrainer
 
@@ -282,7 +282,7 @@ def train_steps(tmp_path, tokenizer, loss, batch_size, accumulation, rows=ROWS, 
     losses, parameters and the trainer."""
     from transformers import TrainingArguments
 
-    from sft.data.collator import WeightedDataCollator
+    from sft.data.tokens.collator import WeightedDataCollator
     from sft.data.load import load_sft_datasets
     from sft.data.spec import DataSpec
     from sft.model.loading import load_model
@@ -390,8 +390,8 @@ def assert_cli_refuses(tmp_path, message: str, *overrides: str) -> None:
 
 
 def tokenize_chat(tokenizer, messages, max_length=256) -> dict:
-    """One chat tokenised and labelled as preprocessing does (`sft.data.labels.tokenize_batch`), as Python lists."""
-    from sft.data.labels import tokenize_batch
+    """One chat tokenised and labelled as preprocessing does (`sft.data.tokens.labels.tokenize_batch`), as Python lists."""
+    from sft.data.tokens.labels import tokenize_batch
     from sft.data.spec import Labelling
 
     return tokenize_batch({"messages": [messages], "difficulty_score": [1.0], "source_line": [1]}, tokenizer,

@@ -1,8 +1,8 @@
 """The labelling of sft 0.1 (data version 3), kept as it was: `python -m sft.bench`'s baseline for the tokenising
-ratio (`tokenize_vs_baseline`), and the reference `tests/data/test_labels.py` holds `sft.data.labels.tokenize_batch` to.
+ratio (`tokenize_vs_baseline`), and the reference `tests/data/test_labels.py` holds `sft.data.tokens.labels.tokenize_batch` to.
 
 It renders the chat template through `apply_chat_template` 2 x (trained turns) + 1 times a row and converts
-every token's character offsets to numpy; `sft.data.labels.tokenize_batch` gives the same rows faster (see its docstring).
+every token's character offsets to numpy; `sft.data.tokens.labels.tokenize_batch` gives the same rows faster (see its docstring).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Callable
 
 import numpy as np
 
-from sft.data.batch import IGNORE_INDEX
-from sft.data.labels import _bad_token_weights, fit_window, row_fields, token_reach, tokenized_part
-from sft.data.templates import Refused
-from sft.data.chat_text import divergence, tool_name
+from sft.data.chat.template import Refused
+from sft.data.chat.text import divergence, tool_name
+from sft.data.tokens.batch import IGNORE_INDEX
+from sft.data.tokens.labels import _bad_token_weights, fit_window, row_fields, token_reach, tokenized_part
 
 
 def render(tokenizer, messages: list[dict], **kwargs) -> str:
@@ -30,7 +30,7 @@ def render(tokenizer, messages: list[dict], **kwargs) -> str:
 
 def chat_views(tokenizer, messages: list[dict], rewritten_turns: str = "split",
                tools: list[dict] | None = None) -> list[tuple[str, list[tuple[int, int, float]]]]:
-    """`sft.data.turns.chat_views`, each prefix of the chat rendered through `apply_chat_template`."""
+    """`sft.data.chat.turns.chat_views`, each prefix of the chat rendered through `apply_chat_template`."""
     weights = [m.get("weight", 1.0) if m["role"] == "assistant" else 0.0 for m in messages]
     messages = [{k: _objects(json.loads(v)) if k == "tool_calls" and isinstance(v, str) else v for k, v in m.items()
                  if v is not None and k != "weight"} for m in messages]
@@ -88,7 +88,7 @@ def _end_in_whole_chat(turn: str, full: str, eos: str | None) -> int | None:
 def tokenize_batch(batch: dict, tokenizer, max_length: int, overlong: str = "truncate",
                    rewritten_turns: str = "split", token_weights: Callable | None = None,
                    turn_weighted: bool = False) -> dict:
-    """`sft.data.labels.tokenize_batch` as it was: a dict of Python lists, every token's offsets in numpy."""
+    """`sft.data.tokens.labels.tokenize_batch` as it was: a dict of Python lists, every token's offsets in numpy."""
     out = {"input_ids": [], "labels": [], "difficulty_score": [], "source_line": [], "extra": [], "view": [],
            "truncated": [], "overlong": [], "refused": []}
     weighted = token_weights is not None or turn_weighted

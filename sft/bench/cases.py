@@ -1,357 +1,224 @@
-"""One case of `python -m sft.bench` (`sft.bench.run`), run in a process of its own (`child`), so that its peak
-memory is its own: a training case (this project's trainer, a plain `Trainer`, TRL's `SFTTrainer`), an
-evaluation, long rows; the loss alone (`sft.bench.loss_cases`), a matrix product (`sft.bench.matmul`), the data
-cases (`sft.bench.data_cases`: preprocessing, tokenising, scale, streaming, checksums). Each prints its result as
-one JSON line (`RESULT`)."""
+"""The bench's cases, one table (`CASES`): each case is one `Case` (its name, what it runs, its overrides, what it needs
+and which ratios it feeds), so that adding a case is a row here and, where it runs something new, its function.
+
+    Case("packing", TRAINING, run=run_training_case, overrides=("loss=ce", "data.packing=true"),
+         ratios={"packing_gain": Ratio("ce", target=1.3)})
+      ->  python -m sft.bench trains it beside `ce`, each round, and reports packing_gain = its tokens/s over ce's
+
+The kinds: a training case trains `bench.steps` steps at each of `bench.batch_sizes` (`sft.bench.training`); an eval
+case times `Trainer.evaluate()`; a loss case the loss alone (`sft.bench.loss_cases`); a matmul case the machine's
+matrix products at the model's shapes (`sft.bench.matmul`). Those run in rounds, interleaved (`sft.bench.run`). A case
+run once (`ONCE`) has a driver instead (`drive`), which runs its function in fresh processes as it needs (the data
+cases, long rows, a checkpoint's memory, start-up)."""
 
 from __future__ import annotations
 
-import atexit
-import json
-import os
-import shutil
-import sys
-import tempfile
-import time
+from dataclasses import dataclass, field
+from typing import Callable
 
-from omegaconf import OmegaConf
+from sft.bench.checkpoint_memory import drive_checkpoint_memory, show_checkpoint_memory
+from sft.bench.data_cases import (drive_checksums, drive_preprocess, drive_scale, drive_stream, drive_tokenize,
+                                  run_checksums_case, run_preprocess_case, run_scale_case, run_stream_case,
+                                  run_tokenize_case, show_checksums, show_preprocess, show_scale, show_stream,
+                                  show_tokenize)
+from sft.bench.long_rows import drive_long_rows, run_long_rows_case, show_long_rows
+from sft.bench.loss_cases import run_loss_case, show_loss
+from sft.bench.matmul import run_matmul_case, show_matmul
+from sft.bench.startup import drive_startup
+from sft.bench.training import run_eval_case, run_training_case, show_eval
 
-from sft.bench import config as bench_config
-from sft.bench import data_cases
-from sft.bench.config import CASE_OVERRIDES
-from sft.bench.device import memory_peak, memory_reset, on_gpu
-from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES, run_loss_case
-from sft.bench.matmul import MATMUL_CASES, run_matmul_case
-from sft.ranks import is_rank_zero
-
-TRAINING_CASES = tuple(CASE_OVERRIDES)
-SPREAD_CASES = ("ce_spread", "packing_spread")
-# need `pip install -e .[bench]`, else skipped
-TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask", "trl_best")
-FASTEST_CASES = ("trl_best", "hf_padding_free")  # each trainer with its own fastest documented settings
-GPU_CASES = ("packing_flex",)  # FlexAttention has no backward on a CPU (torch 2.13)
-LIGER_CASES = ("packing_liger",)  # Triton's kernels: a GPU, and liger-kernel
-FLASH_CASES = ("packing_flash",)  # flash attention's varlen kernel: a GPU, and flash-attn
-EVAL_CASES = ("eval_hf", "eval_sft")  # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
-RESULT = "BENCH_RESULT "
+TRAINING, EVAL, LOSS, MATMUL, ONCE = "training", "eval", "loss", "matmul", "once"
+NEEDS = ("trl", "bf16", "gpu", "liger", "flash")  # `sft.bench.device.missing` says why each is missing here
 
 
-def scratch_dir(case: str) -> str:
-    """The output dir of a case's Trainer (nothing is kept there), removed when the case's process exits."""
-    path = tempfile.mkdtemp(prefix=f"sft-bench-{case}-")
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
+@dataclass(frozen=True)
+class Ratio:
+    """A figure a case feeds. With `versus`: the case's `key` over `versus`'s, in each round both ran (a training case's
+    at each batch size, `_b16` added to the name), the median reported with the rounds' spread; `memory`: also
+    `<name>_memory`, peak memory over peak memory. Without: a figure the bench computes for the case (its hardware
+    ratios, its MFU: `mfu_<case>`) or the case's driver returns. `target`: at least it, or at most with `at_most`.
+    `when`: fed only where the case's first result says so (a kernel that ran under its own name)."""
+
+    versus: str | None = None
+    key: str = "tokens_per_second"
+    target: float | None = None
+    at_most: bool = False
+    memory: bool = False
+    when: Callable[[dict], bool] | None = None
 
 
-def timed_training_overrides(cfg) -> list[str]:
-    """Train `bench.steps` steps (and `bench.profile_steps` more, profiled after the timed ones), log once at the end;
-    no evaluation, checkpoints or trackers."""
-    steps = cfg.bench.steps + cfg.bench.profile_steps
-    return [f"trainer.max_steps={steps}", "trainer.eval_strategy=no", "trainer.save_strategy=no",
-            "trainer.report_to=[]", f"trainer.logging_steps={steps}", "trainer.logging_first_step=false",
-            "trainer.disable_tqdm=true", "data.eval_file=null"]
+@dataclass(frozen=True)
+class Case:
+    """One case of `python -m sft.bench`: its `kind`, what runs in its own process (`run(case, cfg) -> result`), the
+    training config's `overrides` it runs with, what it `needs` (else it is skipped, said in one line), whether it
+    runs only when `bench.cases` names it (`on_request`), its rows (`spread`: the published length spread,
+    `sft.bench.rows`), whether it trains `bench.full_model`, the ratios it feeds (by name), whether `bench.isolate=false`
+    runs it in the bench's own process (`inline`), the driver of a case run once (`drive(context) -> (figures,
+    ratios)`) and its lines in the printed report (`show(name, report)`)."""
+
+    name: str
+    kind: str
+    run: Callable[[str, object], dict] | None = None
+    overrides: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    on_request: bool = False
+    spread: bool = False
+    full_model: bool = False
+    ratios: dict[str, Ratio] = field(default_factory=dict)
+    inline: bool = False
+    drive: Callable | None = None
+    show: Callable[[str, dict], list[str]] | None = None
+
+    def __post_init__(self):
+        assert self.kind in (TRAINING, EVAL, LOSS, MATMUL, ONCE), self.kind
+        assert set(self.needs) <= set(NEEDS), self.needs
+        assert (self.drive is not None) == (self.kind == ONCE), self.name
 
 
-def step_clock():
-    """A Trainer callback that records the wall and CPU time at the end of every optimizer step (`.times`, `.cpu`)."""
-    from transformers import TrainerCallback
+@dataclass
+class Context:
+    """What a case run once is given (`Case.drive`): the bench's overrides and composed config (`base.bench`), and how to
+    compose another config, run a case's function in a process of its own (`spawn(case, cfg, env=None, processes=1)`)
+    and find a free port."""
 
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.times: list[float] = []
-            self.cpu: list[float] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.tick()
-
-        def tick(self):
-            self.times.append(time.perf_counter())
-            self.cpu.append(time.process_time())
-
-    return StepClock()
+    overrides: list[str]
+    base: object
+    compose: Callable
+    spawn: Callable
+    free_port: Callable
 
 
-class CountingCollator:
-    """Wraps a collator; records each batch's input tokens (padding excluded), in order."""
-
-    def __init__(self, collator):
-        self.collator, self.tokens = collator, []
-
-    def __call__(self, features):
-        self.tokens.append(sum(len(f["input_ids"]) for f in features))
-        return self.collator(features)
+def training(name: str, *overrides: str, **knobs) -> Case:
+    """A training case: it trains `bench.steps` steps with `overrides`, at each batch size (`sft.bench.training`)."""
+    return Case(name, TRAINING, run=run_training_case, overrides=overrides, inline=True, **knobs)
 
 
-def case_trainer(case: str, cfg, run_dir: str):
-    """The trainer `case` trains (or evaluates) with: this project's (`sft.run.build`), a plain `Trainer`
-    (`hf`, `hf_padding_free`), or TRL's `SFTTrainer` (`trl`, ...), the last two on `sft`'s own tokenised rows and
-    labels, so every case sees the same tokens."""
-    if case not in ("hf", "hf_padding_free", *TRL_CASES, "eval_hf"):
-        from sft.run.build import build
-
-        return build(cfg, run_dir).trainer
-    from hydra.utils import instantiate
-    from transformers import set_seed
-
-    from sft.data.load import load_sft_datasets
-    from sft.loss.base import build_loss
-    from sft.run.build import build_model
-    from sft.training.arguments import TrainerConfig, learning_rate, resolve_nulls
-
-    fields = OmegaConf.to_container(cfg.trainer, resolve=True)
-    for name in TrainerConfig.sft_fields:  # sft's own knobs, not TrainingArguments fields
-        fields.pop(name)
-    fields.update(output_dir=run_dir, max_grad_norm=cfg.clip.get("max_norm", 0.0), learning_rate=learning_rate(cfg))
-    fields["dataloader_pin_memory"] &= on_gpu()
-    resolve_nulls(fields, on_gpu())  # the optimizer a null is; checkpointing off (no memory plan here)
-    if case in FASTEST_CASES:
-        settings = fastest_settings()
-        fields["use_liger_kernel"] = settings["use_liger_kernel"]
-        cfg = OmegaConf.merge(cfg, {"model": {"attn_implementation": settings["attn_implementation"]}})
-    if case.startswith("trl"):
-        from trl import SFTConfig
-
-        # sft's rows are already cut to data.max_length; the rest of TRL's defaults as a user meets them.
-        padding_free = case.startswith("trl_padding_free") or case == "trl_best"
-        args = SFTConfig(**fields, max_length=None, padding_free=padding_free, dataset_num_proc=None)
-    else:
-        from transformers import TrainingArguments
-
-        args = TrainingArguments(**fields)
-    set_seed(args.seed)
-    tokenizer = instantiate(cfg.tokenizer)
-    data = load_sft_datasets(instantiate(cfg.data, _convert_="object"), tokenizer, build_loss(cfg.loss))
-    model = build_model(cfg, args.activation_checkpointing)
-    if case.startswith("trl"):
-        from trl import SFTTrainer
-
-        keep = ["input_ids", "labels"]  # with `labels` present, TRL trains on exactly these (no re-tokenising)
-        return SFTTrainer(model=model, args=args, train_dataset=data.train.select_columns(keep),
-                          eval_dataset=data.eval.select_columns(keep) if data.eval is not None else None,
-                          processing_class=tokenizer)
-    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer
-
-    # transformers' own padding-free batches (one row, position_ids restarting at each sample; the first label of
-    # each sample dropped, which sft's prompt tokens already are), or rows padded to the longest
-    collator = (DataCollatorWithFlattening() if case == "hf_padding_free"
-                else DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100))
-    return Trainer(model=model, args=args, train_dataset=data.train, eval_dataset=data.eval, data_collator=collator,
-                   processing_class=tokenizer)
+def loss_kernel(name: str, impl: str, **knobs) -> Case:
+    """A loss case: the loss alone, computed as `loss.impl=impl` (`sft.bench.loss_cases`)."""
+    return Case(name, LOSS, run=run_loss_case, overrides=(f"loss.impl={impl}",), show=show_loss, **knobs)
 
 
-def fastest_settings() -> dict:
-    """TRL's and a plain Trainer's fastest documented settings on this machine: Liger's kernels
-    (`use_liger_kernel`: RMSNorm, RoPE, SwiGLU and the fused linear cross entropy) on a GPU with liger-kernel, and
-    flash attention 2 where flash-attn is installed, else sdpa (on padding-free rows transformers then masks each
-    sample from the others, read from the position ids). Activation checkpointing stays off (their fastest where
-    the step fits, as sft's memory plan leaves it)."""
-    from sft.bench.device import flash_missing, liger_missing
-
-    return {"use_liger_kernel": liger_missing() is None,
-            "attn_implementation": "sdpa" if flash_missing() else "flash_attention_2"}
+def kernel_ran(impl: str) -> Callable[[dict], bool]:
+    """Whether a loss case ran `impl` (a kernel not usable here runs another: no ratio in its name)."""
+    return lambda result: result["impl"] == impl
 
 
-def run_training_case(case: str, cfg) -> dict:
-    """Train as `case` says; tokens per second over the timed steps, the CPU time they took and its share of the
-    threads' wall time (below 1: other work took cores), peak memory, MFU where known."""
-    import torch
-
-    from sft.data.split import assistant_tokens, column
-    from sft.training.observability.throughput import (device_peak_tflops, flops_per_token, model_flops_per_token,
-                                                       peak_memory_gb, unknown_peak)
-
-    from sft.bench.profile import step_profiler
-
-    trainer = case_trainer(case, cfg, scratch_dir(case))
-    collator = trainer.data_collator = CountingCollator(trainer.data_collator)
-    clock, steps = step_clock(), cfg.bench.steps
-    profiler = step_profiler(steps, cfg.bench.profile_steps) if cfg.bench.profile_steps else None
-    if case == "raw":
-        losses = raw_loop(trainer, clock)
-    else:
-        trainer.add_callback(clock)
-        if profiler is not None:  # after the timed steps: its own cost is not timed
-            trainer.add_callback(profiler)
-        trainer.train()
-        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-
-    accumulation, warmup = trainer.args.gradient_accumulation_steps, cfg.bench.warmup_steps
-    timed_batches = collator.tokens[warmup * accumulation: steps * accumulation]
-    seconds = clock.times[steps - 1] - clock.times[warmup - 1]
-    cpu_seconds = clock.cpu[steps - 1] - clock.cpu[warmup - 1]
-    tokens_per_second = sum(timed_batches) / seconds
-    result = {"tokens_per_second": tokens_per_second, "peak_memory_gb": peak_memory_gb(),
-              "timed_steps": steps - warmup, "seconds": seconds, "cpu_seconds": cpu_seconds,
-              "threads": torch.get_num_threads(), "losses": losses}
-    if not on_gpu():  # the threads' CPU time over their wall time: 1 on a quiet machine
-        result["cpu_share"] = cpu_seconds / (seconds * torch.get_num_threads())
-    if profiler is not None and profiler.result is not None:
-        result["breakdown"] = profiler.result
-    lengths = [len(ids) for ids in column(trainer.train_dataset, "input_ids")]
-    mean_length = sum(lengths) / len(lengths)
-    # A lean loss kernel projects only the trained positions (their share of the input tokens); the model's own
-    # logits, every position
-    lean = getattr(trainer, "loss_impl", "naive") != "naive"
-    computed = int(assistant_tokens(trainer.train_dataset).sum()) / sum(lengths) if lean else 1.0
-    flops = flops_per_token(trainer.model, mean_length, computed) * tokens_per_second
-    result["exec_gflops"] = flops / 1e9  # the FLOP/s of the products the step ran (matmul: their limit)
-    result["model_gflops"] = model_flops_per_token(trainer.model, mean_length) * tokens_per_second / 1e9  # 6N: MFU's
-    result["dtype"] = "bfloat16" if trainer.args.bf16 else str(cfg.model.dtype)  # the limit it is held to
-    peak = cfg.throughput.peak_tflops or device_peak_tflops()
-    if peak is None and on_gpu():
-        print(unknown_peak(torch.cuda.get_device_name()), file=sys.stderr)
-    if peak:  # executed FLOPs over the GPUs' peak; beside it the 6N convention's (`mfu_6n`)
-        result["mfu"] = flops / (peak * 1e12 * trainer.args.world_size)
-        result["mfu_6n"] = result["model_gflops"] * 1e9 / (peak * 1e12 * trainer.args.world_size)
-    return result
+def versus_naive_loss(kernel: str, target_memory: float | None = None, target_time: float | None = None,
+                      when=None) -> dict[str, Ratio]:
+    """A lean loss kernel's memory and time over the naive loss's."""
+    return {f"{kernel}_vs_naive_loss_memory": Ratio("loss_naive", "peak_memory_gb", target_memory, True, when=when),
+            f"{kernel}_vs_naive_loss_time": Ratio("loss_naive", "seconds", target_time, True, when=when)}
 
 
-# The long_rows case's variants: what each adds to a packed run of one row per step (offloading on a GPU only;
-# sequence parallelism in 2 processes, each holding half of the row: `LONG_ROW_PROCESSES`).
-LONG_ROW_VARIANTS = {"plain": [], "checkpointed": ["trainer.activation_checkpointing=true"],
-                     "tiled": ["trainer.activation_checkpointing=true", "model.tiled_mlp_tokens={tile}"],
-                     "offloaded": ["trainer.activation_checkpointing=true", "model.tiled_mlp_tokens={tile}",
-                                   "trainer.activation_offloading=true"],
-                     "sequence_parallel": ["trainer.activation_checkpointing=true", "sp=ulysses", "sp.size=2"]}
-LONG_ROW_PROCESSES = {"sequence_parallel": 2}
+# `raw`, `hf`, `ce_naive` and `trl` compute the same full logits and cross entropy (the framework's cost alone); `ce`
+# and `packing` the lean loss `loss.impl=auto` picks; the packed cases all run the sdpa_varlen kernel but
+# `trl_padding_free_mask` (TRL's own: a block-diagonal mask) and `packing_flex` (FlexAttention's document mask).
+# `trl_best` and `hf_padding_free` are TRL's SFTTrainer and a plain Trainer each at its own fastest documented
+# settings (`sft.bench.training.fastest_settings`), on their own attention, not the sdpa_varlen sft's packing turns
+# sdpa into. What each measures: `sft.bench.run`'s docstring.
+PACKED = ("loss=ce", "data.packing=true")
+TABLE = (
+    training("raw", "loss=ce", "loss.impl=naive"),
+    training("hf"),
+    training("ce_naive", "loss=ce", "loss.impl=naive", ratios={"sft_vs_raw": Ratio("raw", target=0.95),
+                                                                "overhead_vs_hf": Ratio("hf", target=0.97)}),
+    training("ce", "loss=ce", ratios={"lean_loss_gain": Ratio("ce_naive", memory=True),
+                                      "ce_vs_trl": Ratio("trl", target=1.0, memory=True),
+                                      "hw_exec_ce": Ratio(target=0.80)}),
+    training("ce_bf16", "loss=ce", "trainer.bf16=true", needs=("bf16",),
+             ratios={"bf16_mixed_vs_fp32": Ratio("ce"), "hw_exec_ce_bf16": Ratio(target=0.60)}),
+    training("ce_bf16_pure", "loss=ce", "trainer.bf16=true", "trainer.precision=pure", needs=("bf16",),
+             ratios={"bf16_vs_fp32": Ratio("ce", target=1.8), "pure_vs_mixed": Ratio("ce_bf16")}),
+    training("ce_lora", "loss=ce", "lora=default", ratios={"lora_vs_full": Ratio("ce", target=1.25),
+                                                           "lean_loss_gain_lora": Ratio("ce_lora_naive", memory=True)}),
+    training("ce_lora_naive", "loss=ce", "lora=default", "loss.impl=naive"),
+    training("ce_compiled", "loss=ce", "trainer.torch_compile=true", on_request=True,  # minutes of compiling
+             ratios={"compile_gain": Ratio("ce")}),
+    training("hard_sample", "loss=hard_sample", ratios={"hard_sample_vs_ce": Ratio("ce", target=0.97)}),
+    training("packing", *PACKED, ratios={"packing_gain": Ratio("ce", target=1.3),
+                                         "packing_vs_trl_padding_free": Ratio("trl_padding_free", target=1.3,
+                                                                              memory=True),
+                                         "packing_vs_trl_best": Ratio("trl_best", target=1.3, memory=True),
+                                         "packing_vs_hf_padding_free": Ratio("hf_padding_free"),
+                                         "mfu_packing": Ratio(target=0.40)}),
+    training("ce_spread", "loss=ce", spread=True),
+    training("packing_spread", *PACKED, spread=True, ratios={"packing_gain_spread": Ratio("ce_spread", target=1.3)}),
+    training("trl", "loss=ce", needs=("trl",)),
+    training("trl_padding_free", "loss=ce", "model.attn_implementation=sdpa_varlen", needs=("trl",),
+             ratios={"varlen_vs_mask_kernel": Ratio("trl_padding_free_mask", memory=True)}),
+    training("trl_padding_free_mask", "loss=ce", needs=("trl",)),
+    # FlexAttention has no backward on a CPU (torch 2.13)
+    training("packing_flex", *PACKED, "model.attn_implementation=flex_attention", needs=("gpu",), on_request=True,
+             ratios={"flex_vs_varlen": Ratio("packing")}),
+    training("packing_pure", *PACKED, "trainer.bf16=true", "trainer.precision=pure", needs=("bf16",), on_request=True,
+             ratios={"packing_pure_vs_mixed": Ratio("packing")}),
+    training("packing_compiled", *PACKED, "trainer.compile_layers=true", on_request=True,
+             ratios={"compile_layers_gain": Ratio("packing")}),
+    training("packing_liger", *PACKED, "trainer.use_liger_kernel=true", needs=("liger",), on_request=True,
+             ratios={"liger_layers_gain": Ratio("packing")}),
+    training("packing_flash", *PACKED, "model.attn_implementation=flash_attention_2", needs=("flash",),
+             on_request=True, ratios={"flash_vs_varlen": Ratio("packing")}),
+    training("trl_best", "loss=ce", "data.packing=false", needs=("trl",), on_request=True),
+    training("hf_padding_free", "loss=ce", "data.packing=false", on_request=True),
+    # a full fine-tune in pure bf16, of `bench.full_model` where set (preset=gpu_7b: Qwen2.5-1.5B's shape)
+    training("packing_full", *PACKED, "lora=none", "model.dtype=float32", "trainer.bf16=true", "trainer.precision=pure",
+             needs=("bf16",), on_request=True, full_model=True, ratios={"mfu_packing_full": Ratio(target=0.40)}),
+    # `Trainer.evaluate()` on the eval rows: a plain Trainer's, this project's
+    Case("eval_hf", EVAL, run=run_eval_case, overrides=("loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"),
+         inline=True, show=show_eval),
+    Case("eval_sft", EVAL, run=run_eval_case, overrides=("loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"),
+         inline=True, show=show_eval,
+         ratios={"eval_vs_hf_time": Ratio("eval_hf", "seconds_per_1000_rows")}),
+    # the loss alone; `loss_lean` is whichever kernel `loss.impl=auto` picks here, the others each by name
+    loss_kernel("loss_naive", "naive"),
+    loss_kernel("loss_lean", "auto", ratios=versus_naive_loss("lean", target_memory=0.3, target_time=1.3)),
+    loss_kernel("loss_chunked", "chunked", on_request=True,
+                ratios=versus_naive_loss("chunked", when=kernel_ran("chunked"))),
+    loss_kernel("loss_cce", "cce", on_request=True, ratios=versus_naive_loss("cce", when=kernel_ran("cce"))),
+    loss_kernel("loss_liger", "liger", on_request=True, ratios=versus_naive_loss("liger", when=kernel_ran("liger"))),
+    # the machine's matrix-product rate at the model's shapes, in the model's dtype and in bf16: the limit of the
+    # training cases that train in that dtype (`sft.bench.report.hardware_ratios`)
+    Case("matmul", MATMUL, run=run_matmul_case, show=show_matmul),
+    Case("matmul_bf16", MATMUL, run=run_matmul_case, overrides=("model.dtype=bfloat16",), needs=("bf16",),
+         show=show_matmul),
+    Case("preprocess", ONCE, run=run_preprocess_case, drive=drive_preprocess, show=show_preprocess,
+         ratios={"preprocess_cached_speedup": Ratio(target=10.0)}),
+    Case("tokenize", ONCE, run=run_tokenize_case, drive=drive_tokenize, show=show_tokenize,
+         ratios={"tokenize_vs_tokenizer": Ratio(target=0.9), "tokenize_vs_encode": Ratio(),
+                 "tokenize_vs_baseline": Ratio()}),
+    Case("scale", ONCE, run=run_scale_case, drive=drive_scale, show=show_scale,
+         ratios={"scale_peak_rss_gb": Ratio(target=4.0, at_most=True),
+                 "scale_cached_load_s": Ratio(target=10.0, at_most=True)}),
+    Case("startup", ONCE, drive=drive_startup,
+         ratios={"startup_cfg_job_s": Ratio(target=1.0, at_most=True), "startup_help_s": Ratio(target=1.0, at_most=True),
+                 "startup_help_group_s": Ratio(target=1.0, at_most=True),
+                 "startup_first_step_s": Ratio(target=5.0, at_most=True)}),
+    # on request: a 15 GB checkpoint; rows of up to 16k tokens; streams of millions of rows; two processes under FSDP2
+    Case("checksums", ONCE, run=run_checksums_case, drive=drive_checksums, show=show_checksums, on_request=True,
+         ratios={"checksum_cached_gb_per_s": Ratio(), "checksum_disk_gb_per_s": Ratio()}),
+    Case("long_rows", ONCE, run=run_long_rows_case, drive=drive_long_rows, show=show_long_rows, on_request=True,
+         inline=True),
+    Case("stream", ONCE, run=run_stream_case, drive=drive_stream, show=show_stream, on_request=True,
+         ratios={"stream_peak_rss_ratio": Ratio(target=1.2, at_most=True), "stream_sequences_per_second": Ratio()}),
+    Case("checkpoint_memory", ONCE, drive=drive_checkpoint_memory, show=show_checkpoint_memory, on_request=True,
+         ratios={"checkpoint_rank0_vs_share": Ratio(target=1.0, at_most=True),
+                 "checkpoint_rank0_gathered_mib": Ratio(), "checkpoint_rank0_sharded_mib": Ratio()}),
+)
+CASES = {case.name: case for case in TABLE}
+assert len(CASES) == len(TABLE), "two cases of one name"
+assert all(r.versus in CASES for case in TABLE for r in case.ratios.values() if r.versus), "a ratio against no case"
 
 
-def run_long_rows_case(case: str, cfg) -> dict:
-    """One packed row of `data.max_length` tokens per step: tokens per second, and the memory the timed steps took
-    beyond what the trainer held after its first step (weights, optimizer state: on a CPU, the resident set's
-    growth), per token of the row. Under sequence parallelism (several processes, each a slice of the row): the
-    row's tokens per second, and the memory of rank 0, the one that reports."""
-    from transformers import TrainerCallback
-
-    from sft.run.build import build
-
-    device = "cuda" if on_gpu() else "cpu"
-
-    class AfterTheFirstStep(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 1:
-                self.baseline = memory_reset(device)
-
-    trainer = build(cfg, scratch_dir("long-rows")).trainer
-    collator = trainer.data_collator = CountingCollator(trainer.data_collator)
-    clock, first = step_clock(), AfterTheFirstStep()
-    trainer.add_callback(first)
-    trainer.add_callback(clock)
-    trainer.train()
-    grown = memory_peak(device) - first.baseline
-    row = max(collator.tokens)
-    seconds = clock.times[-1] - clock.times[0]
-    return {"tokens_per_second": sum(collator.tokens[1:len(clock.times)]) / seconds, "row_tokens": row,
-            "memory_gb": grown, "bytes_per_token": grown * 2**30 / row, "on_gpu": device == "cuda",
-            "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+def default_cases() -> list[str]:
+    """What `bench.cases` runs unless told: every case but those run only on request, in the table's order."""
+    return [case.name for case in CASES.values() if not case.on_request]
 
 
-def raw_loop(trainer, clock) -> list[float]:
-    """A hand-written PyTorch loop over `trainer`'s own batches (sft's rows, order and collator): the model's
-    logits, the cross entropy of the step's assistant tokens over their count, backward, clipping at
-    `max_grad_norm`, AdamW and the same learning-rate schedule. What no framework can beat by much (`sft_vs_raw`);
-    its step losses equal `ce_naive`'s (tested). Returns them."""
-    import torch
-    import torch.nn.functional as F
-    from transformers import get_scheduler
-
-    model, args = trainer.model, trainer.args
-    steps, accumulation = args.max_steps, args.gradient_accumulation_steps
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                  eps=args.adam_epsilon, weight_decay=args.weight_decay)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(steps),
-                              num_training_steps=steps)
-    batches, losses = iter(()), []
-    model.train()
-    for _ in range(steps):
-        micro = []
-        for _ in range(accumulation):
-            try:
-                micro.append(next(batches))
-            except StopIteration:  # the next epoch
-                batches = iter(trainer.get_train_dataloader())
-                micro.append(next(batches))
-        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
-        total = 0.0
-        for b in micro:
-            logits = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"),
-                           position_ids=b.get("position_ids")).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), b["labels"][:, 1:].flatten(),
-                                   ignore_index=-100, reduction="sum") / count
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total)
-        clock.tick()
-    return losses
-
-
-def run_eval_case(case: str, cfg) -> dict:
-    """`trainer.evaluate()` on the eval rows, a plain Trainer's (`eval_hf`) or this project's (`eval_sft`):
-    seconds per 1,000 rows, the best of `bench.eval_repeats` after one untimed evaluation."""
-    trainer = case_trainer(case, cfg, scratch_dir(case))
-    trainer.evaluate()  # warms up: first batches, lazy initialisation
-    best = float("inf")
-    for _ in range(cfg.bench.eval_repeats):
-        started = time.perf_counter()
-        trainer.evaluate()
-        best = min(best, time.perf_counter() - started)
-    rows = len(trainer.eval_dataset)
-    return {"seconds_per_1000_rows": 1000 * best / rows, "rows": rows}
-
-
-def threads(cfg) -> int:
-    """The torch threads of every case on a CPU: `bench.threads`, else one per core this process may use; shared out
-    where a case runs in several processes (torchrun's `LOCAL_WORLD_SIZE`: oversubscribed cores slow every one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, (cfg.bench.threads or cores) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-def child(case: str, config_file: str) -> None:
-    """Entry of a case's process: run it, print its result as one JSON line."""
-    import logging
-
-    logging.basicConfig(level=logging.WARNING)
-    bench_config.register()
-    result = run_case(case, OmegaConf.load(config_file))
-    if is_rank_zero():  # several processes (long_rows' sequence parallelism): rank 0 reports
-        print(RESULT + json.dumps(result), flush=True)
-
-
-def run_case(case: str, cfg) -> dict:
-    """Run one case in this process (the same torch threads for every case on a CPU); its result."""
-    if not on_gpu():  # every case the same threads (launch.sh's runs: one per core) and allocator (as sft's runs)
-        import torch
-
-        from sft.training.processes.distributed import reuse_freed_memory
-
-        torch.set_num_threads(threads(cfg))
-        reuse_freed_memory()
-    if case in TRAINING_CASES:
-        result = run_training_case(case, cfg)
-    elif case in EVAL_CASES:
-        result = run_eval_case(case, cfg)
-    elif case in LOSS_CASES or case in LOSS_KERNEL_CASES:
-        result = run_loss_case(case, cfg)
-    elif case == "tokenize":
-        result = data_cases.run_tokenize_case(case, cfg)
-    elif case == "scale":
-        result = data_cases.run_scale_case(case, cfg)
-    elif case == "checksums":
-        result = data_cases.run_checksums_case(case, cfg)
-    elif case == "stream":
-        result = data_cases.run_stream_case(case, cfg)
-    elif case == "long_rows":
-        result = run_long_rows_case(case, cfg)
-    elif case in MATMUL_CASES:
-
-        result = run_matmul_case(case, cfg)
-    else:
-        result = data_cases.run_preprocess_case(case, cfg)
-    return result
-
-
+def target_of(key: str) -> tuple[float, str] | None:
+    """A ratio's target as (value, "min" | "max"); one measured at another batch size (`_b16`) has its base ratio's."""
+    base = key.rsplit("_b", 1)[0] if key.rsplit("_b", 1)[-1].isdigit() else key
+    for case in CASES.values():
+        ratio = case.ratios.get(base)
+        if ratio is not None and ratio.target is not None:
+            return ratio.target, "max" if ratio.at_most else "min"
+    return None

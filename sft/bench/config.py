@@ -6,71 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from sft.bench.cases import CASES, default_cases
+from sft.bench.long_rows import LONG_ROW_VARIANTS
 from sft.config import registry
 from sft.config.schema import Schema, knob
-
-CASES = ["raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_bf16_pure", "ce_lora", "ce_lora_naive", "hard_sample", "packing", "ce_spread",
-         "packing_spread", "trl", "trl_padding_free", "trl_padding_free_mask", "matmul", "matmul_bf16", "eval_hf",
-         "eval_sft", "loss_naive", "loss_lean", "preprocess", "tokenize", "scale", "startup"]
-LONG_ROW_VARIANT_NAMES = ("plain", "checkpointed", "tiled", "offloaded", "sequence_parallel")  # cases.LONG_ROW_VARIANTS
-# a 15 GB checkpoint; rows of up to 16k tokens; torch.compile's minutes of compiling; each lean loss kernel by name
-# (cases.LOSS_KERNEL_CASES); packing on FlexAttention (a GPU's), and in pure bf16; the GPU pack's side-by-side cases
-# (TRL and a plain Trainer at their fastest, a full fine-tune of `bench.full_model`): only when named in bench.cases
-ON_REQUEST = ["checksums", "checkpoint_memory", "stream", "long_rows", "ce_compiled", "loss_chunked", "loss_cce",
-              "loss_liger", "packing_flex", "packing_pure", "packing_compiled",
-              "packing_liger", "packing_flash", "trl_best", "hf_padding_free", "packing_full"]
-
-# Each training case and the overrides it trains with (what each measures: `sft.bench.run`'s docstring). `raw`, `hf`,
-# `ce_naive` and `trl` compute the same full logits and cross entropy (the framework's cost alone); `ce` and
-# `packing` the lean loss that `loss.impl=auto` picks; the packed cases all run the sdpa_varlen kernel but
-# `trl_padding_free_mask` (TRL's own: a block-diagonal mask) and `packing_flex` (FlexAttention's document mask).
-# `trl_best` and `hf_padding_free` are TRL's SFTTrainer and a plain Trainer each with its own fastest documented
-# settings (`cases.fastest_settings`: padding-free batches, Liger's kernels and flash attention where installed, the
-# model's own loss); `packing_full` a full fine-tune in pure bf16 (of `bench.full_model` where set).
-CASE_OVERRIDES = {"raw": ["loss=ce", "loss.impl=naive"], "hf": [], "ce_naive": ["loss=ce", "loss.impl=naive"],
-                  "ce": ["loss=ce"], "ce_bf16": ["loss=ce", "trainer.bf16=true"],
-                  "ce_bf16_pure": ["loss=ce", "trainer.bf16=true", "trainer.precision=pure"],
-                  "ce_lora": ["loss=ce", "lora=default"],
-                  "ce_lora_naive": ["loss=ce", "lora=default", "loss.impl=naive"],
-                  "ce_compiled": ["loss=ce", "trainer.torch_compile=true"],
-                  "hard_sample": ["loss=hard_sample"], "packing": ["loss=ce", "data.packing=true"],
-                  "ce_spread": ["loss=ce"], "packing_spread": ["loss=ce", "data.packing=true"],
-                  "trl": ["loss=ce"], "trl_padding_free": ["loss=ce", "model.attn_implementation=sdpa_varlen"],
-                  "trl_padding_free_mask": ["loss=ce"],
-                  "packing_flex": ["loss=ce", "data.packing=true", "model.attn_implementation=flex_attention"],
-                  "packing_pure": ["loss=ce", "data.packing=true", "trainer.bf16=true", "trainer.precision=pure"],
-                  "packing_compiled": ["loss=ce", "data.packing=true", "trainer.compile_layers=true"],
-                  "packing_liger": ["loss=ce", "data.packing=true", "trainer.use_liger_kernel=true"],
-                  "packing_flash": ["loss=ce", "data.packing=true", "model.attn_implementation=flash_attention_2"],
-                  # their own attention (`cases.fastest_settings`), not the sdpa_varlen sft's packing turns sdpa into
-                  "trl_best": ["loss=ce", "data.packing=false"], "hf_padding_free": ["loss=ce", "data.packing=false"],
-                  "packing_full": ["loss=ce", "data.packing=true", "lora=none", "model.dtype=float32",
-                                   "trainer.bf16=true", "trainer.precision=pure"]}
-
-# name: (ours, theirs): tokens per second of `ours` over `theirs`, at each batch size; "_memory" too against TRL and
-# for the lean loss against the model's own logits
-TRAINING_RATIOS = {"sft_vs_raw": ("ce_naive", "raw"), "overhead_vs_hf": ("ce_naive", "hf"),
-                   "lean_loss_gain": ("ce", "ce_naive"), "hard_sample_vs_ce": ("hard_sample", "ce"),
-                   "packing_gain": ("packing", "ce"), "packing_gain_spread": ("packing_spread", "ce_spread"),
-                   "bf16_vs_fp32": ("ce_bf16_pure", "ce"), "bf16_mixed_vs_fp32": ("ce_bf16", "ce"),
-                   "pure_vs_mixed": ("ce_bf16_pure", "ce_bf16"), "lora_vs_full": ("ce_lora", "ce"),
-                   "lean_loss_gain_lora": ("ce_lora", "ce_lora_naive"), "compile_gain": ("ce_compiled", "ce"),
-                   "ce_vs_trl": ("ce", "trl"),
-                   "packing_vs_trl_padding_free": ("packing", "trl_padding_free"),
-                   "varlen_vs_mask_kernel": ("trl_padding_free", "trl_padding_free_mask"),
-                   "flex_vs_varlen": ("packing_flex", "packing"), "packing_pure_vs_mixed": ("packing_pure", "packing"),
-                   "compile_layers_gain": ("packing_compiled", "packing"),
-                   "liger_layers_gain": ("packing_liger", "packing"),
-                   "flash_vs_varlen": ("packing_flash", "packing"),
-                   "packing_vs_trl_best": ("packing", "trl_best"),
-                   "packing_vs_hf_padding_free": ("packing", "hf_padding_free")}
 
 
 @dataclass
 class BenchConfig(Schema):
     """`python -m sft.bench`: which cases, how long, the loss-only case's shape."""
 
-    cases: List[str] = knob(help="the cases to run (sft.bench.run: hf, ce, ... startup)", factory=lambda: list(CASES))
+    cases: List[str] = knob(help="the cases to run (sft.bench.cases: hf, ce, ... startup; a case run only on request "
+                            "runs when named here)", factory=default_cases)
     batch_sizes: Optional[List[int]] = knob(None, "the training cases run at each micro-batch size (null: "
                                             "trainer.per_device_train_batch_size); ratios at the first are named "
                                             "plainly (ce_vs_hf), at the others with the size (ce_vs_hf_b16)")
@@ -116,7 +63,7 @@ class BenchConfig(Schema):
     long_row_tile_tokens: int = knob(512, "long_rows: model.tiled_mlp_tokens of its tiled variant")
     long_row_variants: List[str] = knob(help="long_rows: the variants run (offloaded: with a GPU; sequence_parallel: "
                                         "2 processes, on a CPU or 2 GPUs)",
-                                        factory=lambda: list(LONG_ROW_VARIANT_NAMES))
+                                        factory=lambda: list(LONG_ROW_VARIANTS))
     full_model: Optional[str] = knob(None, "packing_full: the model config it fully fine-tunes (a name of the model "
                                      "group, e.g. qwen2_5_1_5b_random); null: the run's model")
     case_timeout_s: int = knob(1800, "a case running longer is stopped and reported")
@@ -124,17 +71,16 @@ class BenchConfig(Schema):
                          "its own; false: all in this one (faster, a quick check of the cases; memory not per case)")
 
     def check(self, cfg=None):
-        unknown = [case for case in self.cases if case not in CASES + ON_REQUEST]
+        unknown = [case for case in self.cases if case not in CASES]
         self.require("long_row_lengths", all(n >= 16 for n in self.long_row_lengths), "each must be >= 16 tokens")
         self.require("long_row_steps", self.long_row_steps >= 1, "must be >= 1")
         self.require("train_rows", self.train_rows in (None, "multi_turn"), "must be null or multi_turn")
         self.require("train_row_count", self.train_row_count >= 1, "must be >= 1")
         self.require("matmul_tokens", self.matmul_tokens >= 1, "must be >= 1")
         self.require("profile_steps", self.profile_steps >= 0, "must be >= 0")
-        self.require("long_row_variants", set(self.long_row_variants) <= set(LONG_ROW_VARIANT_NAMES),
-                     f"each must be one of {', '.join(LONG_ROW_VARIANT_NAMES)}")
-        self.require("cases", not unknown, f"no such case: {', '.join(unknown)} (cases: "
-                     f"{', '.join(CASES + ON_REQUEST)})")
+        self.require("long_row_variants", set(self.long_row_variants) <= set(LONG_ROW_VARIANTS),
+                     f"each must be one of {', '.join(LONG_ROW_VARIANTS)}")
+        self.require("cases", not unknown, f"no such case: {', '.join(unknown)} (cases: {', '.join(CASES)})")
 
 
 def compose(overrides: list[str]):

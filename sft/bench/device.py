@@ -1,9 +1,10 @@
-"""Where a bench case runs and what it measures there: the GPU or the CPU, whether a case can run on this machine
-(`gpu_missing`, `liger_missing`, `flash_missing`, `bf16_missing`), synchronising before a clock is read, and peak
-memory (the CUDA allocator's, or on a CPU the process's resident set, /proc/self/status)."""
+"""Where a bench case runs and what it measures there: the GPU or the CPU and the threads of a case on a CPU
+(`threads`), whether a case can run on this machine (`missing`: what a case `needs`), synchronising before a clock is
+read, and peak memory (the CUDA allocator's, or on a CPU the process's resident set, /proc/self/status)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -11,6 +12,13 @@ def on_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def threads(cfg) -> int:
+    """The torch threads of every case on a CPU: `bench.threads`, else one per core this process may use; shared out
+    where a case runs in several processes (torchrun's `LOCAL_WORLD_SIZE`: oversubscribed cores slow every one)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cfg.bench.threads or cores) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def sync(device: str) -> None:
@@ -81,3 +89,20 @@ def bf16_missing() -> str | None:
     if torch.cuda.is_available() or cpu_bf16_instructions():
         return None
     return "no GPU, and this CPU has no bf16 instructions (sft.training.processes.precision)"
+
+
+def trl_missing() -> str | None:
+    """Why the TRL cases cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return "trl is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def missing(need: str) -> str | None:
+    """Why a case that needs `need` (a `Case.needs` item: trl, bf16, gpu, liger, flash) cannot run here, or None. Looked
+    up by name at each call, so that a test may stand in for one."""
+    import sys
+
+    return getattr(sys.modules[__name__], f"{need}_missing")()

@@ -1,7 +1,7 @@
 """The bench's loss-only cases (`python -m sft.bench 'bench.cases=[loss_naive,loss_lean]'`): forward and backward of
 the cross entropy alone at `bench.loss_batch x bench.loss_seq` tokens of `bench.loss_hidden` over a
-`bench.loss_vocab` vocabulary, in `bench.loss_dtype`: the naive path against the lean kernels. Run in a process of
-its own by `sft.bench.cases.child`, like every case."""
+`bench.loss_vocab` vocabulary, in `bench.loss_dtype`: the naive path against the lean kernels, the kernel each case
+asks for being its `loss.impl` (`sft.bench.cases`). Run in a process of its own, like every case."""
 
 from __future__ import annotations
 
@@ -9,16 +9,13 @@ import time
 
 from sft.bench.device import memory_peak, memory_reset, on_gpu, sync
 
-LOSS_CASES = ("loss_naive", "loss_lean")
-# each lean kernel by name (on request): `loss_lean` is whichever `loss.impl=auto` picks on this machine
-LOSS_KERNEL_CASES = {"loss_chunked": "chunked", "loss_cce": "cce", "loss_liger": "liger"}
 LOSS_TIMED_CALLS = 2  # after one untimed call: Triton compiles and autotunes a kernel at its first call
 
 
 def run_loss_case(case: str, cfg) -> dict:
-    """Forward and backward of the loss alone: the naive path (logits, then cross entropy), the lean kernel that
-    training picks here (`loss_lean`, `loss.impl=auto`: Liger's on a GPU where installed, the chunked loss on a
-    CPU), or a kernel by name (`loss_chunked`, `loss_cce`, `loss_liger`). Peak memory is the first call's; the time
+    """Forward and backward of the loss alone, computed as `loss.impl` says: the naive path (logits, then cross
+    entropy), the lean kernel that training picks here (`auto`: Liger's on a GPU where installed, the chunked loss on a
+    CPU), or a kernel by name (`chunked`, `cce`, `liger`); `impl` in the result is the one that ran. Peak memory is the first call's; the time
     the best of `LOSS_TIMED_CALLS` after it (the first compiles Triton's kernels). In half precision also each
     kernel's error: the relative (norm) distance of its rows' losses and of the hidden states' gradient from fp32's."""
     import torch
@@ -36,8 +33,7 @@ def run_loss_case(case: str, cfg) -> dict:
     labels = torch.randint(0, b.loss_vocab, (b.loss_batch, b.loss_seq), device=device)
     weights = torch.rand(b.loss_batch, b.loss_seq, device=device)
     loss = CrossEntropyLoss(chunk_tokens=cfg.loss.chunk_tokens)
-    requested = LOSS_KERNEL_CASES.get(case, "naive" if case == "loss_naive" else "auto")
-    impl = choose_impl(requested, vocab_size=b.loss_vocab, on_gpu=device == "cuda")
+    impl = choose_impl(str(cfg.loss.impl), vocab_size=b.loss_vocab, on_gpu=device == "cuda")
 
     def forward_backward(h, w, impl):
         if impl == "naive":
@@ -78,3 +74,12 @@ def loss_errors(forward_backward, hidden, weight, impl: str) -> dict:
         return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
 
     return {"loss_error": relative(rows, exact.ce_sum.float()), "grad_error": relative(grad, exact_hidden.grad)}
+
+
+def show_loss(name: str, report: dict) -> list[str]:
+    """A loss case's line in the printed report: tokens/s and peak memory, the kernel it ran, its error from fp32."""
+    c = report["cases"][name]
+    errors = f"; from fp32: losses {c['loss_error']:.2g}, gradient {c['grad_error']:.2g}" if "grad_error" in c else ""
+    return [f"{name:<22}{c['tokens'] / c['seconds']:>12.0f}{'':>8}{c['peak_memory_gb']:>10.2f}   "
+            f"({c['seconds']:.3f} s forward+backward, {report['raw'][name][0]['impl']}; first call "
+            f"{c['first_seconds']:.2f} s{errors})"]

@@ -1,5 +1,5 @@
 """The bench's `matmul` case: how fast this machine multiplies matrices of the model's own shapes, the limit of a
-training step that is nothing but its matrix products (`hw_limit_<case>` in `sft.bench.run`)."""
+training step that is nothing but its matrix products (`hw_exec_<case>`: `sft.bench.report.hardware_ratios`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,6 @@ import time
 from omegaconf import OmegaConf
 
 from sft.bench.device import on_gpu, sync
-
-# The machine's matrix-product rate at the model's shapes, in the model's dtype (None) and in bf16: the hardware limit
-# of the training cases that train in that dtype (`hardware_ratios` in `sft.bench.report`)
-MATMUL_CASES = {"matmul": None, "matmul_bf16": "bfloat16"}
 
 
 def model_matmul_shapes(cfg) -> dict[tuple[int, int], int]:
@@ -43,13 +39,13 @@ def model_matmul_shapes(cfg) -> dict[tuple[int, int], int]:
 
 def run_matmul_case(case: str, cfg) -> dict:
     """The rate of `torch.mm` over the model's own products (`model_matmul_shapes`, `bench.matmul_tokens` rows each,
-    in the model's dtype, or in bf16 for `matmul_bf16`, the cases' threads): each shape's best of 5 timings after one
+    in `model.dtype`: `matmul_bf16` sets it to bf16; the cases' threads): each shape's best of 5 timings after one
     untimed, weighted by how often the model has it. What a training step of this model could reach if it were
     nothing but its matrix products."""
     import torch
 
     device = "cuda" if on_gpu() else "cpu"
-    dtype_name = MATMUL_CASES[case] or str(cfg.model.dtype)  # matmul_bf16: bf16, else the model's weights' dtype
+    dtype_name = str(cfg.model.dtype)
     dtype = getattr(torch, dtype_name)
     tokens = cfg.bench.matmul_tokens
     flops = seconds = 0.0
@@ -68,3 +64,10 @@ def run_matmul_case(case: str, cfg) -> dict:
         flops += count * 2.0 * tokens * n_in * n_out
         seconds += count * best
     return {"gflops": flops / seconds / 1e9, "tokens": tokens, "threads": torch.get_num_threads(), "dtype": dtype_name}
+
+
+def show_matmul(name: str, report: dict) -> list[str]:
+    """A matmul case's line in the printed report: its best reading and the spread over the rounds."""
+    m = report["cases"][name]
+    return [f"{name}: torch.mm over the model's products in {m['dtype']} ({m['tokens']:.0f} rows each): best "
+            f"{m['gflops_best']:.1f} GFLOP/s, rounds {m['gflops_spread'][0]:.1f}-{m['gflops_spread'][1]:.1f}"]

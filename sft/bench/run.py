@@ -59,7 +59,7 @@ of its threads' time is loaded: flagged and run again (`bench.reruns`). Training
 
 Also: `preprocess`, tokenising `bench.preprocess_rows` rows into a fresh cache and then loading them
 from it; `tokenize`, the same `bench.tokenize_rows` multi-turn rows (about 300 tokens each) tokenised in
-one process by `sft.data.labels.tokenize_batch`, by sft 0.1's (`sft.bench.baseline`) and by the tokenizer's own
+one process by `sft.data.tokens.labels.tokenize_batch`, by sft 0.1's (`sft.bench.baseline`) and by the tokenizer's own
 `apply_chat_template(tokenize=True)` (the target: `tokenize_vs_tokenizer`), interleaved, one core each, beside the
 tokenizer alone on the texts rendered beforehand; `scale`, preprocessing `bench.scale_rows` such rows into a fresh
 cache on every core (rows/s, the peak resident memory of the process and of its largest worker), then loading them
@@ -109,59 +109,25 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sft.bench.cases import (CASE_OVERRIDES, EVAL_CASES, LONG_ROW_PROCESSES, LONG_ROW_VARIANTS, RESULT,
-                             FLASH_CASES, GPU_CASES, LIGER_CASES, SPREAD_CASES, TRAINING_CASES, TRL_CASES, child,
-                             timed_training_overrides)
-from sft.bench.checkpoint_memory import run_checkpoint_memory
-from sft.bench.config import TRAINING_RATIOS, compose
-from sft.bench.device import bf16_missing, flash_missing, gpu_missing, liger_missing
-from sft.bench.loss_cases import LOSS_CASES, LOSS_KERNEL_CASES
-from sft.bench.matmul import MATMUL_CASES
+from sft.bench.cases import CASES, MATMUL, ONCE, TRAINING, Case, Context, target_of
+from sft.bench.config import compose
+from sft.bench.device import missing, on_gpu, threads
 from sft.bench.report import breakdowns, hardware_ratios, print_report, write_partial
-from sft.bench.rows import multi_turn_rows, spread_rows, synthetic_rows
-from sft.bench.startup import startup_times
+from sft.bench.rows import multi_turn_rows, spread_rows
+from sft.bench.training import timed_training_overrides
 from sft.config.schema import ConfigError
 from sft.config.validate import check
 
-TARGETS = {  # ratio: (target, "min" if it must be at least the target, "max" if at most)
-    "sft_vs_raw": (0.95, "min"),
-    "overhead_vs_hf": (0.97, "min"),
-    "hard_sample_vs_ce": (0.97, "min"),
-    "packing_gain": (1.3, "min"),
-    "packing_gain_spread": (1.3, "min"),
-    "bf16_vs_fp32": (1.8, "min"),
-    "lora_vs_full": (1.25, "min"),
-    "hw_exec_ce": (0.80, "min"),
-    "hw_exec_ce_bf16": (0.60, "min"),
-    "ce_vs_trl": (1.0, "min"),
-    "packing_vs_trl_padding_free": (1.3, "min"),
-    "packing_vs_trl_best": (1.3, "min"),
-    "mfu_packing": (0.40, "min"),
-    "mfu_packing_full": (0.40, "min"),
-    "lean_vs_naive_loss_memory": (0.3, "max"),
-    "lean_vs_naive_loss_time": (1.3, "max"),
-    "preprocess_cached_speedup": (10.0, "min"),
-    "tokenize_vs_tokenizer": (0.9, "min"),
-    "scale_peak_rss_gb": (4.0, "max"),
-    "scale_cached_load_s": (10.0, "max"),
-    "startup_cfg_job_s": (1.0, "max"),
-    "startup_help_s": (1.0, "max"),
-    "startup_help_group_s": (1.0, "max"),
-    "startup_first_step_s": (5.0, "max"),
-    "checkpoint_rank0_vs_share": (1.0, "max"),
-    "stream_peak_rss_ratio": (1.2, "max"),
-}
+RESULT = "BENCH_RESULT "  # how a case's process prints its result: this, then one JSON line
 
 
-# --- the driver --------------------------------------------------------------------------------------
+# --- a case's process ----------------------------------------------------------------------------------------------
 
 
 def spawn(case: str, cfg, env: dict | None = None, processes: int = 1) -> dict:
     """Run one case in a fresh process (the same threads for every case), or in `processes` of them under torchrun
-    (the cores shared out); its result, or why it failed."""
-    from sft.bench.cases import run_case, threads
-
-    if not cfg.bench.isolate and processes == 1 and case in (*TRAINING_CASES, *EVAL_CASES, "long_rows"):
+    (the cores shared out); its result, or why it failed. `bench.isolate=false` runs an `inline` case in this one."""
+    if not cfg.bench.isolate and processes == 1 and CASES[case].inline:
         return json.loads(json.dumps(run_case(case, cfg)))  # in this process (as JSON, like a child's result)
     env = {"OMP_NUM_THREADS": str(max(1, threads(cfg) // processes)), **(env or {})}  # (the children share them too)
     launcher = [] if processes == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={processes}",
@@ -190,17 +156,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-BF16_CASES = ("ce_bf16", "ce_bf16_pure", "packing_pure", "packing_full", "matmul_bf16")
-MFU_CASES = ("packing", "packing_full")  # the pack's sft cases whose MFU has a target (`mfu_<case>`)
+def child(case: str, config_file: str) -> None:
+    """Entry of a case's process: run it, print its result as one JSON line."""
+    import logging
+
+    from sft.bench import config as bench_config
+    from sft.ranks import is_rank_zero
+
+    logging.basicConfig(level=logging.WARNING)
+    bench_config.register()
+    result = run_case(case, OmegaConf.load(config_file))
+    if is_rank_zero():  # several processes (long_rows' sequence parallelism): rank 0 reports
+        print(RESULT + json.dumps(result), flush=True)
 
 
-def trl_missing() -> str | None:
-    """Why the TRL cases cannot run here, or None."""
-    import importlib.util
+def run_case(case: str, cfg) -> dict:
+    """Run one case's function in this process (the same torch threads for every case on a CPU); its result."""
+    if not on_gpu():  # every case the same threads (launch.sh's runs: one per core) and allocator (as sft's runs)
+        import torch
 
-    if importlib.util.find_spec("trl") is None:
-        return "trl is not installed (pip install -e '.[bench]')"
-    return None
+        from sft.training.processes.distributed import reuse_freed_memory
+
+        torch.set_num_threads(threads(cfg))
+        reuse_freed_memory()
+    return CASES[case].run(case, cfg)
+
+
+# --- the driver ----------------------------------------------------------------------------------------------------
 
 
 def case_id(case: str, batch_size: int, first: int) -> str:
@@ -213,22 +195,51 @@ def paired(rounds: list[dict], ours: str, theirs: str, key: str = "tokens_per_se
     return [r[ours][key] / r[theirs][key] for r in rounds if ours in r and theirs in r]
 
 
-def training_ratios(rounds: list[dict], suffix: str) -> dict[str, list[float]]:
-    """Each ratio of `TRAINING_RATIOS` among the training cases of one batch size, per round (and peak memory
-    against TRL's cases)."""
+def pair_ratios(case: Case, rounds: list[dict], suffixes: list[str]) -> dict[str, list[float]]:
+    """Each ratio `case` feeds against another case, per round (a training case's at each batch size: `suffixes`);
+    `<name>_memory` beside those that ask for it."""
     ratios = {}
-    for name, (ours, theirs) in TRAINING_RATIOS.items():
-        if values := paired(rounds, ours + suffix, theirs + suffix):
-            ratios[name + suffix] = values
-            if theirs.startswith("trl") or name.startswith("lean_loss_gain"):  # what the lean loss saves, too
-                ratios[f"{name}_memory{suffix}"] = paired(rounds, ours + suffix, theirs + suffix, "peak_memory_gb")
+    for suffix in suffixes if case.kind == TRAINING else [""]:
+        ours = case.name + suffix
+        for name, ratio in case.ratios.items():
+            if ratio.versus is None or ours not in (rounds[0] if rounds else {}):
+                continue
+            if ratio.when is not None and not ratio.when(rounds[0][ours]):
+                continue
+            if values := paired(rounds, ours, ratio.versus + suffix, ratio.key):
+                ratios[name + suffix] = values
+                if ratio.memory:
+                    ratios[f"{name}_memory{suffix}"] = paired(rounds, ours, ratio.versus + suffix, "peak_memory_gb")
     return ratios
 
 
-def target_of(key: str):
-    """The target of a ratio; one measured at another batch size (`_b16`) has its base ratio's."""
-    base = key.rsplit("_b", 1)[0] if key.rsplit("_b", 1)[-1].isdigit() else key
-    return TARGETS.get(base)
+def available(names: list[str], report: dict) -> list[Case]:
+    """The cases of `names` this machine can run; each other one skipped, said in one line per reason."""
+    wanted, skipped = [], {}
+    for name in names:
+        case = CASES[name]
+        reason = next((why for need in case.needs if (why := missing(need))), None)
+        if reason:
+            skipped.setdefault(reason, []).append(name)
+            report["skipped"][name] = reason
+        else:
+            wanted.append(case)
+    for reason, cases in skipped.items():
+        print(f"skipping {', '.join(cases)}: {reason}", file=sys.stderr)
+    return wanted
+
+
+def jobs_of(case: Case, overrides: list[str], base, sizes: list[int], rows: dict[str, list[str]]) -> dict:
+    """What the rounds run for `case`: {its id: (its name, its config)}. A training case trains the timed steps at
+    each batch size of `sizes` on its rows (`rows`: the spread's, or the run's); the others run once with their
+    overrides."""
+    if case.kind != TRAINING:
+        return {case.name: (case.name, compose(overrides + list(case.overrides)) if case.overrides else base)}
+    b = base.bench
+    model = [f"model={b.full_model}"] if case.full_model and b.full_model else []
+    return {case_id(case.name, size, sizes[0]): (case.name, compose(
+        overrides + rows["spread" if case.spread else "run"] + model + list(case.overrides)
+        + timed_training_overrides(base) + [f"trainer.per_device_train_batch_size={size}"])) for size in sizes}
 
 
 def run_rounds(jobs: dict, b, report: dict, partial: Path | None = None) -> list[dict]:
@@ -273,179 +284,63 @@ def run_rounds(jobs: dict, b, report: dict, partial: Path | None = None) -> list
 
 
 def run_all(overrides: list[str], partial: Path | None = None) -> dict:
-    """Every case of `bench.cases`, interleaved and repeated; the raw numbers, medians and ratios (and, after each
-    case, the results so far in `partial`)."""
+    """Every case of `bench.cases`: those of the rounds interleaved and repeated, then those run once; the raw
+    numbers, medians and ratios (and, after each case of the rounds, the results so far in `partial`)."""
     base = compose(overrides)
     check(base)  # the bench's node and the training config it runs, as python -m sft.train checks them
     b = base.bench
     report: dict = {"overrides": overrides, "raw": {}, "cases": {}, "ratios": {}, "spread": {}, "rounds": [],
                     "skipped": {}, "failed": {}, "isolated": bool(base.bench.isolate)}
-    wanted = list(b.cases)
-    for group, reason in ((TRL_CASES, trl_missing()), (BF16_CASES, bf16_missing()), (GPU_CASES, gpu_missing()),
-                          (LIGER_CASES, liger_missing()), (FLASH_CASES, flash_missing())):
-        if reason and any(case in group for case in wanted):
-            print(f"skipping {', '.join(c for c in wanted if c in group)}: {reason}", file=sys.stderr)
-            report["skipped"].update({case: reason for case in wanted if case in group})
-            wanted = [case for case in wanted if case not in group]
-    jobs = {}  # case id -> (case, config)
-    batch_sizes = list(b.batch_sizes or [base.trainer.per_device_train_batch_size])
-    rows_dir = tempfile.TemporaryDirectory(prefix="sft-bench-rows-")
-    rows = []
-    if b.train_rows == "multi_turn":  # chats of about 300 tokens, as real fine-tuning data has them
-        multi_turn_rows(path := Path(rows_dir.name, "multi_turn.jsonl"), b.train_row_count)
-        rows = [f"data.train_file={path}"]
-    if any(case in SPREAD_CASES for case in wanted):
-        spread_rows(spread := Path(rows_dir.name, "spread.jsonl"), b.train_row_count)
-    for size in batch_sizes:
+    wanted = available(list(b.cases), report)
+    sizes = list(b.batch_sizes or [base.trainer.per_device_train_batch_size])
+    with tempfile.TemporaryDirectory(prefix="sft-bench-rows-") as rows_dir:
+        rows = {"run": [], "spread": []}
+        if b.train_rows == "multi_turn":  # chats of about 300 tokens, as real fine-tuning data has them
+            multi_turn_rows(path := Path(rows_dir, "multi_turn.jsonl"), b.train_row_count)
+            rows["run"] = [f"data.train_file={path}"]
+        if any(case.spread for case in wanted):
+            spread_rows(path := Path(rows_dir, "spread.jsonl"), b.train_row_count)
+            rows["spread"] = [f"data.train_file={path}"]
+        jobs = {}
         for case in wanted:
-            if case in TRAINING_CASES:
-                case_rows = [f"data.train_file={spread}"] if case in SPREAD_CASES else rows
-                model = [f"model={b.full_model}"] if case == "packing_full" and b.full_model else []
-                cfg = compose(overrides + case_rows + model + CASE_OVERRIDES[case] + timed_training_overrides(base)
-                              + [f"trainer.per_device_train_batch_size={size}"])
-                jobs[case_id(case, size, batch_sizes[0])] = (case, cfg)
-    evaluation = compose(overrides + ["loss=ce", "trainer.report_to=[]", "trainer.disable_tqdm=true"])
-    jobs.update({case: (case, evaluation) for case in wanted if case in EVAL_CASES})
-    jobs.update({case: (case, base) for case in wanted if case in (*LOSS_CASES, *LOSS_KERNEL_CASES, *MATMUL_CASES)})
-    with rows_dir:
+            if case.kind != ONCE:
+                jobs.update(jobs_of(case, overrides, base, sizes, rows))
         rounds = run_rounds(jobs, b, report, partial) if jobs else []
+    cases = report["cases"]
     for name in (name for name in jobs if name not in report["failed"]):
         runs = [r[name] for r in rounds]
         report["raw"][name] = runs
-        report["cases"][name] = {key: statistics.median(run[key] for run in runs)
-                                 for key in runs[0] if isinstance(runs[0][key], (int, float))}
-    cases, per_round = report["cases"], {}
-    for size in batch_sizes:
-        per_round.update(training_ratios(rounds, case_id("", size, batch_sizes[0])))
-    per_round.update(hardware_ratios(rounds, cases))
-    for case in MFU_CASES:  # known where the peak is (a GPU the table names, or throughput.peak_tflops)
-        if "mfu" in cases.get(case, {}):
-            per_round[f"mfu_{case}"] = [r[case]["mfu"] for r in rounds if case in r]
-            per_round[f"mfu_6n_{case}"] = [r[case]["mfu_6n"] for r in rounds if case in r]
+        cases[name] = {key: statistics.median(run[key] for run in runs)
+                       for key in runs[0] if isinstance(runs[0][key], (int, float))}
+    suffixes = [case_id("", size, sizes[0]) for size in sizes]
+    per_round = {}
+    for case in wanted:
+        per_round.update(pair_ratios(case, rounds, suffixes))
+    per_round.update(hardware_ratios(rounds, cases, [case.name for case in wanted if case.kind == MATMUL]))
+    for case in wanted:  # MFU, where the GPU's peak is known (the table's, or throughput.peak_tflops)
+        if f"mfu_{case.name}" in case.ratios and "mfu" in cases.get(case.name, {}):
+            per_round[f"mfu_{case.name}"] = [r[case.name]["mfu"] for r in rounds if case.name in r]
+            per_round[f"mfu_6n_{case.name}"] = [r[case.name]["mfu_6n"] for r in rounds if case.name in r]
     breakdowns(rounds, cases)
-    if all(case in cases for case in EVAL_CASES):
-        per_round["eval_vs_hf_time"] = paired(rounds, "eval_sft", "eval_hf", "seconds_per_1000_rows")
-    if all(case in cases for case in LOSS_CASES):
-        per_round["lean_vs_naive_loss_memory"] = paired(rounds, "loss_lean", "loss_naive", "peak_memory_gb")
-        per_round["lean_vs_naive_loss_time"] = paired(rounds, "loss_lean", "loss_naive", "seconds")
-    for case, kernel in LOSS_KERNEL_CASES.items():  # a kernel not usable here ran another: no ratio in its name
-        if case in cases and "loss_naive" in cases and report["raw"][case][0]["impl"] == kernel:
-            per_round[f"{kernel}_vs_naive_loss_memory"] = paired(rounds, case, "loss_naive", "peak_memory_gb")
-            per_round[f"{kernel}_vs_naive_loss_time"] = paired(rounds, case, "loss_naive", "seconds")
-    ratios = report["ratios"]
     for key, values in per_round.items():
-        ratios[key] = statistics.median(values)
+        report["ratios"][key] = statistics.median(values)
         report["spread"][key] = [min(values), max(values)]
-    if "preprocess" in b.cases:
-        with tempfile.TemporaryDirectory(prefix="sft-bench-preprocess-") as tmp:
-            env = {"SFT_CACHE": str(Path(tmp, "cache"))}  # cold: nothing cached yet
-            few, rows = Path(tmp, "few.jsonl"), Path(tmp, "rows.jsonl")
-            synthetic_rows(few, 10)
-            synthetic_rows(rows, b.preprocess_rows)
-            # Untimed: builds the tiny model (the tokenizer) into the fresh cache, on 10 rows.
-            spawn("preprocess", compose(overrides + [f"data.train_file={few}", "data.eval_file=null"]), env)
-            cfg = compose(overrides + [f"data.train_file={rows}", "data.eval_file=null"])
-            cold = spawn("preprocess", cfg, env)
-            warm = spawn("preprocess", cfg, env)
-        cases["preprocess"] = {"rows": cold["rows"], "first_s": cold["seconds"], "cached_s": warm["seconds"]}
-        ratios["preprocess_cached_speedup"] = cold["seconds"] / warm["seconds"]
-    multi_turn = ["data.eval_file=null", "data.max_length=1024"]
-    if "tokenize" in b.cases:
-        with tempfile.TemporaryDirectory(prefix="sft-bench-tokenize-") as tmp:
-            multi_turn_rows(rows := Path(tmp, "rows.jsonl"), b.tokenize_rows)
-            # one core each: the tokenizer's own threads would blur the per-row comparison
-            tokenized = spawn("tokenize", compose(overrides + multi_turn + [f"data.train_file={rows}"]),
-                              {"TOKENIZERS_PARALLELISM": "false"})
-        cases["tokenize"] = tokenized
-        # sft's rows/s over: the tokenizer's own chat path (rendering and encoding, the least any labelling does:
-        # the target), the encoding of texts rendered beforehand (no chat work at all), sft 0.1's labelling
-        for ratio, versus in (("tokenize_vs_tokenizer", "vs_chat"), ("tokenize_vs_encode", "vs_tokenizer"),
-                              ("tokenize_vs_baseline", "vs_baseline")):
-            values = tokenized["round_ratios"][versus]
-            ratios[ratio], report["spread"][ratio] = statistics.median(values), [min(values), max(values)]
-    if "scale" in b.cases:
-        with tempfile.TemporaryDirectory(prefix="sft-bench-scale-") as tmp:
-            env = {"SFT_CACHE": str(Path(tmp, "cache"))}
-            few, rows = Path(tmp, "few.jsonl"), Path(tmp, "rows.jsonl")
-            multi_turn_rows(few, 10)
-            multi_turn_rows(rows, b.scale_rows)
-            spawn("preprocess", compose(overrides + multi_turn + [f"data.train_file={few}"]), env)  # the tiny model
-            cfg = compose(overrides + multi_turn + [f"data.train_file={rows}"])
-            cold = spawn("scale", cfg, env)
-            warm = spawn("scale", cfg, env)
-            for n in b.scale_processes or []:  # each into a fresh cache of its own
-                run = spawn("scale", compose(overrides + multi_turn + [f"data.train_file={rows}",
-                                                                       f"data.num_proc={n}"]),
-                            {"SFT_CACHE": str(Path(tmp, f"cache-{n}"))})
-                ratios[f"scale_rows_per_second_{n}p"] = b.scale_rows / run["seconds"]
-        cases["scale"] = {"rows": cold["rows"], "rows_per_second": b.scale_rows / cold["seconds"],
-                          "first_s": cold["seconds"], "peak_rss_gb": cold["peak_rss_gb"],
-                          "worker_peak_rss_gb": cold["worker_peak_rss_gb"], "cached_s": warm["seconds"],
-                          "cached_peak_rss_gb": warm["peak_rss_gb"]}
-        ratios["scale_peak_rss_gb"] = max(cold["peak_rss_gb"], cold["worker_peak_rss_gb"])
-        ratios["scale_cached_load_s"] = warm["seconds"]
-    if "checksums" in b.cases:
-        cases["checksums"] = c = spawn("checksums", base)
-        ratios["checksum_cached_gb_per_s"] = c["gb"] / c["cached_s"]
-        if c["disk_s"] is not None:
-            ratios["checksum_disk_gb_per_s"] = c["gb"] / c["disk_s"]
-    if "long_rows" in b.cases:
-        cases["long_rows"] = long_rows(overrides, base)
-    if "stream" in b.cases:
-        with tempfile.TemporaryDirectory(prefix="sft-bench-stream-") as tmp:
-            results = {}
-            for n in b.stream_rows:
-                synthetic_rows(rows := Path(tmp, f"rows-{n}.jsonl"), n)
-                results[n] = spawn("stream", compose(overrides + [f"data.train_file={rows}", "data.eval_file=null",
-                                                                  "data.streaming=true", "trainer.max_steps=1"]))
-                rows.unlink()
-        cases["stream"] = {str(n): r for n, r in results.items()}
-        small, large = min(results), max(results)
-        ratios["stream_peak_rss_ratio"] = results[large]["peak_rss_gb"] / results[small]["peak_rss_gb"]
-        ratios["stream_sequences_per_second"] = results[large]["sequences"] / results[large]["seconds"]
-    if "checkpoint_memory" in b.cases:
-        cases["checkpoint_memory"] = c = run_checkpoint_memory(overrides, b.case_timeout_s, free_port)
-        # rank 0's peak above its step's, saving sharded, over its share of the checkpoint; and gathered over sharded
-        ratios["checkpoint_rank0_vs_share"] = c["sharded"]["rank_mib"][0] / c["share_mib"]
-        ratios["checkpoint_rank0_gathered_mib"] = c["gathered"]["rank_mib"][0]
-        ratios["checkpoint_rank0_sharded_mib"] = c["sharded"]["rank_mib"][0]
-    if "startup" in b.cases:
-        ratios.update(startup_times(b.startup_repeats))
+    context = Context(overrides, base, compose, spawn, free_port)
+    for case in wanted:  # a driver's figure is one reading, or its rounds' (a list: the median, with their spread)
+        if case.kind == ONCE:
+            figures, ratios = case.drive(context)
+            if figures:
+                cases[case.name] = figures
+            for key, value in ratios.items():
+                report["ratios"][key] = statistics.median(value) if isinstance(value, list) else value
+                if isinstance(value, list):
+                    report["spread"][key] = [min(value), max(value)]
     report["targets"] = {}
-    for key, value in ratios.items():
+    for key, value in report["ratios"].items():
         if (target := target_of(key)) is not None:
             t, kind = target
             report["targets"][key] = {"target": t, "kind": kind, "met": value >= t if kind == "min" else value <= t}
     return report
-
-
-def long_rows(overrides: list[str], base) -> dict:
-    """Each length of `b.long_row_lengths` in one packed row per step, plain, with activation checkpointing, with
-    tiled MLPs too and (on a GPU) offloaded checkpoints too, each in a process of its own:
-    {variant: {length: result}}."""
-    import torch
-
-    b = base.bench
-    timed = [o for o in timed_training_overrides(base) if not o.startswith(("trainer.max_steps=",
-                                                                             "trainer.logging_steps="))]
-    gpus = torch.cuda.device_count()
-    variants = [v for v in LONG_ROW_VARIANTS if v in b.long_row_variants
-                and (v != "offloaded" or gpus) and (not gpus or gpus >= LONG_ROW_PROCESSES.get(v, 1))]
-    results: dict = {variant: {} for variant in variants}
-    with tempfile.TemporaryDirectory(prefix="sft-bench-long-rows-") as tmp:
-        for length in b.long_row_lengths:
-            rows = Path(tmp, f"rows-{length}.jsonl")  # chats of about 150 tokens a turn, cut to the length
-            multi_turn_rows(rows, b.long_row_steps + 1, turns=length // 100 + 1)
-            for variant in variants:
-                print(f"[long_rows] {variant} {length} tokens ...", file=sys.stderr, flush=True)
-                extra = [o.format(tile=b.long_row_tile_tokens) for o in LONG_ROW_VARIANTS[variant]]
-                cfg = compose(overrides + [f"data.train_file={rows}", "data.eval_file=null", f"data.max_length={length}",
-                                           "data.packing=true", "loss=ce", "trainer.per_device_train_batch_size=1",
-                                           "trainer.gradient_accumulation_steps=1", *timed,
-                                           f"trainer.max_steps={b.long_row_steps + 1}", "trainer.logging_steps=1",
-                                           "trainer.train_sampling_strategy=sequential", *extra])
-                results[variant][str(length)] = spawn("long_rows", cfg, processes=LONG_ROW_PROCESSES.get(variant, 1))
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,12 +10,13 @@ import tempfile
 import time
 
 
-def startup_times(repeats: int) -> dict[str, float]:
-    """Each start-up's median wall time over `repeats` runs, in seconds, by its ratio's name."""
-    return {"startup_cfg_job_s": startup_seconds("--cfg", "job", repeats=repeats),
-            "startup_help_s": startup_seconds("--help", repeats=repeats),
-            "startup_help_group_s": startup_seconds("--help", "loss", "loss=focal", repeats=repeats),
-            "startup_first_step_s": first_step_seconds(repeats)}
+def drive_startup(context) -> tuple[dict, dict[str, float]]:
+    """Each start-up's median wall time over `bench.startup_repeats` runs, in seconds, by its ratio's name."""
+    repeats = context.base.bench.startup_repeats
+    return {}, {"startup_cfg_job_s": startup_seconds("--cfg", "job", repeats=repeats),
+                "startup_help_s": startup_seconds("--help", repeats=repeats),
+                "startup_help_group_s": startup_seconds("--help", "loss", "loss=focal", repeats=repeats),
+                "startup_first_step_s": first_step_seconds(repeats)}
 
 
 def startup_seconds(*args: str, repeats: int = 5) -> float:

@@ -61,7 +61,7 @@ def compare(run: str, rows_file: str, merged: str | None = None, max_new_tokens:
     from hydra.utils import instantiate
 
     from sft.config.registry import register
-    from sft.data.rows import read_jsonl
+    from sft.data.rows.reading import read_jsonl
     from sft.model.merge import run_config
 
     register()
@@ -101,7 +101,7 @@ def table(rows: list[dict], before: Answers, after: Answers) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from sft.config.schema import ConfigError
-    from sft.data.rows import DataError
+    from sft.data.rows.reading import DataError
 
     argv = sys.argv[1:] if argv is None else argv
     try:

@@ -50,7 +50,7 @@ def stretches(tokenizer, input_ids: list[int], weights: list[float]) -> list[tup
 
 def show(tokenizer, row: dict, file: str, color: bool) -> str:
     """One sequence as the model reads it, its trained stretches marked with their weight."""
-    from sft.data.collator import WeightedDataCollator
+    from sft.data.tokens.collator import WeightedDataCollator
 
     weights = WeightedDataCollator(tokenizer)([row])["weights"][0]  # exactly what the trainer gets
     trained = int((weights > 0).sum())
@@ -69,7 +69,7 @@ def show(tokenizer, row: dict, file: str, color: bool) -> str:
 
 
 def totals(split: str, summary) -> str:
-    """A split's counts (`sft.data.preprocess.SplitSummary`) in one paragraph."""
+    """A split's counts (`sft.data.splits.preprocess.SplitSummary`) in one paragraph."""
     share = 100 * summary.trained_tokens / max(summary.tokens, 1)
     reweighted = (f", {summary.reweighted_tokens:,} of them reweighted by the loss's token weights"
                   if summary.reweighted_tokens else "")
@@ -87,7 +87,7 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     from sft.config.schema import ConfigError
     from sft.config.validate import check
     from sft.data.load import load_sft_datasets
-    from sft.data.rows import DataError
+    from sft.data.rows.reading import DataError
     from sft.loss.base import build_loss
     from sft.training.arguments import has_eval_data
 
@@ -122,9 +122,9 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
 
 
 def template(tokenizer, prefill: str) -> str:
-    """What the chat template does around an answer (`sft.data.templates.TemplateProfile`), in one paragraph."""
-    from sft.data.templates import ChatRenderer
-    from sft.data.chat_settings import chat_settings
+    """What the chat template does around an answer (`sft.data.chat.template.TemplateProfile`), in one paragraph."""
+    from sft.data.chat.settings import chat_settings
+    from sft.data.chat.template import ChatRenderer
 
     settings, profile = chat_settings(tokenizer), ChatRenderer(tokenizer).profile
     own = ", and the template's own end of turn" if profile.end_of_turn else ""
@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import ConfigCompositionException, InstantiationException
     from omegaconf.errors import OmegaConfBaseException
 
-    from sft.config.schema import ConfigError
-    from sft.data.rows import DataError
     from sft.commands.train import fail
+    from sft.config.schema import ConfigError
+    from sft.data.rows.reading import DataError
 
     parser = argparse.ArgumentParser(prog="sft inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=3, help="sequences to show (default 3)")

@@ -50,7 +50,7 @@ def fail(message: str, code: int = 2) -> None:
 def main(cfg: DictConfig) -> float | None:
     from hydra.errors import InstantiationException
 
-    from sft.data.rows import DataError
+    from sft.data.rows.reading import DataError
     from sft.training.processes.slurm import SlurmJob
     from sft.training.step.preemption import PREEMPTED_EXIT_CODE, Preempted
 

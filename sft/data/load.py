@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sft.data.formats import RowFormat
-from sft.data.mixture import Part, draw_counts, drawn_sequences, log_mixture, parts_of
-from sft.data.preprocess import (SplitSummary, data_hash, log_template_profile, preprocessing_identity, reasoning_hint,
-                                 tokenized_split)
-from sft.data.rows import DataError, report_rejected, scan_source
-from sft.data.sources import SourceError
-from sft.data.spec import DataSpec
-from sft.data.split import column, row_keys
-from sft.data.weights import require_scores, scores_used_by, with_static_weights
 from sft import ranks
+from sft.data.rows.formats import RowFormat
+from sft.data.rows.reading import DataError, report_rejected, scan_source
+from sft.data.rows.sources import SourceError
+from sft.data.spec import DataSpec
+from sft.data.splits.mixture import Part, draw_counts, drawn_sequences, log_mixture, parts_of
+from sft.data.splits.preprocess import (SplitSummary, data_hash, log_template_profile, preprocessing_identity,
+                                        reasoning_hint, tokenized_split)
+from sft.data.tokens.columns import column, row_keys
+from sft.data.tokens.weights import require_scores, scores_used_by, with_static_weights
 
 if TYPE_CHECKING:
     import datasets
@@ -34,7 +34,7 @@ class SFTData:
     identity: dict  # what decides the data, part by part: sources' contents, settings, tokenizer (load_sft_datasets)
     spec: DataSpec  # what it was loaded from
     summary: dict[str, SplitSummary] = field(default_factory=dict)  # by split: train, eval
-    parts: list[Part] = field(default_factory=list)  # the sources, by the rows' `source` number (sft.data.mixture)
+    parts: list[Part] = field(default_factory=list)  # the sources, by the rows' `source` number (sft.data.splits.mixture)
 
     @property
     def data_hash(self) -> str:
@@ -66,7 +66,7 @@ class SFTData:
 
     def eval_rows(self) -> list[dict]:
         """The eval rows that the run evaluates on (those kept: valid, labelled, with a score where the run needs
-        one), as validation reads them (`sft.data.rows.scan_source`): of the eval file, or of every eval source of
+        one), as validation reads them (`sft.data.rows.reading.scan_source`): of the eval file, or of every eval source of
         a mixture, in its order."""
         kept = set(row_keys(self.eval)) if self.eval is not None else set()
         rows = []
@@ -92,7 +92,7 @@ def load_sft_datasets(spec: DataSpec, tokenizer, loss=None, scores_needed_by: li
     reports the others (`report_rejected`, into `rejected_file`). `scores_needed_by`: what in the run uses
     `difficulty_score` (by default the loss, where it reads it: `loss.reads_difficulty_score`); a row without a
     score is refused only then. A mixture (`spec.mixture`) draws several sources into one training split
-    (`sft.data.mixture`), each row numbered by its source in a `source` column.
+    (`sft.data.splits.mixture`), each row numbered by its source in a `source` column.
     """
     if scores_needed_by is None:
         scores_needed_by = scores_used_by(loss)
@@ -104,8 +104,7 @@ def load_sft_datasets(spec: DataSpec, tokenizer, loss=None, scores_needed_by: li
               "prefill": str(spec.prefill)}
     if token_weights is not None:
         shared["token_weights"] = loss.token_weight_identity()
-    from sft.data.streaming import identity as stream_identity
-    from sft.data.streaming import stream, stream_files
+    from sft.data.splits.streaming import identity as stream_identity, stream, stream_files
 
     try:
         parts = parts_of(spec)
@@ -166,7 +165,7 @@ def _numbered(ds: datasets.Dataset, number: int) -> datasets.Dataset:
 
 
 def _mixed(parts: list[Part], splits: list[datasets.Dataset], seed: int) -> datasets.Dataset:
-    """The training split of a mixture: each source's rows drawn as its ratio or epochs say (`sft.data.mixture`)."""
+    """The training split of a mixture: each source's rows drawn as its ratio or epochs say (`sft.data.splits.mixture`)."""
     lines = [np.asarray(column(ds, "source_line")) for ds in splits]
     sizes = [len(np.unique(x)) for x in lines]
     counts = draw_counts(sizes, [p.ratio for p in parts], [p.epochs for p in parts])

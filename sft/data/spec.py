@@ -1,6 +1,6 @@
 """The data stage's config: `DataSpec`, the `data` node, passed whole to `sft.data.load.load_sft_datasets`; the
 files' columns (`ColumnsConfig`), a mixture's sources (`MixtureSourceConfig`), the labelling knobs
-(`Labelling`, what `sft.data.labels.tokenize_batch` and `sft.data.turns.chat_views` take) and the collator's
+(`Labelling`, what `sft.data.tokens.labels.tokenize_batch` and `sft.data.chat.turns.chat_views` take) and the collator's
 (`CollatorConfig`). Imports nothing heavy: the config is composed and checked before anything is built.
 """
 
@@ -15,7 +15,7 @@ from typing import List, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from sft.config.schema import Choice, ConfigError, Schema, config_schema, knob
-from sft.data.formats import FORMATS
+from sft.data.rows.formats import FORMATS
 
 Format = Choice("Format", [(f, f) for f in FORMATS])
 
@@ -61,7 +61,7 @@ class Labelling:
 
 @dataclass
 class ColumnsConfig(Schema):
-    """The file's column for a field of its format (`sft.data.formats.FIELDS`) where the names differ: null is the
+    """The file's column for a field of its format (`sft.data.rows.formats.FIELDS`) where the names differ: null is the
     field's own name (`score`: `difficulty_score`). `data.columns.messages=convs data.columns.score=difficulty`.
     `system` and `tools` are columns of every format; `prompt`, `query` and `response` also name Alpaca's
     instruction, input and output (LLaMA-Factory's dataset_info.json names)."""
@@ -117,8 +117,8 @@ class MixtureSourceConfig(Schema):
 
 
 def _check_source(node: Schema, key: str) -> None:
-    """`node.<key>` names a source that exists (`sft.data.sources.Source`: a file, glob, folder or hub id)."""
-    from sft.data.sources import Source, SourceError
+    """`node.<key>` names a source that exists (`sft.data.rows.sources.Source`: a file, glob, folder or hub id)."""
+    from sft.data.rows.sources import Source, SourceError
 
     path = getattr(node, key)
     if path is None:
@@ -154,7 +154,7 @@ class DataSpec(Schema):
     prefill: Prefill = knob(Prefill.refuse, "a generation prompt that prefills what an answer does not begin with "
                             "(<think>\\n of DeepSeek-R1 distills, QwQ): refuse (the row, naming it) | after (train the "
                             "answer after the prefill, as the model answers) | drop (as the template renders it)")
-    format: Format = knob(Format.auto, "the files' row format (sft.data.formats): auto (from the first row's "
+    format: Format = knob(Format.auto, "the files' row format (sft.data.rows.formats): auto (from the first row's "
                           "columns) | messages | sharegpt | alpaca | prompt_completion")
     columns: ColumnsConfig = knob(help="the file's column for a format's field: data.columns.score=difficulty",
                                   factory=ColumnsConfig)
@@ -165,11 +165,11 @@ class DataSpec(Schema):
     hub_revision: Optional[str] = knob(None, "a commit, tag or branch of the hub dataset: pin it for a reproducible "
                                        "run")
     mixture: List[MixtureSourceConfig] = knob(help="several sources in place of train_file/eval_file "
-                                              "(sft.data.mixture), each with its own format, columns, share, task "
+                                              "(sft.data.splits.mixture), each with its own format, columns, share, task "
                                               "and loss weight", factory=list)
     mixture_seed: int = knob(0, "seeds the mixture's draw")
     streaming: bool = knob(False, "read the train rows as they are trained (local .jsonl/.parquet files of any size, "
-                           "sft.data.streaming): in file order, split over the ranks by file; needs trainer.max_steps")
+                           "sft.data.splits.streaming): in file order, split over the ranks by file; needs trainer.max_steps")
 
     def labelling(self) -> Labelling:
         return Labelling(self.max_length, str(self.overlong), str(self.rewritten_turns), str(self.prefill))
@@ -224,9 +224,9 @@ class DataSpec(Schema):
 
 @dataclass
 class CollatorConfig(Schema):
-    """The collator (`sft.data.collator.WeightedDataCollator`)."""
+    """The collator (`sft.data.tokens.collator.WeightedDataCollator`)."""
 
-    _target_: str = "sft.data.collator.WeightedDataCollator"
+    _target_: str = "sft.data.tokens.collator.WeightedDataCollator"
     pad_to_multiple_of: Optional[int] = knob(None, "pad padded batches to a multiple of it (8 or 64 on a GPU)")
     packing: bool = knob("${data.packing}",  # type: ignore[arg-type]
                          "each micro-batch as one packed row (data.packing)")

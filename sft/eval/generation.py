@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from sft.config.schema import Choice, Schema, config_schema, knob
-from sft.data.templates import prompt_text, stop_token_ids
+from sft.data.chat.template import prompt_text, stop_token_ids
 
 
 class Buckets(Choice):
@@ -39,7 +39,7 @@ log = logging.getLogger("sft")
 
 
 def bucket_rows(rows: list[dict], bucket_edges: list[float], max_rows: int) -> dict[int, list[dict]]:
-    """The eval rows (`sft.data.rows.read_jsonl`'s) of each non-empty difficulty bucket (bucket k: scores from edge
+    """The eval rows (`sft.data.rows.reading.read_jsonl`'s) of each non-empty difficulty bucket (bucket k: scores from edge
     k-1 up to edge k), in their order, at most `max_rows` each; a row without a score counts as 0."""
     buckets: dict[int, list[dict]] = {}
     for r in rows:
@@ -50,7 +50,7 @@ def bucket_rows(rows: list[dict], bucket_edges: list[float], max_rows: int) -> d
 def greedy_answers(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 32,
                    synced_gpus: bool = False) -> list[str]:
     """Each row's greedy answer to its chat up to the last assistant turn, prompted as the labelling renders it
-    (`sft.data.templates.prompt_text`) and ended by the tokens answers are trained to end with (left-padded
+    (`sft.data.chat.template.prompt_text`) and ended by the tokens answers are trained to end with (left-padded
     batches; the model's train/eval mode and the tokenizer's padding side are restored), special tokens left out."""
     return [tokenizer.decode(ids, skip_special_tokens=True)
             for ids in greedy_ids(model, tokenizer, rows, max_new_tokens, batch_size, synced_gpus)]

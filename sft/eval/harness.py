@@ -107,7 +107,7 @@ class EvalHarness(Schema):
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
 
-        from sft.data.chat_settings import chat_settings
+        from sft.data.chat.settings import chat_settings
 
         started = time.perf_counter()
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA layers stay in it

@@ -100,7 +100,7 @@ class EvalGeneration(Schema):
 
     def choose(self, rows: list[dict], bucket_edges: list[float]) -> None:
         """Fix the prompts for the whole run (a resumed run chooses the same ones) among the eval rows (as
-        `sft.data.rows.read_jsonl` reads them)."""
+        `sft.data.rows.reading.read_jsonl` reads them)."""
         self.rows = spread_over_buckets(rows, bucket_edges, self.prompts)
 
     def due(self) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from sft.data.templates import ChatRenderer, Refused
+from sft.data.chat.template import ChatRenderer, Refused
 
 _NAME = "probe_tool"
 _ARGUMENTS = {"probe_arg": "probe value"}

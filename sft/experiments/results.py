@@ -23,7 +23,7 @@ from sft.ranks import is_rank_zero
 FILE = "results.json"
 EVAL_ROWS = "eval_rows.jsonl"  # the final evaluation, one line per eval sequence (see write_eval_rows)
 BUCKET = "eval_loss_bucket_"
-TASK_METRICS = ("eval_loss_task_", "eval_ce_task_")  # a mixture's per-task eval metrics (sft.data.mixture)
+TASK_METRICS = ("eval_loss_task_", "eval_ce_task_")  # a mixture's per-task eval metrics (sft.data.splits.mixture)
 # the final evaluation's generation metrics (sft.eval.samples), exact match per bucket (sft.eval.generation) and
 # benchmark scores (sft.eval.harness), as logged
 EVAL_EXTRA = ("eval_gen/", "eval_exact/", "eval_harness/")

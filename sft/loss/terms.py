@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from sft.data.batch import IGNORE_INDEX, sample_index
+from sft.data.tokens.batch import IGNORE_INDEX, sample_index
 from sft.loss.logits import LogitTransform
 
 
@@ -35,7 +35,7 @@ def select_targets(labels: torch.Tensor, weights: torch.Tensor, position_ids: to
     """The assistant tokens and the positions that predict them (position t predicts label t+1).
 
     Without `position_ids` every row is one sample; with them (a packed batch) each packed sample is one
-    (`sft.data.batch.sample_index`).
+    (`sft.data.tokens.batch.sample_index`).
     """
     shifted = labels[:, 1:]
     rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)

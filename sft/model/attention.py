@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sft.data.batch import packed_bounds, packed_slots
+from sft.data.tokens.batch import packed_bounds, packed_slots
 
 NAME = "sdpa_varlen"
 

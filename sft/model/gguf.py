@@ -28,8 +28,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from sft.cache import building, cache_dir
 from sft.config.schema import ConfigError
-from sft.data.cache import building, cache_dir
 from sft.files import in_package
 from sft.model.packages import ON_DEMAND, ensure
 

@@ -165,7 +165,7 @@ def converter(llama_cpp: str | None = None) -> Path:
     """llama.cpp's `convert_hf_to_gguf.py`: in the checkout `llama_cpp`, else in the sft cache, fetched there once
     from llama-cpp-python's source distribution (pip download, then only the converter, its `conversion` package and
     its `gguf-py` taken out of it)."""
-    from sft.data.cache import cache_dir
+    from sft.cache import cache_dir
 
     if llama_cpp is not None:
         script = Path(llama_cpp) / "convert_hf_to_gguf.py"

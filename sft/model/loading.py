@@ -20,8 +20,8 @@ from typing import Any, Dict, List, Optional
 
 from filelock import FileLock
 
+from sft.cache import building, cache_dir
 from sft.config.schema import Choice, Schema, config_schema, cuda_available, installed, knob
-from sft.data.cache import building, cache_dir
 from sft.files import in_package
 from sft.model.tokenizer_ids import IdsFrom
 
@@ -279,14 +279,14 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None, trust_re
                    gguf_file: str | None = None, ids_from: str = "checked"):
     """Load a tokenizer for training: right padding, a pad token, a chat template (`chat_template`: its Jinja text,
     or the path of a `.jinja` file holding it, as llama.cpp keeps them), and the settings the labelling reads
-    (`sft.data.chat_settings.configure_chat`): the template's kwargs and the model's stop tokens (those of its
+    (`sft.data.chat.settings.configure_chat`): the template's kwargs and the model's stop tokens (those of its
     `generation_config.json` and the tokenizer's eos; `stop_tokens` replaces them). `gguf_file`: the tokenizer of
     that GGUF file (`resolve`). `ids_from`: the class's ids checked against the dir's own `tokenizer.json`, or either
     taken (`sft.model.tokenizer_ids`)."""
     from transformers import AutoTokenizer
 
     from sft.config.schema import ConfigError
-    from sft.data.chat_settings import configure_chat
+    from sft.data.chat.settings import configure_chat
     from sft.model.tokenizer_ids import check_ids, load_file_tokenizer
 
     path = resolve(name_or_path, gguf_file)

@@ -64,7 +64,7 @@ def ensure(package: OnDemand) -> str | None:
         return "SFT_NO_INSTALL=1 is set"
     from filelock import FileLock
 
-    from sft.data.cache import cache_dir
+    from sft.cache import cache_dir
 
     cache_dir().mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache_dir() / f"install-{package.module}.lock")):

@@ -29,7 +29,7 @@ import re
 
 import torch
 
-from sft.data.batch import packed_bounds, packed_slots
+from sft.data.tokens.batch import packed_bounds, packed_slots
 
 log = logging.getLogger("sft")
 

@@ -3,7 +3,7 @@ template's arguments the model was trained with.
 
 A model that is trained to end its answers with a token its server does not stop at rambles on (a base model's
 `<|endoftext|>` eos under a ChatML template whose turns end `<|im_end|>`). `set_generation_stops` makes the model's
-generation config stop at every token an answer is trained to end with (`sft.data.templates.stop_token_ids`: the
+generation config stop at every token an answer is trained to end with (`sft.data.chat.template.stop_token_ids`: the
 model's stop tokens and the template's own end of turn), so that `generation_config.json`, saved with a full model,
 beside a LoRA adapter and into a merged model (`sft.model.merge`), says so to vLLM, SGLang, TGI and `generate`.
 
@@ -34,7 +34,7 @@ def eos_ids(generation_config) -> list[int]:
 def set_generation_stops(model, tokenizer) -> list[int]:
     """Add every token an answer is trained to end with to the eos ids of `model`'s generation config (the base
     model's, under a PEFT wrapper); return the ids, logging those added."""
-    from sft.data.templates import stop_token_ids
+    from sft.data.chat.template import stop_token_ids
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.generation_config
@@ -71,9 +71,8 @@ def chat_defaults_saved(tokenizer):
     """While a model is saved: the tokenizer's chat template with the run's `chat_template_kwargs` as its defaults
     (`template_with_defaults`), so that the saved tokenizer renders prompts as training did; the template in memory
     is put back after. Nothing changes where there are no kwargs."""
-    from sft.data.chat_settings import chat_settings
-
     from sft.config.secrets import is_secret
+    from sft.data.chat.settings import chat_settings
 
     kwargs, template = chat_settings(tokenizer).kwargs, tokenizer.chat_template
     if secrets := sorted(k for k in kwargs if is_secret(k)):  # never written into the saved template in clear

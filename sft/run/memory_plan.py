@@ -165,52 +165,54 @@ def largest_budget(fits, least: int, whole: int) -> int | None:
     return low
 
 
-def fit_step_in_memory(cfg: DictConfig, args, model, loss, train, pad_to_multiple_of: int | None) -> int | None:
-    """The plan of `cfg` for `model` and the training split `train`, logged and put into `args` (the micro-batch's
-    rows, the accumulation, the checkpointing), before the trainer is built from them; returns the tokens of a
-    packed micro-batch's pieces for the trainer (None: whole). On a GPU the model is moved there first (the plain
-    Trainer would), as the activations are measured where they will be held."""
+def fit_step_in_memory(trainer: DictConfig, data, args, model, loss, train, pad_to_multiple_of: int | None,
+                       engine: str | None = None) -> int | None:
+    """The plan of the `trainer` section (its activation checkpointing, memory limit and micro-batch knobs) for
+    `model` and the training split `train` of the `data` section (`packing`, `max_length`), logged and put into `args`
+    (the micro-batch's rows, the accumulation, the checkpointing), before the trainer is built from them; returns the
+    tokens of a packed micro-batch's pieces for the trainer (None: whole). None planned under an `engine` that shards
+    the step (DeepSpeed, FSDP2, sequence parallelism: `sft.run.build.sharding_engine`). On a GPU the model is moved
+    there first (the plain Trainer would), as the activations are measured where they will be held."""
     import torch
 
     from sft.loss.kernels import choose_impl
     from sft.loss.logits import router_aux_loss_coef
     from sft.model.memory import footprint
-    from sft.training.processes.sequence_parallel import sequence_parallel_size
     from sft.training.step.micro_batches import refusal as pieces_refusal
 
-    asked = cfg.trainer.activation_checkpointing
-    if cfg.deepspeed or cfg.fsdp is not None or sequence_parallel_size(cfg) > 1:
+    asked = trainer.activation_checkpointing
+    if engine is not None:
         if asked is None:
             log.info("activation checkpointing: off (trainer.activation_checkpointing=null chooses it from the "
-                     "memory estimate, which DeepSpeed, FSDP2 and sequence parallelism do not have: set it)")
-        return cfg.trainer.micro_batch_tokens
+                     "memory estimate, which %s does not have: set it)", engine)
+        return trainer.micro_batch_tokens
     on_gpu = args.device.type == "cuda"
     if on_gpu and next(model.parameters()).device.type == "cpu":
         model.to(args.device)
     impl = choose_impl(loss.impl, vocab_size=model.config.vocab_size, on_gpu=on_gpu, zero3_trainable_head=False)
     device = torch.cuda.get_device_properties(args.device).total_memory if on_gpu else None
-    limit_gib = cfg.trainer.memory_limit_gib
+    limit_gib = trainer.memory_limit_gib
     limit = limit_gib * GIB if limit_gib is not None else DEVICE_SHARE * device if device else None
     per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     # packed rows fitted in tokens where the trainer can cut them (DeepSpeed and sequence parallelism returned above)
-    by_tokens = bool(cfg.data.packing) and pieces_refusal(args.world_size, False, False,
+    by_tokens = bool(data.packing) and pieces_refusal(args.world_size, False, False,
                                                           bool(router_aux_loss_coef(model.config))) is None
     try:
-        found = footprint(model, optim=args.optim, optim_args=args.optim_args, pure=cfg.trainer.precision == "pure",
+        found = footprint(model, optim=args.optim, optim_args=args.optim_args, pure=trainer.precision == "pure",
                           autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
                           lean_loss=impl != "naive", chunk_tokens=getattr(loss, "chunk_tokens", 1024))
     except Exception as e:  # noqa: BLE001 - a model the probe's plain forward does not fit: the run goes on as set
         chosen = f"the probe's forward of {type(model).__name__} failed: " + (str(e).splitlines()[0] if str(e) else
                                                                             type(e).__name__)
     else:
-        bound = MicroBatchBound.of(train, per_device * accumulation, cfg.data.max_length, cfg.data.packing,
+        bound = MicroBatchBound.of(train, per_device * accumulation, data.max_length, data.packing,
                                    pad_to_multiple_of)
-        chosen = plan(found, bound, per_device, accumulation, limit, asked, cfg.trainer.fit_micro_batch, by_tokens,
-                      cfg.trainer.micro_batch_tokens)
+        chosen = plan(found, bound, per_device, accumulation, limit, asked, trainer.fit_micro_batch, by_tokens,
+                      trainer.micro_batch_tokens)
     chosen = same_on_every_rank(chosen)  # every rank, whatever its own probe did: all join the broadcast
     if isinstance(chosen, str):
         log.info("memory: not estimated (%s); activation checkpointing %s", chosen, "on" if asked else "off")
-        return cfg.trainer.micro_batch_tokens
+        return trainer.micro_batch_tokens
     log.info("%s", line(chosen, per_device, accumulation, limit, limit_gib, device))
     if not chosen.fits:
         log.warning("memory: no micro-batch of the step's %d rows fits the limit%s: set a smaller data.max_length%s, "

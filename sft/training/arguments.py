@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional
 
@@ -305,32 +304,33 @@ def trainer_fields_source() -> str:
     return "\n".join(lines) + "\n"
 
 
-def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
-    """`TrainingArguments` from the `trainer` group, plus what the recipe decides itself."""
+def training_arguments(trainer, run_dir: str, *, resuming: bool, max_grad_norm: float, learning_rate: float,
+                       evaluates: bool, streaming: bool = False, deepspeed=None, fsdp=None, sharded: bool = False):
+    """`TrainingArguments` from the `trainer` section, plus what the run decides of them: the clip policy's first
+    threshold (`max_grad_norm`), the peak `learning_rate` (a null's resolved), whether it `evaluates`, a stream's
+    resume (`streaming`), the engine's fields (the `deepspeed` and `fsdp` sections; `sharded` checkpoints)."""
     import torch
     from omegaconf import OmegaConf
     from transformers import TrainingArguments
 
-    from sft.training.checkpoints.sharded import sharded
     from sft.training.processes.distributed import process_fields
     from sft.training.processes.engines import announce_deepspeed_comm_build, fsdp_fields
 
-    fields = OmegaConf.to_container(cfg.trainer, resolve=True)
+    fields = OmegaConf.to_container(trainer, resolve=True)
     offload = fields.pop("activation_offloading")  # TrainerConfig.sft_fields
     fields.pop("precision")  # the linear layers' dtype (sft.run.build) and the trainer's master weights
     fields.pop("oom_retry")  # the trainer's
     # sft.run.memory_plan's: it changes the fields below
     fields.pop("fit_micro_batch"), fields.pop("memory_limit_gib"), fields.pop("micro_batch_tokens")
     fields.pop("compile_layers")  # sft.run.build's
-    fields["learning_rate"] = learning_rate(cfg)
+    fields["learning_rate"] = learning_rate
     fields["output_dir"] = fields["output_dir"] or run_dir
     fields["save_total_limit"] = None  # sft.training.checkpoints.store rotates, counting complete checkpoints only
     on_gpu = torch.cuda.is_available()
     fields["dataloader_pin_memory"] &= on_gpu  # pinning without a GPU only warns
-    has_eval = evaluates(cfg)
-    if not has_eval:
+    if not evaluates:
         fields["eval_strategy"] = "no"
-    fields.update(process_fields(deepspeed=bool(cfg.deepspeed), fsdp=cfg.fsdp is not None, on_gpu=on_gpu))
+    fields.update(process_fields(deepspeed=bool(deepspeed), fsdp=fsdp is not None, on_gpu=on_gpu))
     if fields["bf16"] and not on_gpu:  # transformers takes bf16 on a CPU only with use_cpu (checked: it has bf16)
         fields["use_cpu"] = True
     resolve_nulls(fields, on_gpu)
@@ -338,10 +338,10 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
         from sft.model.liger import liger_config
 
         fields["liger_kernel_config"] = liger_config(fields["liger_kernel_config"])
-    if cfg.data.streaming:  # the stream resumes at its saved position itself (sft.data.streaming), not by skipping
+    if streaming:  # the stream resumes at its saved position itself (sft.data.splits.streaming), not by skipping
         fields["ignore_data_skip"] = True
-    if cfg.fsdp is not None:
-        fields.update(fsdp_fields(cfg.fsdp, fields["activation_checkpointing"], sharded(cfg)))
+    if fsdp is not None:
+        fields.update(fsdp_fields(fsdp, fields["activation_checkpointing"], sharded))
     if fields.get("disable_tqdm") is None:  # no bars where nobody watches them (sft.training.observability.step_log)
         from sft.training.observability.step_log import has_terminal
 
@@ -350,7 +350,7 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
     if fields.get("hub_token"):  # the Hub client reads HF_TOKEN; TrainingArguments is pickled into every checkpoint
         os.environ["HF_TOKEN"] = fields["hub_token"]
         fields["hub_token"] = None
-    if cfg.deepspeed:  # accelerate starts deepspeed.comm with the arguments
+    if deepspeed:  # accelerate starts deepspeed.comm with the arguments
         announce_deepspeed_comm_build()
     try:
         return TrainingArguments(
@@ -359,10 +359,10 @@ def training_arguments(cfg, run_dir: str, resuming: bool, max_grad_norm: float):
             remove_unused_columns=False,  # weights must reach compute_loss; the collator drops the rest
             label_names=["labels"],
             include_num_input_tokens_seen="non_padding",
-            eval_on_start=has_eval and not resuming,
+            eval_on_start=evaluates and not resuming,
             activation_checkpointing_kwargs=({"use_reentrant": False, **({"offload": True} if offload else {})}
                                              if fields["activation_checkpointing"] else None),
-            deepspeed=OmegaConf.to_container(cfg.deepspeed, resolve=True) if cfg.deepspeed else None,
+            deepspeed=OmegaConf.to_container(deepspeed, resolve=True) if deepspeed else None,
         )
     except ValueError as e:
         raise ConfigError(*field_of_error(str(e).splitlines()[0], fields)) from e

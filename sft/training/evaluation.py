@@ -1,6 +1,6 @@
-"""`ExactEvaluation`: Trainer's evaluation, as sft needs it; the base of `WeightedLossTrainer` (whose
-`compute_loss` records each eval row's sums, and whose `__init__` sets what is read here: `tasks`, `eval_scores`,
-`eval_buckets`, `eval_generation`, `eval_harness`, `_eval_rows`).
+"""`ExactEvaluation`: Trainer's evaluation, as sft needs it; a base of `WeightedLossTrainer` (whose `compute_loss`
+records each eval row's sums into `_eval_rows`), given its part, `evaluation=EvaluationParts(...)`
+(`sft.training.parts`: the difficulty buckets, generation samples, benchmarks, a mixture's tasks).
 
 - `evaluation_loop` (public) replaces the mean of per-batch losses by the exact ratio over the eval set
   (each row counted once, also where a distributed sampler repeats rows to even out the ranks), and adds
@@ -14,7 +14,7 @@
 
 Evaluation also reports `eval_token_accuracy` (argmax on assistant tokens) and the unweighted loss per
 difficulty bucket, `eval_loss_bucket_<k>` for the buckets cut by `eval_buckets`, and
-`eval_loss_hardest_bucket`; with a mixture (`sft.data.mixture`), `eval_loss_task_<task>` (the weighted loss) and
+`eval_loss_hardest_bucket`; with a mixture (`sft.data.splits.mixture`), `eval_loss_task_<task>` (the weighted loss) and
 `eval_ce_task_<task>` over the eval rows of each task.
 """
 
@@ -22,13 +22,29 @@ from __future__ import annotations
 
 import torch
 from accelerate.utils import gather_object
+from transformers import Trainer
 from typing_extensions import override
 
+from sft.data.tokens.columns import row_scores
 from sft.eval.metrics import eval_metrics
-from sft.training.checkpoints.saving import CheckpointSaving
+from sft.training.parts import EvaluationParts
 
 
-class ExactEvaluation(CheckpointSaving):
+class ExactEvaluation(Trainer):
+    def __init__(self, *args, evaluation: EvaluationParts | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        evaluation = evaluation or EvaluationParts()
+        self.eval_buckets = list(evaluation.buckets)
+        self.eval_generation = evaluation.generation  # sft.eval.samples.EvalGeneration: samples at evaluations
+        self.eval_harness = evaluation.harness  # sft.eval.harness.EvalHarness: benchmarks at every k-th evaluation
+        self.tasks = dict(evaluation.tasks)  # a mixture's task of each source number: eval_loss_task_<task>
+        self.eval_scores = {}  # (source, line) -> difficulty score
+        if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
+            self.eval_scores = row_scores(self.eval_dataset)
+        # (source, line, view) -> numerator, denominator, ce, tokens, correct: each eval sequence counted once
+        self._eval_rows: dict[tuple[int, int, int], list[float]] | None = None
+        self.last_eval_rows: dict[tuple[int, int, int], list[float]] = {}
+
     @override
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix="eval"):

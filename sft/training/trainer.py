@@ -22,7 +22,7 @@ still has each one, with the same parameters):
   `StepContext`, the step's number and the objects it acts on;
 - `create_optimizer` (public) gives the optimizer fp32 copies of a bf16 model's trained weights under
   `trainer.precision=pure` (`sft.training.step.master_weights`), whose gradients step control then judges and clips;
-- `get_train_dataloader` (public) reads a stream (`sft.data.streaming`) as this rank's share, not split again;
+- `get_train_dataloader` (public) reads a stream (`sft.data.splits.streaming`) as this rank's share, not split again;
 - `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
   curriculum's) when one provides it (`Controller.train_sampler`), under sequence parallelism given to the ranks of
   a group alike (`sft.training.processes.sequence_parallel`);
@@ -34,9 +34,9 @@ still has each one, with the same parameters):
   denominator and per-sample sums being the whole micro-batch's;
 - `create_accelerator_and_postprocess` (public) lets accelerate's FSDP2 plugin take a CPU process group too
   (`sft.training.processes.distributed.fsdp_without_gpus`), and refuses to go on where FSDP was asked for and is not on;
-- the evaluation overrides (`evaluation_loop`, `prediction_step`) are its base's, `sft.training.evaluation`'s
-  `ExactEvaluation`, and the checkpoint and model saving overrides that base's, `sft.training.checkpoints.saving`'s
-  `CheckpointSaving`;
+- the evaluation overrides (`evaluation_loop`, `prediction_step`) are a base's, `sft.training.evaluation`'s
+  `ExactEvaluation`, and the checkpoint and model saving overrides the other base's, `sft.training.checkpoints.saving`'s
+  `CheckpointSaving`; each takes its own part (`sft.training.parts`: `evaluation`, `checkpoints`);
 - `log` (public) adds `ce` and `weight_mean` (the mean weight of an assistant token) next to `loss`,
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
@@ -53,65 +53,53 @@ from accelerate.utils import gather_object
 from typing_extensions import override
 
 from sft.config.schema import ConfigError
-from sft.data.batch import input_tokens
-from sft.data.split import row_scores
-from sft.data.streaming import Stream
+from sft.data.splits.streaming import Stream
+from sft.data.tokens.batch import input_tokens
 from sft.loss.auxiliary import AuxBatch
 from sft.loss.base import WeightedTokenLoss
 from sft.loss.kernels import choose_impl, lean_logits_error
 from sft.loss.logits import LogitTransform, router_aux_loss_coef
+from sft.training.checkpoints.saving import CheckpointSaving
 from sft.training.compat import import_deepspeed_only_when_used
-from sft.training.controllers.base import Controller
 from sft.training.evaluation import ExactEvaluation
 from sft.training.observability.step_log import use_step_log
 from sft.training.observability.throughput import ThroughputMeter
+from sft.training.parts import Display, StepParts
 from sft.training.processes.distributed import fsdp_without_gpus
 from sft.training.processes.sequence_parallel import SequenceParallel
 from sft.training.step.clipping import GradClipPolicy
 from sft.training.step.control import StepContext, StepControl, StepReport, step_gradients
 from sft.training.step.master_weights import MasterWeights
-from sft.training.step.micro_batches import MicroBatchPieces
-from sft.training.step.micro_batches import refusal as pieces_refusal
+from sft.training.step.micro_batches import MicroBatchPieces, refusal as pieces_refusal
 
 log = logging.getLogger("sft")
 
 
-class WeightedLossTrainer(ExactEvaluation):
+class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
     # compute_loss normalises over the whole accumulated step itself: Trainer must not divide by GA.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, loss: WeightedTokenLoss, clip_policy: GradClipPolicy | None = None,
-                 controllers: dict[str, Controller] | None = None, eval_buckets=(1.0, 2.0, 3.0),
-                 sources: list[str] | None = None, tasks: dict[int, str] | None = None,
-                 throughput: ThroughputMeter | None = None, eval_generation=None, eval_harness=None,
-                 sequence_parallel: int = 1, console: str = "short", async_save: bool = False,
-                 master_weights: bool = False, oom_retry: bool = True, micro_batch_tokens: int | None = None,
+    def __init__(self, *args, loss: WeightedTokenLoss, step: StepParts | None = None, shows: Display | None = None,
                  **kwargs):
-        self.controllers = dict(controllers or {})
-        self.pure_bf16 = master_weights  # trainer.precision=pure: create_optimizer gives it fp32 copies
+        """Trainer's arguments, the weighted `loss`, a step's control (`step`) and what the run shows (`shows`); the
+        evaluation's part (`evaluation`) and the checkpoints' (`checkpoints`) go to the classes that own them
+        (`sft.training.parts`)."""
+        step, shows = step or StepParts(), shows or Display()
+        self.controllers = dict(step.controllers)
+        self.pure_bf16 = step.master_weights  # trainer.precision=pure: create_optimizer gives it fp32 copies
         self.master_weights: MasterWeights | None = None
-        self.throughput = throughput or ThroughputMeter()
+        self.throughput = shows.throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
         import_deepspeed_only_when_used()  # Trainer unwraps the model while it is set up: no DeepSpeed import for it
-        super().__init__(*args, callbacks=callbacks, async_save=async_save, **kwargs)
-        use_step_log(self, console)  # short lines (or JSON ones), not transformers' dicts of strings
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+        use_step_log(self, shows.console)  # short lines (or JSON ones), not transformers' dicts of strings
         self.loss = loss
-        self.clip_policy = clip_policy or GradClipPolicy()
+        self.clip_policy = step.clip_policy or GradClipPolicy()
         decode = self.processing_class.decode if self.processing_class is not None else str
         self.step_control = StepControl(self.clip_policy, self.controllers, StepReport(
-            self.args.output_dir, decode, self.train_dataset, sources, self.is_world_process_zero()))
-        self.eval_buckets = list(eval_buckets)
-        self.eval_generation = eval_generation  # sft.eval.samples.EvalGeneration: samples at evaluations
-        self.eval_harness = eval_harness  # sft.eval.harness.EvalHarness: benchmarks at every k-th evaluation
-        self.eval_scores = {}  # (source, line) -> difficulty score
-        if self.eval_dataset is not None and "difficulty_score" in self.eval_dataset.column_names:
-            self.eval_scores = row_scores(self.eval_dataset)
-        self.stream_position = None  # a stream's (sft.data.streaming), after the last micro-batch trained
-        self.tasks = dict(tasks or {})  # a mixture's task of each source number: eval_loss_task_<task>
+            self.args.output_dir, decode, self.train_dataset, step.sources, self.is_world_process_zero()))
+        self.stream_position = None  # a stream's (sft.data.splits.streaming), after the last micro-batch trained
         self._train_stats = torch.zeros(len(self.TRAIN_STATS), dtype=torch.float64, device=self.args.device)
-        # (source, line, view) -> numerator, denominator, ce, tokens, correct: each eval sequence counted once
-        self._eval_rows: dict[tuple[int, int, int], list[float]] | None = None
-        self.last_eval_rows: dict[tuple[int, int, int], list[float]] = {}
         self._decoder = self.model.get_decoder()
         self._lm_head = self.model.get_output_embeddings()
         self._zero3_head = self.is_zero3 and hasattr(self._lm_head.weight, "ds_id")
@@ -122,20 +110,20 @@ class WeightedLossTrainer(ExactEvaluation):
         self.router_aux_coef = router_aux_loss_coef(self.model.config)
         self._step_tokens = None  # input tokens of the optimizer step over all ranks (weights the aux loss)
         self.aux_terms = dict(getattr(loss, "aux", None) or {})  # the loss's auxiliary terms, by name
-        self.sp = SequenceParallel.start(sequence_parallel) if sequence_parallel > 1 else None
+        self.sp = SequenceParallel.start(step.sequence_parallel) if step.sequence_parallel > 1 else None
         if self.sp is not None and self.router_aux_coef:
-            raise ConfigError("sp.size", sequence_parallel, f"{type(self.model).__name__}'s router aux loss is "
+            raise ConfigError("sp.size", step.sequence_parallel, f"{type(self.model).__name__}'s router aux loss is "
                               "computed per forward from its tokens' router logits, which sequence parallelism "
                               "splits: not exact with sp (or set model.config_overrides.output_router_logits=false)")
         self._aux_denominators = None  # each term's denominator summed over the step and all ranks
         self._aux_stats = torch.zeros(2 * len(self.aux_terms), dtype=torch.float64, device=self.args.device)
         cannot_cut = pieces_refusal(self.accelerator.num_processes, self.is_deepspeed_enabled, self.sp is not None,
                                     bool(self.router_aux_coef))
-        if micro_batch_tokens is not None and cannot_cut:
-            raise ConfigError("trainer.micro_batch_tokens", micro_batch_tokens, f"trains a packed micro-batch in "
-                              f"pieces, which this run cannot: {cannot_cut}; set it to null")
-        self.micro_batches = MicroBatchPieces(cannot_cut or (None if oom_retry else "trainer.oom_retry=false"),
-                                              micro_batch_tokens)
+        if step.micro_batch_tokens is not None and cannot_cut:
+            raise ConfigError("trainer.micro_batch_tokens", step.micro_batch_tokens, f"trains a packed micro-batch "
+                              f"in pieces, which this run cannot: {cannot_cut}; set it to null")
+        self.micro_batches = MicroBatchPieces(cannot_cut or (None if step.oom_retry else "trainer.oom_retry=false"),
+                                              step.micro_batch_tokens)
         self._step_start = ([], None)  # the step's micro-batches, and the statistics before its first one
         if self.loss_impl != "naive":
             self._check_lean_loss_reproduces_the_logits()
@@ -215,7 +203,7 @@ class WeightedLossTrainer(ExactEvaluation):
 
     @override
     def get_train_dataloader(self):
-        """Trainer's; a stream (`sft.data.streaming.Stream`) is this rank's share already: it is put on the device,
+        """Trainer's; a stream (`sft.data.splits.streaming.Stream`) is this rank's share already: it is put on the device,
         never split over the ranks again (accelerate would give each rank every world-size-th batch of it), and read
         in this process (a worker would hold a copy of the stream, whose position this process would not see)."""
         if not isinstance(self.train_dataset, Stream):

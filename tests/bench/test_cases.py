@@ -1,68 +1,69 @@
-"""The bench's cases (`sft.bench.cases`): TRL's trainer, given sft's rows, trains on the same tokens with the same
-loss, so the speed comparison is like for like."""
+"""The bench's table (`sft.bench.cases`): a case is one row, and the bench is a loop over the table, so a case added
+to it runs, feeds its ratios and keeps its target with nothing else changed."""
+
+import ast
+from pathlib import Path
 
 import pytest
 
+from sft.bench.cases import CASES, TABLE, TRAINING, Case, Ratio, default_cases, target_of
 
-@pytest.mark.slow  # TRL's import alone is 3.5 s of the fast loop
-@pytest.mark.parametrize("ours, theirs, overrides", [
-    ("ce", "trl", ["trainer.gradient_accumulation_steps=2"]),
-    ("packing", "trl_padding_free", []),
-    ("packing", "trl_padding_free_mask", []),
-    ("packing", "trl_best", ["trainer.gradient_accumulation_steps=2"]),
-    ("packing", "hf_padding_free", ["trainer.gradient_accumulation_steps=2"]),
-])
-def test_trl_case_trains_on_the_same_tokens_with_the_same_loss_as_sft(tmp_path, ours, theirs, overrides):
-    """The bench's speed comparison is like for like: TRL's SFTTrainer, or a plain Trainer on transformers'
-    padding-free batches, given `sft`'s rows, logs the same loss at every step (same model, rows, order, labels,
-    optimizer, accumulation) as `sft` with `loss=ce`; at their fastest settings too (`trl_best`, `hf_padding_free`:
-    on a CPU, no Liger or flash attention, so the same step)."""
-    if theirs.startswith("trl"):
-        pytest.importorskip("trl", reason="the TRL cases need pip install -e '.[bench]'")
-    from sft.bench.cases import CASE_OVERRIDES, case_trainer
+
+def test_a_case_added_to_the_table_runs_in_the_rounds_and_feeds_its_ratio_and_target(monkeypatch, capsys):
+    """A new training case and a ratio of it against `ce`, added as one row (no other file touched): composed with its
+    overrides at each batch size, run in every round, its ratio the median of its per-round ratios, its target
+    judged, its name accepted by `bench.cases`."""
+    import sft.bench.run
+
+    monkeypatch.setitem(CASES, "ce_lr_high", Case("ce_lr_high", TRAINING, run=None, overrides=("loss=ce",
+                                                                                             "trainer.learning_rate=1"),
+                                                  ratios={"high_lr_vs_ce": Ratio("ce", target=1.5)}))
+    seen = []
+
+    def spawn(case, cfg):
+        seen.append((case, cfg.trainer.learning_rate, cfg.trainer.per_device_train_batch_size))
+        return {"tokens_per_second": 30.0 if case == "ce_lr_high" else 20.0, "peak_memory_gb": 1.0}
+
+    monkeypatch.setattr(sft.bench.run, "spawn", spawn)
+    report = sft.bench.run.run_all(["bench.cases=[ce,ce_lr_high]", "bench.batch_sizes=[8,4]", "bench.repeats=2",
+                                    "bench.min_cpu_share=0"])
+    assert ("ce_lr_high", 1.0, 8) in seen and ("ce_lr_high", 1.0, 4) in seen and len(seen) == 8
+    assert report["ratios"]["high_lr_vs_ce"] == report["ratios"]["high_lr_vs_ce_b4"] == 1.5
+    assert report["targets"]["high_lr_vs_ce"] == {"target": 1.5, "kind": "min", "met": True}
+    sft.bench.run.print_report(report)
+    assert "high_lr_vs_ce" in capsys.readouterr().out
+
+
+def test_every_ratio_has_one_name_one_case_against_a_case_of_the_table_and_one_target():
+    names = [name for case in TABLE for name in case.ratios]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    for case in TABLE:
+        for name, ratio in case.ratios.items():
+            assert ratio.versus is None or ratio.versus in CASES, (case.name, name)
+            if ratio.target is not None:
+                assert target_of(name) == (ratio.target, "max" if ratio.at_most else "min")
+                assert target_of(name + "_b16") == target_of(name)  # at another batch size: the same target
+    assert target_of("packing_vs_trl_best") == (1.3, "min") and target_of("stream_peak_rss_ratio") == (1.2, "max")
+    assert target_of("lean_loss_gain_memory") is None  # a ratio without a target
+
+
+def test_the_default_cases_are_the_tables_but_those_on_request_and_a_name_outside_it_is_refused():
     from sft.bench.config import compose
+    from sft.config import ConfigError, check
 
-    shared = ["trainer.per_device_train_batch_size=4", "trainer.max_steps=3", "trainer.logging_steps=1",
-              "trainer.eval_strategy=no", "trainer.save_strategy=no", "trainer.report_to=[]",
-              "trainer.disable_tqdm=true", "data.eval_file=null", *overrides]
-    losses = {}
-    for case, extra in ((ours, []), (theirs, [])):
-        cfg = compose(shared + CASE_OVERRIDES[case] + extra)
-        trainer = case_trainer(case, cfg, str(tmp_path / case))
-        trainer.train()
-        losses[case] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses[ours]) == 3
-    assert losses[ours] == pytest.approx(losses[theirs], rel=1e-5, abs=1e-6)
+    assert list(compose([]).bench.cases) == default_cases() == [c.name for c in TABLE if not c.on_request]
+    assert "packing" in default_cases() and "trl_best" not in default_cases()
+    with pytest.raises(ConfigError, match=r"bench.cases=\['pakcing'\]: no such case: pakcing \(cases: raw, hf, ce_naive"):
+        check(compose(["bench.cases=[pakcing]"]))
 
 
-def test_the_raw_loop_trains_sfts_batches_to_the_same_step_losses_as_sft_with_the_same_loss(tmp_path):
-    """`sft_vs_raw` is like for like: the hand-written loop, on the batches `ce_naive` trains on, logs the same loss
-    at every step (same model, rows, order, accumulation, clipping, optimizer and schedule)."""
-    from sft.bench.cases import CASE_OVERRIDES, case_trainer, raw_loop, step_clock
-    from sft.bench.config import compose
+@pytest.mark.parametrize("module", ["run.py", "report.py"])
+def test_the_driver_and_the_report_name_no_case(module):
+    """Every case's identity is its row: the driver and the report read the table, never test a case by name (the
+    chain of `if "<case>" in cases:` blocks the table replaced)."""
+    import sft.bench
 
-    shared = ["trainer.per_device_train_batch_size=4", "trainer.gradient_accumulation_steps=2", "trainer.max_steps=4",
-              "trainer.logging_steps=1", "trainer.eval_strategy=no", "trainer.save_strategy=no",
-              "trainer.report_to=[]", "trainer.disable_tqdm=true", "data.eval_file=null", "clip.max_norm=0.05"]
-    sft = case_trainer("ce_naive", compose(shared + CASE_OVERRIDES["ce_naive"]), str(tmp_path / "sft"))
-    sft.train()
-    expected = [entry["loss"] for entry in sft.state.log_history if "loss" in entry]
-    raw = case_trainer("raw", compose(shared + CASE_OVERRIDES["raw"]), str(tmp_path / "raw"))
-    clock = step_clock()
-    losses = raw_loop(raw, clock)
-    assert len(losses) == len(clock.times) == 4 and len(expected) == 4
-    assert losses == pytest.approx(expected, rel=1e-5)  # steps 2-4 follow clipping, AdamW and the schedule too
-
-
-def test_a_case_in_several_processes_shares_the_cores_out(monkeypatch):
-    """torchrun's processes of one case (long_rows' split rows) take the cores between them: two processes with a
-    thread per core each ran 8x slower on 2 cores."""
-    from sft.bench.cases import threads
-    from sft.bench.config import compose
-
-    cfg = compose(["bench.threads=4"])
-    assert threads(cfg) == 4
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert threads(cfg) == 2
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert threads(cfg) == 1
+    tree = ast.parse(Path(sft.bench.__file__).with_name(module).read_text())
+    named = sorted({node.value for compare in ast.walk(tree) if isinstance(compare, ast.Compare)
+                    for node in ast.walk(compare) if isinstance(node, ast.Constant) and node.value in CASES})
+    assert named == [], named

@@ -21,11 +21,12 @@ def test_gpu_7b_bench_preset_is_lora_on_qwen2_5_7b_shape_packed_bf16():
 def test_the_gpu_packs_full_fine_tune_is_qwen2_5_1_5bs_shape_in_pure_bf16_packed(tmp_path):
     """`packing_full` under preset=gpu_7b trains every weight of Qwen2.5-1.5B's shape (1.54B parameters, as the
     published model), bf16 linear weights over the optimizer's fp32 copies, on the LoRA case's packed rows."""
-    from sft.bench.cases import timed_training_overrides
-    from sft.bench.config import CASE_OVERRIDES, compose as bench_compose
+    from sft.bench.cases import CASES
+    from sft.bench.config import compose as bench_compose
+    from sft.bench.training import timed_training_overrides
 
     base = bench_compose(["preset=gpu_7b"])
-    cfg = bench_compose(["preset=gpu_7b", f"model={base.bench.full_model}", *CASE_OVERRIDES["packing_full"],
+    cfg = bench_compose(["preset=gpu_7b", f"model={base.bench.full_model}", *CASES["packing_full"].overrides,
                          *timed_training_overrides(base)])
     assert cfg.lora is None and cfg.data.packing and cfg.data.max_length == 4096
     assert cfg.trainer.bf16 and cfg.trainer.precision == "pure" and cfg.model.dtype == "float32"

@@ -7,7 +7,6 @@ import sys
 import pytest
 from conftest import REPO
 
-
 TRAINING = ("raw", "hf", "ce_naive", "ce", "ce_bf16", "ce_bf16_pure", "ce_lora", "ce_lora_naive", "hard_sample", "packing", "ce_spread", "packing_spread",
             "trl", "trl_padding_free", "trl_padding_free_mask")
 
@@ -101,14 +100,17 @@ def test_every_other_round_runs_the_cases_in_reverse_order(monkeypatch):
 
 
 def test_ratios_at_each_batch_size_are_named_by_it_and_keep_their_targets():
-    from sft.bench.run import case_id, target_of, training_ratios
+    from sft.bench.cases import CASES, target_of
+    from sft.bench.run import case_id, pair_ratios
 
     assert [case_id("ce", size, 64) for size in (64, 16)] == ["ce", "ce_b16"]
     rounds = [{f"{case}_b16": {"tokens_per_second": tps * k, "peak_memory_gb": mem}
                for case, tps, mem in [("hf", 100, 1.0), ("ce_naive", 110, 1.0), ("ce", 120, 1.0), ("trl", 80, 2.0)]}
               for k in (1.0, 0.5)]  # a loaded round halves every case: its ratios stay
     rounds[1]["ce_b16"]["tokens_per_second"] = 50  # ... but one case more than the others
-    ratios = training_ratios(rounds, "_b16")
+    ratios = {}
+    for case in ("hf", "ce_naive", "ce", "trl"):
+        ratios.update(pair_ratios(CASES[case], rounds, ["_b16"]))
     assert ratios == {"overhead_vs_hf_b16": [1.1, 1.1], "lean_loss_gain_b16": [120 / 110, 50 / 55],
                       "lean_loss_gain_memory_b16": [1.0, 1.0], "ce_vs_trl_b16": [1.5, 1.25], "ce_vs_trl_memory_b16": [0.5, 0.5]}
     assert target_of("ce_vs_trl_b16") == target_of("ce_vs_trl") == (1.0, "min")
@@ -116,9 +118,10 @@ def test_ratios_at_each_batch_size_are_named_by_it_and_keep_their_targets():
 
 
 def test_trl_cases_are_skipped_with_one_line_when_trl_is_missing(monkeypatch, capsys):
+    import sft.bench.device
     import sft.bench.run
 
-    monkeypatch.setattr(sft.bench.run, "trl_missing", lambda: "trl is not installed (pip install -e '.[bench]')")
+    monkeypatch.setattr(sft.bench.device, "trl_missing", lambda: "trl is not installed (pip install -e '.[bench]')")
     report = sft.bench.run.run_all(["bench.cases=[trl,trl_padding_free,trl_padding_free_mask]"])  # nothing spawned
     assert report["raw"] == {} and report["ratios"] == {}
     assert set(report["skipped"]) == {"trl", "trl_padding_free", "trl_padding_free_mask"}
@@ -168,8 +171,8 @@ def test_the_matmul_case_times_the_models_own_linear_layers(overrides):
     from omegaconf import OmegaConf
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sft.bench.matmul import model_matmul_shapes
     from sft.bench.config import compose
+    from sft.bench.matmul import model_matmul_shapes
 
     cfg = compose(overrides + ["model.dtype=float32"])
     if cfg.model.random_init:  # Qwen2.5-7B's shape: built on the meta device, its layers without weights
@@ -200,9 +203,10 @@ def test_each_cases_hardware_ratios_are_over_the_best_matmul_reading_of_its_dtyp
 
 
 def test_the_flex_attention_case_is_skipped_with_one_line_without_a_gpu(monkeypatch, capsys):
+    import sft.bench.device
     import sft.bench.run
 
-    monkeypatch.setattr(sft.bench.run, "gpu_missing", lambda: "needs a CUDA GPU (FlexAttention has no backward on a CPU)")
+    monkeypatch.setattr(sft.bench.device, "gpu_missing", lambda: "needs a CUDA GPU (FlexAttention has no backward on a CPU)")
     report = sft.bench.run.run_all(["bench.cases=[packing_flex]"])  # nothing spawned
     assert report["raw"] == {} and report["skipped"] == {
         "packing_flex": "needs a CUDA GPU (FlexAttention has no backward on a CPU)"}

@@ -100,10 +100,10 @@ def test_a_value_training_arguments_refuses_names_its_field(tmp_path, override, 
     from conftest import composed
 
     from sft.config import ConfigError
-    from sft.training.arguments import training_arguments
+    from sft.run.build import arguments
 
     with pytest.raises(ConfigError) as e:
-        training_arguments(composed(override), str(tmp_path), resuming=False, max_grad_norm=1.0)
+        arguments(composed(override), str(tmp_path), resuming=False, max_grad_norm=1.0)
     assert str(e.value).startswith(f"{key}='bogus': must be one of [")
 
 

@@ -84,7 +84,7 @@ def test_cli_bad_data_names_file_line_and_field(tmp_path):
     (["+loss.aux.x._target_=shutil.copyfile"], "loss.aux.x._target_", "must be sft.loss.auxiliary.AuxTerm"),
     (["clip._target_=sft.training.controllers.EarlyStopping"], "clip._target_",
      "must be sft.training.step.clipping.GradClipPolicy or a class extending it"),
-    (["collator._target_=os.system"], "collator._target_", "must be sft.data.collator.WeightedDataCollator"),
+    (["collator._target_=os.system"], "collator._target_", "must be sft.data.tokens.collator.WeightedDataCollator"),
     (["model._target_=shutil.rmtree"], "model._target_", "must be sft.model.loading.load_model"),
     (["+model.random_init.x._target_=shutil.rmtree"], "model.random_init.x._target_",
      "nothing is built from a _target_ here"),

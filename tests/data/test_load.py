@@ -4,17 +4,17 @@ the sample weight on assistant tokens, the preprocessing cache reused and invali
 import pytest
 from conftest import chat, write_jsonl
 
-from sft.data import rows as data_rows
-from sft.data import split
-from sft.data.collator import WeightedDataCollator
+from sft.data.rows import reading as data_rows
+from sft.data.tokens import columns as split
+from sft.data.tokens.collator import WeightedDataCollator
 from sft.data.load import load_sft_datasets
-from sft.data.rows import DataError
+from sft.data.rows.reading import DataError
 from sft.data.spec import DataSpec
 from sft.loss.builtin import HardSampleLoss
 
 
 def test_a_score_is_required_only_where_the_run_uses_it(tokenizer, tmp_path):
-    from sft.data.split import row_scores
+    from sft.data.tokens.columns import row_scores
     from sft.loss.builtin import CrossEntropyLoss
 
     unscored = {k: v for k, v in chat("Add 7 and 8.", "15").items() if k != "difficulty_score"}

@@ -166,7 +166,7 @@ def eval_loss_in_a_plain_process(adapter_dir):
 import json, sys
 from peft import PeftModel
 from transformers import TrainingArguments
-from sft.data.collator import WeightedDataCollator
+from sft.data.tokens.collator import WeightedDataCollator
 from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
 from sft.loss.builtin import HardSampleLoss
@@ -340,7 +340,7 @@ def test_torchrun_with_the_default_dir_makes_one_run_dir(tmp_path):
 def test_deepspeed_presets_are_accepted_by_training_arguments(tmp_path):
     script = """
 from sft.config import check, compose
-from sft.training.arguments import training_arguments
+from sft.run.build import arguments
 import json, sys
 from omegaconf import OmegaConf
 final = {}
@@ -348,7 +348,7 @@ for preset in ("zero2", "zero3", "zero3_offload", "file"):
     extra = [f"deepspeed.path={sys.argv[1]}"] if preset == "file" else []
     cfg = compose("train", [f"deepspeed={preset}", *extra])
     check(cfg)
-    args = training_arguments(cfg, "/tmp/unused", resuming=False, max_grad_norm=1.0)
+    args = arguments(cfg, "/tmp/unused", resuming=False, max_grad_norm=1.0)
     final[preset] = args.hf_deepspeed_config.config
     stage = final[preset]["zero_optimization"]["stage"]
     print(preset, stage, final[preset]["train_micro_batch_size_per_gpu"])
@@ -426,6 +426,13 @@ def test_sharded_checkpoints_hold_every_ranks_shards_and_consolidate_offline_int
     assert not (checkpoint / "model.safetensors").exists() and (checkpoint / "config.json").exists()
     log = (sharded_run / "train.log").read_text()
     assert "checkpoint-2 (sharded): " in log and "memory above the step's: rank 0 +" in log
+    # the bench's checkpoint_memory case reads these lines and shards (sft.bench.checkpoint_memory)
+    from sft.bench.checkpoint_memory import checkpoint_bytes, save_figures
+
+    saved = save_figures(log)
+    assert saved["seconds"] > 0 and len(saved["rank_mib"]) == 2
+    whole = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+    assert 0 < checkpoint_bytes(checkpoint) < whole  # the model's and optimizer's shards: not the config, tokenizer
     out = tmp_path / "consolidated"
     proc = subprocess.run([sys.executable, "-m", "sft", "consolidate", str(checkpoint), str(out), "--max-file-gb",
                            "0.0005"], cwd=REPO, capture_output=True, text=True, timeout=300)

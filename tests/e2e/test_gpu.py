@@ -156,7 +156,7 @@ def test_liger_per_token_losses_weighted_equal_the_chunked_loss_values_and_gradi
 def test_flash_attention_varlen_packing_gives_each_sample_its_own_logits(tokenizer):
     if importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash-attn is not installed (pip install flash-attn)")
-    from sft.data.collator import WeightedDataCollator
+    from sft.data.tokens.collator import WeightedDataCollator
     from sft.model.loading import load_model
 
     flash = load_model("tiny", dtype="bfloat16", attn_implementation="flash_attention_2").cuda().eval()

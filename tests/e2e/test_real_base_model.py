@@ -76,7 +76,7 @@ def real_batch(real, tmp_path_factory):
     attention and sliding-window mask; the cross entropy of its own hidden states taken in float64, and its
     gradients (through the same fp32 model); the same weights loaded with sft's sdpa_varlen kernel, which packed rows
     train with."""
-    from sft.data.collator import WeightedDataCollator
+    from sft.data.tokens.collator import WeightedDataCollator
     from sft.data.load import load_sft_datasets
     from sft.data.spec import DataSpec
     from sft.model.loading import load_model

@@ -65,7 +65,7 @@ def test_the_labels_are_each_answer_and_its_stop_as_the_real_template_renders_th
 def real_batch(real, tmp_path_factory):
     """Six real rows tokenised, the real model, and its own loss and gradients on them padded (plus the cross entropy
     of its hidden states in float64, what the fp32 arithmetic of the loss approximates)."""
-    from sft.data.collator import WeightedDataCollator
+    from sft.data.tokens.collator import WeightedDataCollator
     from sft.data.load import load_sft_datasets
     from sft.data.spec import DataSpec
     from sft.model.loading import load_model

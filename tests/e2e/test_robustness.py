@@ -212,7 +212,7 @@ CORPUS = {
 
 @pytest.mark.parametrize("name", sorted(CORPUS))
 def test_each_malformed_file_is_rejected_with_line_and_reason(tmp_path, name):
-    from sft.data.rows import DataError, read_jsonl
+    from sft.data.rows.reading import DataError, read_jsonl
 
     lines, line, message = CORPUS[name]
     f = write_jsonl(tmp_path / f"{name}.jsonl", lines)

@@ -1,4 +1,4 @@
-"""`data.streaming=true` (`sft.data.streaming`): rows read, labelled and weighed as they train; the same steps as the
+"""`data.streaming=true` (`sft.data.splits.streaming`): rows read, labelled and weighed as they train; the same steps as the
 rows read whole in order; killed mid-epoch and resumed, the rows after the checkpoint are the uninterrupted run's
 (one process, and two processes each reading its own file); bad rows named by file and line."""
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from chat_templates import family_tokenizer
 
-from sft.data.templates import ChatRenderer
+from sft.data.chat.template import ChatRenderer
 from sft.eval.tool_calls import Call, CallFormat, reference_calls, score
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",

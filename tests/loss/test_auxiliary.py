@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import group_rows, train_steps
 
-from sft.data.collator import WeightedDataCollator
+from sft.data.tokens.collator import WeightedDataCollator
 from sft.loss.builtin import CrossEntropyLoss
 
 

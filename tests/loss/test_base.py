@@ -9,7 +9,7 @@ from conftest import ROWS, SAFETY, group_rows, run_train, write_jsonl
 
 from sft.config import ConfigError, check, compose
 from sft.data.load import load_sft_datasets
-from sft.data.rows import DataError
+from sft.data.rows.reading import DataError
 from sft.data.spec import DataSpec
 from sft.loss.builtin import CrossEntropyLoss, HardSampleLoss
 

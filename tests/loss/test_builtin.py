@@ -6,7 +6,7 @@ import torch
 from conftest import SAFETY, write_jsonl
 from loss_math import LABELS, LOGITS, hand_ce
 
-from sft.data.collator import WeightedDataCollator
+from sft.data.tokens.collator import WeightedDataCollator
 from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
 from sft.loss.builtin import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss

@@ -35,7 +35,7 @@ def router_weights(model) -> list[torch.nn.Parameter]:
 
 @pytest.mark.parametrize("arch", ROUTER_AUX)
 def test_the_router_aux_loss_is_added_as_the_models_own_loss_adds_it_and_trains_the_router(tmp_path, arch):
-    from sft.data.batch import input_tokens
+    from sft.data.tokens.batch import input_tokens
 
     model = tiny(arch, tie=False, output_router_logits=True, router_aux_loss_coef=0.5)
     ids, mask, labels = batch()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from architectures import ARCHITECTURES, EAGER_PACKING_REFUSED, NO_SDPA, tiny
 
-from sft.data.collator import WeightedDataCollator
+from sft.data.tokens.collator import WeightedDataCollator
 from sft.model.attention import register as register_sdpa_varlen
 from sft.model.loading import load_model
 
@@ -15,7 +15,7 @@ def test_each_sample_of_a_packed_row_gets_its_logits_alone(arch, attn):
     """Attention and every layer that carries state (state-space, delta rule, convolution: sft.model.packing) keep
     the samples of a packed row apart, or packing is refused before any data is read."""
     from sft.config import ConfigError
-    from sft.data.collator import WeightedDataCollator
+    from sft.data.tokens.collator import WeightedDataCollator
     from sft.model.packing import check_packing
 
     register_sdpa_varlen()

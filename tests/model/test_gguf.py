@@ -84,7 +84,7 @@ def test_parts_that_do_not_assemble_to_the_published_hash_are_one_error_and_leav
     with pytest.raises(ConfigError, match=r"model.gguf_file.*the package bad_parts could not assemble it "
                                           r"\(Assembled file sha256 did not match"):
         find_gguf("bad_parts/whole.gguf")
-    from sft.data.cache import cache_dir
+    from sft.cache import cache_dir
 
     assert [p.name for p in (cache_dir() / "gguf-files").glob("bad_parts-*")] == ["bad_parts-000000000000.lock"]
 
@@ -115,7 +115,7 @@ def test_an_architecture_transformers_cannot_read_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"is a 'rwkv7' model, which transformers' GGUF loader cannot read \(it reads "
                                           r"[a-z0-9_, ]*llama[a-z0-9_, ]*\): convert the model"):
         gguf_model_dir(path)
-    from sft.data.cache import cache_dir
+    from sft.cache import cache_dir
 
     left = [p.name for p in cache_dir().iterdir() if p.name.startswith((".building-", "gguf-rwkv"))]
     assert left in ([], [p.name for p in cache_dir().glob("gguf-rwkv*.lock")])  # nothing half-converted is left

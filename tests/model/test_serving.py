@@ -7,7 +7,7 @@ import pytest
 from chat_templates import FAMILIES, QUIRKS, family_tokenizer
 from transformers import GenerationConfig
 
-from sft.data.templates import stop_token_ids
+from sft.data.chat.template import stop_token_ids
 from sft.model.serving import eos_ids, set_generation_stops
 
 

@@ -26,17 +26,17 @@ def test_the_trainer_schema_is_every_training_arguments_field_of_the_installed_t
 
 
 def test_any_training_arguments_field_is_set_without_plus_and_reaches_training_arguments():
-    from sft.training.arguments import training_arguments
+    from sft.run.build import arguments
 
     cfg = composed("trainer.lr_scheduler_kwargs={min_lr:1e-5}", "trainer.lr_scheduler_type=cosine_with_min_lr",
                    "trainer.neftune_noise_alpha=5", "trainer.optim_args='betas=0.9'", "trainer.push_to_hub=false",
                    "trainer.dataloader_drop_last=true", "trainer.label_smoothing_factor=0.1")
     check(cfg)
-    args = training_arguments(cfg, "/tmp/unused", resuming=False, max_grad_norm=1.0)
+    args = arguments(cfg, "/tmp/unused", resuming=False, max_grad_norm=1.0)
     assert args.lr_scheduler_kwargs == {"min_lr": 1e-5} and args.lr_scheduler_type == "cosine_with_min_lr"
     assert args.neftune_noise_alpha == 5.0 and args.optim_args == "betas=0.9" and args.dataloader_drop_last
     assert args.label_smoothing_factor == 0.1
-    default = training_arguments(composed(), "/tmp/unused", resuming=False, max_grad_norm=1.0)
+    default = arguments(composed(), "/tmp/unused", resuming=False, max_grad_norm=1.0)
     assert default.learning_rate == 2e-3 and default.adam_beta2 == 0.98  # this project's defaults stand
 
 
@@ -117,12 +117,13 @@ def test_a_null_learning_rate_is_the_models_own_kind_of_rate(overrides, rate):
 
 
 def test_a_null_optimizer_is_adamw_fused_on_a_gpu_and_the_multi_tensor_one_on_a_cpu(tmp_path):
-    from sft.training.arguments import optimizer_name, training_arguments
+    from sft.run.build import arguments
+    from sft.training.arguments import optimizer_name
 
     assert optimizer_name(None, on_gpu=True) == "adamw_torch_fused"
     assert optimizer_name(None, on_gpu=False) == "adamw_torch"
     assert optimizer_name("sgd", on_gpu=True) == "sgd"  # as set
-    args = training_arguments(composed(), str(tmp_path), resuming=False, max_grad_norm=1.0)
+    args = arguments(composed(), str(tmp_path), resuming=False, max_grad_norm=1.0)
     assert args.optim == "adamw_torch"  # this machine has no GPU
 
 

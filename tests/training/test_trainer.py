@@ -151,7 +151,7 @@ def test_evaluation_makes_no_collective_per_batch_and_keeps_the_exact_metrics(tm
     notwithstanding."""
     from transformers import TrainingArguments
 
-    from sft.data.collator import WeightedDataCollator
+    from sft.data.tokens.collator import WeightedDataCollator
     from sft.loss.builtin import HardSampleLoss
     from sft.model.loading import load_model
     from sft.training.trainer import WeightedLossTrainer

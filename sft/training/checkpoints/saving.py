@@ -1,4 +1,6 @@
-"""`CheckpointSaving`: Trainer's saving, as sft needs it; the base of `WeightedLossTrainer`.
+"""`CheckpointSaving`: Trainer's saving, as sft needs it; a base of `WeightedLossTrainer`, given its part,
+`checkpoints=CheckpointConfig(...)` (the `checkpoint` section: `async_save` writes sharded checkpoints in the
+background).
 
 Every override, and why (each `@override`; a test checks that transformers still has each one, with the same
 parameters):
@@ -31,16 +33,17 @@ from typing_extensions import override
 
 from sft.model.consolidate import tied_copies
 from sft.training.checkpoints.memory_peak import PeakRss
-from sft.training.checkpoints.sharded import ShardWriter, save_model_shards
+from sft.training.checkpoints.sharded import CheckpointConfig, ShardWriter, save_model_shards
 
 log = logging.getLogger("sft")
 
 
 class CheckpointSaving(Trainer):
-    def __init__(self, *args, async_save: bool = False, **kwargs):
+    def __init__(self, *args, checkpoints: CheckpointConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         # sharded checkpoints written in the background (checkpoint.async_save)
-        self.shard_writer = ShardWriter(self.args.device) if async_save and self.sharded_checkpoints else None
+        background = checkpoints is not None and checkpoints.async_save
+        self.shard_writer = ShardWriter(self.args.device) if background and self.sharded_checkpoints else None
 
     @override
     def _save_checkpoint(self, model, trial):

@@ -201,7 +201,7 @@ def deepspeed_checkpoint(checkpoint: str | os.PathLike) -> bool:
 def written_record(checkpoint: str | os.PathLike) -> Path:
     """Where this user's sft records the DeepSpeed checkpoints it wrote: in the sft cache (`$SFT_CACHE`, private to
     the user), by the checkpoint's absolute path; never in the run dir, which others may write into."""
-    from sft.data.cache import cache_dir
+    from sft.cache import cache_dir
 
     key = hashlib.sha256(str(Path(checkpoint).resolve()).encode()).hexdigest()[:24]
     return cache_dir() / "written-checkpoints" / f"{key}.json"

@@ -4,7 +4,7 @@ See `base.Controller` for the protocol and docs/control.md for adding your own. 
 spikes, divergence), the hang watchdog, early stopping, LR on plateau, a curriculum and its sampler, an adaptive
 evaluation interval.
 
-May import: `sft.config` base, the stages below training, the training base (`compat`, `callbacks`),
+May import: `config base`, `sft.data`, `sft.loss`, `sft.model`, `sft.eval`, `training base`,
 `sft.training.processes`, `sft.training.checkpoints`, `sft.training.observability`.
 """
 

@@ -79,7 +79,7 @@ class Curriculum(Controller):
         return {"curriculum/temperature": self.current_temperature}
 
     def train_sampler(self, dataset, seed: int):
-        from sft.data.split import column
+        from sft.data.tokens.columns import column
         from sft.training.controllers.sampling import CurriculumSampler
 
         return CurriculumSampler(column(dataset, "difficulty_score"), self, seed)

@@ -2,5 +2,5 @@
 and MFU (`throughput`), the stack's warnings that ask nothing of the user kept out (`noise`), and what a failed or
 stopped run says, with the checkpoint to continue from (`advice`).
 
-May import: `sft.config` base, the stages below training, `sft.training.compat`, `sft.training.callbacks`,
+May import: `config base`, `sft.data`, `sft.loss`, `sft.model`, `sft.eval`, `training base`,
 `sft.training.processes`, `sft.training.checkpoints`."""

@@ -3,4 +3,4 @@ process group and what a run does at its end (`distributed`), DeepSpeed ZeRO and
 (`engines`), each sequence split over ranks (`sequence_parallel`), bf16 on a CPU (`precision`), a rank's refusal
 said once by the launcher (`rank_errors`), and the sentinel that tidies a killed process's files (`sentinel`).
 
-May import: `sft.config` base, the stages below training (data, loss, model, eval), `sft.training.compat`."""
+May import: `config base`, `sft.data`, `sft.loss`, `sft.model`, `sft.eval`, `sft.training.compat`."""

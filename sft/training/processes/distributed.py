@@ -20,7 +20,7 @@ import contextlib
 import os
 import sys
 import time
-from sft.ranks import is_rank_zero
+from sft.ranks import is_local_rank_zero, is_rank_zero
 
 
 def slurm_distributed_env() -> None:
@@ -161,7 +161,7 @@ def share_run_dir() -> None:
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=timedelta(minutes=10))
     key = "sft/run_dir"
-    if os.environ.get("RANK") == "0" and not store.check([key]):
+    if is_rank_zero() and not store.check([key]):
         store.set(key, time.strftime("outputs/%Y-%m-%d/%H-%M-%S"))
     os.environ["SFT_RUN_DIR"] = store.get(key).decode()
 
@@ -233,7 +233,7 @@ def set_cpu_threads(log) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
     reuse_freed_memory()
-    if os.environ.get("LOCAL_RANK", "0") != "0":
+    if not is_local_rank_zero():
         return
     log.info("cpu: %d torch thread(s) per process, %d process(es) on %d core(s)", torch.get_num_threads(), local,
              cores)

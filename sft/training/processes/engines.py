@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from sft.config.schema import ConfigError, Schema, config_schema, cuda_available, knob
+from sft.ranks import is_local_rank_zero
 
 log = logging.getLogger("sft")
 
@@ -134,7 +135,7 @@ def announce_deepspeed_comm_build() -> None:
 
     import torch
 
-    if torch.cuda.is_available() or os.environ.get("LOCAL_RANK", "0") != "0":  # one line a machine: one rank builds it
+    if torch.cuda.is_available() or not is_local_rank_zero():  # one line a machine: one rank builds it
         return
     import deepspeed.ops
     from deepspeed.git_version_info import installed_ops

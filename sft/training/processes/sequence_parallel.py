@@ -15,7 +15,7 @@ loss as a token mean of its own, and its data adapter has no `dataset`, so Train
 - data (`SequenceParallel.sampler`): each micro-batch's rows are given `size` times in a row to the loader, which
   accelerate deals out to consecutive ranks, so the ranks of a group get the same batches (with Trainer's own
   skipping on resume); the collator pads each batch to a multiple of `size` positions and always gives
-  `position_ids` (`sft.data.collator`);
+  `position_ids` (`sft.data.tokens.collator`);
 - the forward (`SequenceParallel.shard`): the model gets its rank's slice of `input_ids` and `position_ids`;
   DeepSpeed's attention gathers the positions, so RoPE, causality and packed samples (`sdpa_varlen`, flash
   attention's varlen) see the whole sequence;

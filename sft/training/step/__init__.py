@@ -3,4 +3,5 @@ ranks, the gradient norm, the judges' verdicts, a skipped step), the clip polici
 (`preemption`: a signal finishes the step, saves and exits 75), and the fp32 copies an optimizer steps for bf16
 weights (`master_weights`: `trainer.precision=pure`).
 
-May import: every room below it (`processes`, `checkpoints`, `observability`, `controllers`) and the training base."""
+May import: `config base`, `sft.data`, `sft.loss`, `sft.model`, `sft.eval`, `training base`,
+`sft.training.processes`, `sft.training.checkpoints`, `sft.training.observability`, `sft.training.controllers`."""

@@ -31,8 +31,8 @@ from typing import Any, Callable
 import torch
 from accelerate.utils import gather_object
 
-from sft.data.batch import packed_bounds
-from sft.data.split import row_scores
+from sft.data.tokens.batch import packed_bounds
+from sft.data.tokens.columns import row_scores
 from sft.files import own_dir, own_path, write_text
 from sft.training.compat import mark_update_skipped, set_deepspeed_clip
 from sft.training.controllers.base import Controller, StepVerdict, implements
@@ -75,7 +75,7 @@ class StepReport:
         self._scores: dict[tuple[int, int], float] = {}
 
     def score(self, source: int, line: int) -> float | None:
-        if not hasattr(self.train_dataset, "with_format"):  # a stream (sft.data.streaming): no table of scores
+        if not hasattr(self.train_dataset, "with_format"):  # a stream (sft.data.splits.streaming): no table of scores
             return None
         if not self._scores:
             self._scores = row_scores(self.train_dataset)

@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from sft.data.batch import packed_bounds, sample_starts
+from sft.data.tokens.batch import packed_bounds, sample_starts
 
 log = logging.getLogger("sft")
 

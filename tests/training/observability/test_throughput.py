@@ -7,7 +7,6 @@ from conftest import train_steps
 from sft.loss.builtin import CrossEntropyLoss
 from sft.model.loading import load_model
 from sft.training.observability.throughput import ThroughputMeter, flops_per_token, model_flops_per_token
-from sft.training.trainer import WeightedLossTrainer
 
 
 def test_flops_per_token_is_6n_for_full_fine_tuning_4n_frozen_plus_attention():
@@ -38,16 +37,12 @@ def test_executed_flops_count_the_logits_computed_and_model_flops_are_6n_whateve
     assert model_flops_per_token(lora, 50) == 6 * n + attention
 
 
-def test_throughput_values_are_logged(tmp_path, tokenizer, monkeypatch):
-    meters = []
-    real_init = WeightedLossTrainer.__init__
+def test_throughput_values_are_logged(tmp_path, tokenizer):
+    from sft.training.parts import Display
 
-    def with_peak(self, *args, **kwargs):  # a CPU has no peak in the table: give one, to get an MFU
-        meters.append(ThroughputMeter(peak_tflops=0.05))
-        real_init(self, *args, throughput=meters[-1], **kwargs)
-
-    monkeypatch.setattr(WeightedLossTrainer, "__init__", with_peak)
-    _, _, trainer = train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1, steps=1)
+    # a CPU has no peak in the table: give one, to get an MFU
+    _, _, trainer = train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1, steps=1,
+                                shows=Display(throughput=ThroughputMeter(peak_tflops=0.05)))
     log = next(e for e in trainer.state.log_history if "loss" in e)
     rows = trainer.train_dataset.select(range(4))
     lengths = [len(r["input_ids"]) for r in rows]

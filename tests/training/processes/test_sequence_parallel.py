@@ -9,7 +9,7 @@ from conftest import composed
 from transformers import AutoConfig
 
 from sft.config import ConfigError, check
-from sft.data.collator import WeightedDataCollator
+from sft.data.tokens.collator import WeightedDataCollator
 from sft.loss.builtin import HardSampleLoss
 from sft.model.loading import check_heads_split
 from sft.training.processes.sequence_parallel import RepeatedBatches, SequenceParallel

@@ -7,6 +7,7 @@ from conftest import ROWS, train_steps
 
 from sft.loss.builtin import CrossEntropyLoss
 from sft.training.controllers import Controller, StepVerdict
+from sft.training.parts import StepParts
 
 
 class SkipStep(Controller):
@@ -26,7 +27,7 @@ def test_a_controller_verdict_skips_exactly_that_step_and_is_reported(tmp_path, 
     # [A, B, C] (SGD, constant rate) ends where training on [A, C] ends.
     veto = SkipStep(step=2)
     _, skipped, trainer = train_steps(tmp_path / "veto", tokenizer, CrossEntropyLoss(), 2, 1, rows=ROWS[:6], steps=3,
-                                      max_grad_norm=max_grad_norm, controllers={"veto": veto})
+                                      max_grad_norm=max_grad_norm, step=StepParts(controllers={"veto": veto}))
     _, direct, _ = train_steps(tmp_path / "direct", tokenizer, CrossEntropyLoss(), 2, 1, rows=ROWS[:2] + ROWS[4:6],
                                steps=2, max_grad_norm=1e9)
     torch.testing.assert_close(skipped, direct, atol=1e-6, rtol=0)

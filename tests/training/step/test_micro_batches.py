@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import composed, fast_loop
 
-from sft.data.collator import WeightedDataCollator
+from sft.data.tokens.collator import WeightedDataCollator
 from sft.training.step.micro_batches import MicroBatchPieces, samples_in, split_by_tokens, split_micro_batch
 
 ROWS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
@@ -198,6 +198,7 @@ def test_a_token_budget_is_refused_in_one_line_where_pieces_are_not_exact_or_row
 
     from sft.config import ConfigError, check
     from sft.loss.builtin import CrossEntropyLoss
+    from sft.training.parts import StepParts
     from sft.training.trainer import WeightedLossTrainer
 
     with pytest.raises(ConfigError, match=r"^trainer\.micro_batch_tokens=64: cuts packed micro-batches only: set "
@@ -211,7 +212,7 @@ def test_a_token_budget_is_refused_in_one_line_where_pieces_are_not_exact_or_row
     with pytest.raises(ConfigError, match=r"^trainer\.micro_batch_tokens=64: trains a packed micro-batch in pieces, "
                                           r"which this run cannot: the router aux loss of a micro-batch is not the "
                                           r"sum of its pieces' \(model\.router_aux_loss_coef\); set it to null$"):
-        WeightedLossTrainer(model=moe, args=args, loss=CrossEntropyLoss(), micro_batch_tokens=64)
+        WeightedLossTrainer(model=moe, args=args, loss=CrossEntropyLoss(), step=StepParts(micro_batch_tokens=64))
 
 
 def test_with_oom_retry_off_the_error_stops_the_run_saying_so(tmp_path):
