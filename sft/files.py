@@ -74,3 +74,20 @@ def in_package(name: str) -> tuple[Path | None, list[str]]:
             return (Path(folder) / inside).resolve(), looked
         looked.append(str(Path(folder) / inside))
     return None, looked
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict]:
+    """A file of one JSON object a line, as a process that may be killed writes it: [] where there is no file, and a
+    line cut short (killed while writing it) left out."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

@@ -225,7 +225,6 @@ COVERED_BY = {
     "sft/bench/loss_cases.py": ("tests/bench/test_run.py", 'raw["loss_lean"]'),
     "sft/bench/matmul.py": ("tests/bench/test_run.py", "sft.bench.matmul"),
     "sft/bench/report.py": ("tests/bench/test_run.py", "print_report"),
-    "sft/bench/rows.py": ("tests/bench/test_run.py", '"packing_gain_spread"'),
     "sft/bench/startup.py": ("tests/bench/test_run.py", '"startup_first_step_s"'),
     "sft/commands/consolidate.py": ("tests/e2e/test_distributed.py", '"consolidate"'),
     "sft/commands/export.py": ("tests/model/test_gguf_export.py", '"sft", "export"'),

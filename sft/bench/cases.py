@@ -140,6 +140,7 @@ TABLE = (
                                                                               memory=True),
                                          "packing_vs_trl_best": Ratio("trl_best", target=1.3, memory=True),
                                          "packing_vs_hf_padding_free": Ratio("hf_padding_free"),
+                                         "torch_varlen_gain": Ratio("packing_slots"),
                                          "mfu_packing": Ratio(target=0.40)}),
     training("ce_spread", "loss=ce", spread=True),
     training("packing_spread", *PACKED, spread=True, ratios={"packing_gain_spread": Ratio("ce_spread", target=1.3)}),
@@ -158,6 +159,9 @@ TABLE = (
              ratios={"liger_layers_gain": Ratio("packing")}),
     training("packing_flash", *PACKED, "model.attn_implementation=flash_attention_2", needs=("flash",),
              on_request=True, ratios={"flash_vs_varlen": Ratio("packing")}),
+    # packing's own attention without PyTorch's varlen kernel (the samples in padded slots, as on a CPU): what the
+    # kernel gains on a GPU (`packing` over it)
+    training("packing_slots", *PACKED, "model.attn_implementation=sdpa_slots", needs=("gpu",), on_request=True),
     training("trl_best", "loss=ce", "data.packing=false", needs=("trl",), on_request=True),
     training("hf_padding_free", "loss=ce", "data.packing=false", on_request=True),
     # a full fine-tune in pure bf16, of `bench.full_model` where set (preset=gpu_7b: Qwen2.5-1.5B's shape)

@@ -4,7 +4,7 @@ shape. Training ignores it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from sft.bench.cases import CASES, default_cases
 from sft.bench.long_rows import LONG_ROW_VARIANTS
@@ -24,8 +24,10 @@ class BenchConfig(Schema):
     steps: int = knob(40, "optimizer steps per training case")
     train_rows: Optional[str] = knob(None, "the training cases' rows: null, the data config's (data.train_file); "
                                      "multi_turn, chats of a system turn and two additions worked column by column, "
-                                     "about 300 tokens each (sft.bench.rows.multi_turn_rows)")
-    train_row_count: int = knob(512, "how many multi_turn rows")
+                                     "about 300 tokens each (sft.bench.rows.multi_turn_rows); realistic, chats of 100 "
+                                     "to 4,000 tokens with the length spread of a published SFT set "
+                                     "(sft.bench.rows.realistic_rows)")
+    train_row_count: int = knob(512, "how many multi_turn or realistic rows")
     matmul_tokens: int = knob(1024, "matmul: the rows of each timed product (a micro-batch's tokens)")
     warmup_steps: int = knob(5, "steps not timed")
     profile_steps: int = knob(0, "steps profiled after the timed ones in each training case (raw aside): where a "
@@ -66,15 +68,23 @@ class BenchConfig(Schema):
                                         factory=lambda: list(LONG_ROW_VARIANTS))
     full_model: Optional[str] = knob(None, "packing_full: the model config it fully fine-tunes (a name of the model "
                                      "group, e.g. qwen2_5_1_5b_random); null: the run's model")
-    case_timeout_s: int = knob(1800, "a case running longer is stopped and reported")
+    case_timeout_s: int = knob(1800, "a case running longer is stopped (SIGTERM, then SIGKILL) and reported failed; the "
+                               "others run on")
+    case_timeouts: Dict[str, int] = knob(help="a case's own limit, in seconds, in place of case_timeout_s "
+                                         "(+bench.case_timeouts.packing=600)", factory=dict)
+    case_logs: Optional[str] = knob(None, "a dir each case process's output is written to as it runs "
+                                    "(<case>-<n>.log); null: kept only to say why a case failed")
     isolate: bool = knob(True, "each training, eval and long_rows case in a fresh process, so that its peak memory is "
                          "its own; false: all in this one (faster, a quick check of the cases; memory not per case)")
 
     def check(self, cfg=None):
-        unknown = [case for case in self.cases if case not in CASES]
+        unknown = [case for case in [*self.cases, *self.case_timeouts] if case not in CASES]
+        self.require("case_timeouts", all(s >= 1 for s in self.case_timeouts.values()), "each must be >= 1 s")
+        self.require("case_timeout_s", self.case_timeout_s >= 1, "must be >= 1 s")
         self.require("long_row_lengths", all(n >= 16 for n in self.long_row_lengths), "each must be >= 16 tokens")
         self.require("long_row_steps", self.long_row_steps >= 1, "must be >= 1")
-        self.require("train_rows", self.train_rows in (None, "multi_turn"), "must be null or multi_turn")
+        self.require("train_rows", self.train_rows in (None, "multi_turn", "realistic"),
+                     "must be null, multi_turn or realistic")
         self.require("train_row_count", self.train_row_count >= 1, "must be >= 1")
         self.require("matmul_tokens", self.matmul_tokens >= 1, "must be >= 1")
         self.require("profile_steps", self.profile_steps >= 0, "must be >= 0")

@@ -8,8 +8,71 @@ import json
 import statistics
 from pathlib import Path
 
-from sft.bench.cases import CASES, MATMUL
+from sft.bench.cases import CASES, MATMUL, TRAINING, Case, target_of
 from sft.bench.profile import CATEGORIES
+
+
+def case_id(case: str, batch_size: int, first: int) -> str:
+    """A training case's name in the report: `ce` at the first of `bench.batch_sizes`, `ce_b16` at 16."""
+    return case if batch_size == first else f"{case}_b{batch_size}"
+
+
+def paired(rounds: list[dict], ours: str, theirs: str, key: str = "tokens_per_second") -> list[float]:
+    """`ours[key] / theirs[key]` in each round where both ran: the ratio of two cases measured side by side."""
+    return [r[ours][key] / r[theirs][key] for r in rounds if ours in r and theirs in r]
+
+
+def pair_ratios(case: Case, rounds: list[dict], suffixes: list[str]) -> dict[str, list[float]]:
+    """Each ratio `case` feeds against another case, per round (a training case's at each batch size: `suffixes`);
+    `<name>_memory` beside those that ask for it."""
+    ratios = {}
+    for suffix in suffixes if case.kind == TRAINING else [""]:
+        ours = case.name + suffix
+        for name, ratio in case.ratios.items():
+            if ratio.versus is None or ours not in (rounds[0] if rounds else {}):
+                continue
+            if ratio.when is not None and not ratio.when(rounds[0][ours]):
+                continue
+            if values := paired(rounds, ours, ratio.versus + suffix, ratio.key):
+                ratios[name + suffix] = values
+                if ratio.memory:
+                    ratios[f"{name}_memory{suffix}"] = paired(rounds, ours, ratio.versus + suffix, "peak_memory_gb")
+    return ratios
+
+
+def round_figures(report: dict, rounds: list[dict], names: list[str], suffixes: list[str]) -> None:
+    """Into `report`: each case's runs (`raw`) and medians (`cases`) over the rounds, and the ratios of the cases
+    `names` as medians of their per-round values with their spread (`ratios`, `spread`): the pairs that both ran, the
+    hardware ratios, MFU where the GPU's peak is known, the profiled breakdowns. What a stopped run finished gives
+    the ratios of the pairs it finished (`read_partial`)."""
+    cases = report["cases"]
+    for name in dict.fromkeys(name for r in rounds for name in r):
+        runs = [r[name] for r in rounds if name in r]
+        report["raw"][name] = runs
+        cases[name] = {key: statistics.median(run[key] for run in runs)
+                       for key in runs[0] if isinstance(runs[0][key], (int, float))}
+    wanted = [CASES[name] for name in names if name in CASES]
+    per_round = {}
+    for case in wanted:
+        per_round.update(pair_ratios(case, rounds, suffixes))
+    per_round.update(hardware_ratios(rounds, cases, [case.name for case in wanted if case.kind == MATMUL]))
+    for case in wanted:  # MFU, where the GPU's peak is known (the table's, or throughput.peak_tflops)
+        if f"mfu_{case.name}" in case.ratios and "mfu" in cases.get(case.name, {}):
+            per_round[f"mfu_{case.name}"] = [r[case.name]["mfu"] for r in rounds if case.name in r]
+            per_round[f"mfu_6n_{case.name}"] = [r[case.name]["mfu_6n"] for r in rounds if case.name in r]
+    breakdowns(rounds, cases)
+    for key, values in per_round.items():
+        report["ratios"][key] = statistics.median(values)
+        report["spread"][key] = [min(values), max(values)]
+
+
+def judge_targets(report: dict) -> None:
+    """Each ratio that has a target, met or not, into `report["targets"]`."""
+    report["targets"] = {}
+    for key, value in report["ratios"].items():
+        if (target := target_of(key)) is not None:
+            t, kind = target
+            report["targets"][key] = {"target": t, "kind": kind, "met": value >= t if kind == "min" else value <= t}
 
 
 def hardware_ratios(rounds: list[dict], cases: dict, matmul: list[str]) -> dict[str, list[float]]:
@@ -105,24 +168,21 @@ def print_report(report: dict) -> None:
 
 
 def write_partial(path: Path, report: dict, rounds: list[dict]) -> None:
-    """The results so far (`rounds`: each round's cases that have run), in the form of the report's `raw`; written
-    whole, then renamed over the last one (a reader never sees half a file)."""
-    raw: dict = {}
-    for results in rounds:
-        for name, result in results.items():
-            raw.setdefault(name, []).append(result)
-    partial = {"overrides": report["overrides"], "partial": True, "raw": raw, "failed": report["failed"],
-               "skipped": report["skipped"]}
+    """The results so far (`rounds`: each round's cases that have run) and what their ratios need (the cases asked for,
+    the batch sizes' suffixes); written whole, then renamed over the last one (a reader never sees half a file)."""
+    partial = {"overrides": report["overrides"], "partial": True, "rounds": rounds, "failed": report["failed"],
+               "skipped": report["skipped"], "names": report.get("names", []), "suffixes": report.get("suffixes", [""])}
     path.with_name(path.name + ".tmp").write_text(json.dumps(partial, indent=2) + "\n")
     path.with_name(path.name + ".tmp").replace(path)
 
 
 def read_partial(path: Path) -> dict:
-    """A report of the cases a stopped run finished (`write_partial`'s file): each case's median figures, no ratios
-    (a ratio's cases may not both have run), `partial: true`."""
-    report = json.loads(path.read_text())
-    report["cases"] = {name: {key: statistics.median(run[key] for run in runs)
-                              for key in runs[0] if isinstance(runs[0][key], (int, float))}
-                       for name, runs in report["raw"].items()}
-    report.update(ratios={}, spread={}, targets={})
+    """A report of the cases a stopped run finished (`write_partial`'s file): each case's median figures and the
+    ratios of the pairs that both finished in a round, with their targets; `partial: true`."""
+    saved = json.loads(path.read_text())
+    report = {key: saved[key] for key in ("overrides", "partial", "failed", "skipped")}
+    report.update(raw={}, cases={}, ratios={}, spread={}, rounds=[])
+    rounds = [{name: result for name, result in r.items() if name not in saved["failed"]} for r in saved["rounds"]]
+    round_figures(report, rounds, saved["names"], saved["suffixes"])
+    judge_targets(report)
     return report

@@ -68,3 +68,38 @@ def spread_rows(path: Path, rows: int) -> None:
             f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(words[:prompt]).capitalize() + "?"},
                                              {"role": "assistant", "content": " ".join(words[prompt:]) + "."}],
                                 "difficulty_score": 1.0 + i % 4}) + "\n")
+
+
+# The length spread of the chats users fine-tune on: a log-normal with the published median and mean token counts
+# of nvidia's Llama-Nemotron-Post-Training-Dataset-v1 (393 and 528 tokens a row, min 14, max 18,718: its ShareGPT
+# conversion's dataset card, MaziyarPanahi/Llama-Nemotron-Post-Training-Dataset-v1-ShareGPT), cut to 100-4,000 tokens;
+# four fifths of its tokens are the answers' (12.83B of 15.97B). A fit to two published figures, not a measured
+# histogram: the rows a step of 64k tokens holds as users' data does (about 120 chats of 100 to 4,000 tokens), where
+# the 7B check once packed additions of 33-86 tokens (attention 0.1% of its FLOPs).
+REALISTIC_MEDIAN, REALISTIC_MEAN, REALISTIC_RANGE, ANSWER_SHARE = 393, 528, (100, 4000), 0.8
+
+
+def realistic_lengths(rows: int, seed: int = 0) -> list[int]:
+    """`rows` chat lengths in tokens from the spread above (a fixed seed: the same rows in every case and run)."""
+    import math
+    import random
+
+    mu, sigma = math.log(REALISTIC_MEDIAN), math.sqrt(2 * math.log(REALISTIC_MEAN / REALISTIC_MEDIAN))
+    rng = random.Random(seed)
+    low, high = REALISTIC_RANGE
+    return [min(high, max(low, round(rng.lognormvariate(mu, sigma)))) for _ in range(rows)]
+
+
+def realistic_rows(path: Path, rows: int, tokenizer) -> None:
+    """`rows` one-turn chats of `realistic_lengths` tokens in `tokenizer`'s vocabulary (a fifth the question, the rest
+    the answer; its tokens a word measured once on the words used)."""
+    sample = " ".join(WORDS * 8)
+    per_word = len(tokenizer(sample, add_special_tokens=False)["input_ids"]) / (8 * len(WORDS))
+    with open(path, "w") as f:
+        for i, tokens in enumerate(realistic_lengths(rows)):
+            length = max(8, round(tokens / per_word))
+            prompt = max(4, round(length * (1 - ANSWER_SHARE)))
+            words = [WORDS[(7 * i + 3 * k + k // len(WORDS)) % len(WORDS)] for k in range(length)]
+            f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(words[:prompt]).capitalize() + "?"},
+                                             {"role": "assistant", "content": " ".join(words[prompt:]) + "."}],
+                                "difficulty_score": 1.0 + i % 4}) + "\n")

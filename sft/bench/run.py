@@ -101,6 +101,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,11 +110,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sft.bench.cases import CASES, MATMUL, ONCE, TRAINING, Case, Context, target_of
+from sft.bench.cases import CASES, ONCE, TRAINING, Case, Context
 from sft.bench.config import compose
 from sft.bench.device import missing, on_gpu, threads
-from sft.bench.report import breakdowns, hardware_ratios, print_report, write_partial
-from sft.bench.rows import multi_turn_rows, spread_rows
+from sft.bench.report import case_id, judge_targets, print_report, round_figures, write_partial
+from sft.bench.rows import multi_turn_rows, realistic_rows, spread_rows
 from sft.bench.training import timed_training_overrides
 from sft.config.schema import ConfigError
 from sft.config.validate import check
@@ -124,27 +125,75 @@ RESULT = "BENCH_RESULT "  # how a case's process prints its result: this, then o
 # --- a case's process ----------------------------------------------------------------------------------------------
 
 
+RUNNING: dict = {}  # the case process running now: a SIGTERM to the bench stops it too (`stop_running_case`)
+GRACE_S = 5  # a case out of time: SIGTERM, this long to end, then SIGKILL
+
+
 def spawn(case: str, cfg, env: dict | None = None, processes: int = 1) -> dict:
     """Run one case in a fresh process (the same threads for every case), or in `processes` of them under torchrun
-    (the cores shared out); its result, or why it failed. `bench.isolate=false` runs an `inline` case in this one."""
+    (the cores shared out); its result, or why it failed. `bench.isolate=false` runs an `inline` case in this one.
+    Its output goes to `bench.case_logs`/<case>-<n>.log as it runs (where set); past its limit (`bench.case_timeouts`,
+    else `bench.case_timeout_s`) it and every process it started get SIGTERM, then SIGKILL, and it fails saying so."""
     if not cfg.bench.isolate and processes == 1 and CASES[case].inline:
         return json.loads(json.dumps(run_case(case, cfg)))  # in this process (as JSON, like a child's result)
     env = {"OMP_NUM_THREADS": str(max(1, threads(cfg) // processes)), **(env or {})}  # (the children share them too)
     launcher = [] if processes == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={processes}",
                                           f"--master_port={free_port()}"]
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(OmegaConf.to_yaml(cfg))
-    try:
-        proc = subprocess.run([sys.executable, *launcher, "-m", "sft.bench", "--case", case, "--config", f.name],
-                              capture_output=True, text=True, timeout=cfg.bench.case_timeout_s,
-                              env={**os.environ, **(env or {})})
-    finally:
-        os.unlink(f.name)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT):
+    limit = int((cfg.bench.case_timeouts or {}).get(case, cfg.bench.case_timeout_s))
+    with tempfile.TemporaryDirectory(prefix=f"sft-bench-{case}-") as tmp:
+        config = Path(tmp, "config.yaml")
+        config.write_text(OmegaConf.to_yaml(cfg))
+        log = case_log(cfg.bench.case_logs, case) or Path(tmp, "case.log")
+        with log.open("w") as out:
+            proc = subprocess.Popen([sys.executable, *launcher, "-m", "sft.bench", "--case", case, "--config",
+                                     str(config)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, **env})
+            RUNNING["case"] = proc
+            try:
+                code, expired = proc.wait(timeout=limit), False
+            except subprocess.TimeoutExpired:
+                code, expired = stop(proc), True
+            finally:
+                RUNNING.pop("case", None)
+        text = log.read_text(errors="replace")
+    for line in text.splitlines():
+        if line.startswith(RESULT) and not expired:
             return json.loads(line[len(RESULT):])
-    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-    raise RuntimeError(f"bench case {case} failed (exit {proc.returncode}):\n{tail}")
+    tail = "\n".join(text.strip().splitlines()[-15:])
+    if expired:
+        raise RuntimeError(f"bench case {case} ran out of its {limit} s (stopped with SIGTERM, then SIGKILL):\n{tail}")
+    raise RuntimeError(f"bench case {case} failed (exit {code}):\n{tail}")
+
+
+def case_log(folder: str | None, case: str) -> Path | None:
+    """Where a case's output goes (`bench.case_logs`: `<case>-<n>.log`, n its run's number), or None."""
+    if folder is None:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    n = 1 + sum(1 for _ in Path(folder).glob(f"{case}-*.log"))
+    return Path(folder, f"{case}-{n}.log")
+
+
+def stop(proc: subprocess.Popen, grace_s: float = GRACE_S) -> int:
+    """End a case's process group: SIGTERM, then SIGKILL once `grace_s` have passed; its exit code."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+
+
+def stop_running_case(signum, frame) -> None:
+    """The bench's SIGTERM (a time limit on the bench itself, `sft gpu-pack`): the case running now is stopped with it;
+    every case finished stands in the partial results, written after each."""
+    if (proc := RUNNING.get("case")) is not None:
+        stop(proc)
+    raise SystemExit(128 + signum)
 
 
 def free_port() -> int:
@@ -183,34 +232,6 @@ def run_case(case: str, cfg) -> dict:
 
 
 # --- the driver ----------------------------------------------------------------------------------------------------
-
-
-def case_id(case: str, batch_size: int, first: int) -> str:
-    """A training case's name in the report: `ce` at the first of `bench.batch_sizes`, `ce_b16` at 16."""
-    return case if batch_size == first else f"{case}_b{batch_size}"
-
-
-def paired(rounds: list[dict], ours: str, theirs: str, key: str = "tokens_per_second") -> list[float]:
-    """`ours[key] / theirs[key]` in each round where both ran: the ratio of two cases measured side by side."""
-    return [r[ours][key] / r[theirs][key] for r in rounds if ours in r and theirs in r]
-
-
-def pair_ratios(case: Case, rounds: list[dict], suffixes: list[str]) -> dict[str, list[float]]:
-    """Each ratio `case` feeds against another case, per round (a training case's at each batch size: `suffixes`);
-    `<name>_memory` beside those that ask for it."""
-    ratios = {}
-    for suffix in suffixes if case.kind == TRAINING else [""]:
-        ours = case.name + suffix
-        for name, ratio in case.ratios.items():
-            if ratio.versus is None or ours not in (rounds[0] if rounds else {}):
-                continue
-            if ratio.when is not None and not ratio.when(rounds[0][ours]):
-                continue
-            if values := paired(rounds, ours, ratio.versus + suffix, ratio.key):
-                ratios[name + suffix] = values
-                if ratio.memory:
-                    ratios[f"{name}_memory{suffix}"] = paired(rounds, ours, ratio.versus + suffix, "peak_memory_gb")
-    return ratios
 
 
 def available(names: list[str], report: dict) -> list[Case]:
@@ -293,10 +314,17 @@ def run_all(overrides: list[str], partial: Path | None = None) -> dict:
                     "skipped": {}, "failed": {}, "isolated": bool(base.bench.isolate)}
     wanted = available(list(b.cases), report)
     sizes = list(b.batch_sizes or [base.trainer.per_device_train_batch_size])
+    report["names"] = [case.name for case in wanted]  # what the ratios are of, also for a stopped run's partial
+    report["suffixes"] = [case_id("", size, sizes[0]) for size in sizes]
     with tempfile.TemporaryDirectory(prefix="sft-bench-rows-") as rows_dir:
         rows = {"run": [], "spread": []}
         if b.train_rows == "multi_turn":  # chats of about 300 tokens, as real fine-tuning data has them
             multi_turn_rows(path := Path(rows_dir, "multi_turn.jsonl"), b.train_row_count)
+            rows["run"] = [f"data.train_file={path}"]
+        elif b.train_rows == "realistic":  # 100 to 4,000 tokens, as users' chats (in the run's tokens)
+            from hydra.utils import instantiate
+
+            realistic_rows(path := Path(rows_dir, "realistic.jsonl"), b.train_row_count, instantiate(base.tokenizer))
             rows["run"] = [f"data.train_file={path}"]
         if any(case.spread for case in wanted):
             spread_rows(path := Path(rows_dir, "spread.jsonl"), b.train_row_count)
@@ -306,25 +334,8 @@ def run_all(overrides: list[str], partial: Path | None = None) -> dict:
             if case.kind != ONCE:
                 jobs.update(jobs_of(case, overrides, base, sizes, rows))
         rounds = run_rounds(jobs, b, report, partial) if jobs else []
+    round_figures(report, rounds, report["names"], report["suffixes"])
     cases = report["cases"]
-    for name in (name for name in jobs if name not in report["failed"]):
-        runs = [r[name] for r in rounds]
-        report["raw"][name] = runs
-        cases[name] = {key: statistics.median(run[key] for run in runs)
-                       for key in runs[0] if isinstance(runs[0][key], (int, float))}
-    suffixes = [case_id("", size, sizes[0]) for size in sizes]
-    per_round = {}
-    for case in wanted:
-        per_round.update(pair_ratios(case, rounds, suffixes))
-    per_round.update(hardware_ratios(rounds, cases, [case.name for case in wanted if case.kind == MATMUL]))
-    for case in wanted:  # MFU, where the GPU's peak is known (the table's, or throughput.peak_tflops)
-        if f"mfu_{case.name}" in case.ratios and "mfu" in cases.get(case.name, {}):
-            per_round[f"mfu_{case.name}"] = [r[case.name]["mfu"] for r in rounds if case.name in r]
-            per_round[f"mfu_6n_{case.name}"] = [r[case.name]["mfu_6n"] for r in rounds if case.name in r]
-    breakdowns(rounds, cases)
-    for key, values in per_round.items():
-        report["ratios"][key] = statistics.median(values)
-        report["spread"][key] = [min(values), max(values)]
     context = Context(overrides, base, compose, spawn, free_port)
     for case in wanted:  # a driver's figure is one reading, or its rounds' (a list: the median, with their spread)
         if case.kind == ONCE:
@@ -335,11 +346,7 @@ def run_all(overrides: list[str], partial: Path | None = None) -> dict:
                 report["ratios"][key] = statistics.median(value) if isinstance(value, list) else value
                 if isinstance(value, list):
                     report["spread"][key] = [min(value), max(value)]
-    report["targets"] = {}
-    for key, value in report["ratios"].items():
-        if (target := target_of(key)) is not None:
-            t, kind = target
-            report["targets"][key] = {"target": t, "kind": kind, "met": value >= t if kind == "min" else value <= t}
+    judge_targets(report)
     return report
 
 
@@ -357,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     from sft.config.argv import composition_error
 
     partial = Path(args.out + ".partial")  # the results so far, while it runs (`write_partial`)
+    signal.signal(signal.SIGTERM, stop_running_case)
     try:
         report = run_all(overrides, partial)
     except ConfigError as e:

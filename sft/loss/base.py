@@ -175,14 +175,15 @@ class WeightedTokenLoss(Schema):
 
     # --- the step's numerator and denominator ------------------------------------------------------------
 
-    def normaliser(self, labels, weights, position_ids=None):
-        """This micro-batch's contribution to the step's denominator (needs no forward pass)."""
+    def normaliser(self, labels, weights, position_ids=None, given=None):
+        """This micro-batch's contribution to the step's denominator (needs no forward pass); `given`: its trained
+        positions as the collator found them (`sft.loss.terms.select_targets`)."""
         from sft.loss.terms import coefficients, select_targets
 
-        return coefficients(self.normalize, select_targets(labels, weights, position_ids))[1].sum()
+        return coefficients(self.normalize, select_targets(labels, weights, position_ids, given))[1].sum()
 
     def terms(self, labels, weights, *, logits=None, hidden=None, lm_head=None, position_ids=None,
-              impl: str = "naive", accuracy: bool = False, transform=None, columns=None):
+              impl: str = "naive", accuracy: bool = False, transform=None, columns=None, given=None):
         """Numerator and statistics of a micro-batch (`sft.loss.terms.LossTerms`), from the logits (`naive`) or from
         the final hidden states and the output projection's weight (`chunked`, `cce`), whose logits get `transform`
         (the model's own post-projection step, `LogitTransform.of(model.config)`); `columns`: the logits or hidden
@@ -190,7 +191,7 @@ class WeightedTokenLoss(Schema):
         from sft.loss.terms import compute_terms, select_targets
 
         factor = None if type(self).token_factor is WeightedTokenLoss.token_factor else self.token_factor
-        return compute_terms(select_targets(labels, weights, position_ids), self.normalize, factor, logits=logits,
+        return compute_terms(select_targets(labels, weights, position_ids, given), self.normalize, factor, logits=logits,
                              hidden=hidden, lm_head=lm_head, impl=impl, accuracy=accuracy, transform=transform,
                              chunk_tokens=self.chunk_tokens, columns=columns)
 

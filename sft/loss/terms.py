@@ -31,20 +31,27 @@ class Targets:
                        self.sample[keep], self.num_samples)
 
 
-def select_targets(labels: torch.Tensor, weights: torch.Tensor, position_ids: torch.Tensor | None = None) -> Targets:
+def select_targets(labels: torch.Tensor, weights: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   given: tuple | None = None) -> Targets:
     """The assistant tokens and the positions that predict them (position t predicts label t+1).
 
     Without `position_ids` every row is one sample; with them (a packed batch) each packed sample is one
-    (`sft.data.tokens.batch.sample_index`).
+    (`sft.data.tokens.batch.sample_index`). `given`: the positions as the collator found them on the CPU
+    (`sft.data.tokens.batch.trained_positions`: rows, columns, samples, number of samples), which spares the device a
+    wait (a `nonzero` and a count); they are the same positions.
     """
     shifted = labels[:, 1:]
-    rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)
-    if position_ids is None:
-        sample, num_samples = rows, labels.size(0)
+    if given is not None:
+        rows, cols, sample, num_samples = given
+        rows, cols, sample = (x.to(labels.device, non_blocking=True) for x in (rows, cols, sample))
     else:
-        index, num_samples = sample_index(position_ids)
-        sample = index[:, 1:][rows, cols]
-    return Targets(rows, cols, shifted[rows, cols], weights[:, 1:][rows, cols].float(), sample, num_samples)
+        rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)
+        if position_ids is None:
+            sample, num_samples = rows, labels.size(0)
+        else:
+            index, num_samples = sample_index(position_ids)
+            sample = index[:, 1:][rows, cols]
+    return Targets(rows, cols, shifted[rows, cols], weights[:, 1:][rows, cols].float(), sample, int(num_samples))
 
 
 @dataclass
@@ -66,7 +73,9 @@ def coefficients(normalize: str, t: Targets) -> tuple[torch.Tensor, torch.Tensor
         return t.weights, t.weights
     if normalize == "token":
         return t.weights, torch.ones_like(t.weights)
-    tokens = torch.bincount(t.sample, minlength=t.num_samples).clamp_min(1)
+    # each sample's token count, its size known (a bincount finds its size on the device: a wait)
+    tokens = torch.zeros(t.num_samples, dtype=t.weights.dtype, device=t.weights.device).index_add_(
+        0, t.sample, torch.ones_like(t.weights)).clamp_min(1)
     per_sample = t.weights / tokens[t.sample]
     return per_sample, per_sample
 

@@ -159,7 +159,9 @@ class ModelConfig(Schema):
     dtype: Dtype = knob(Dtype.float32, "the weights' dtype")
     attn_implementation: Optional[str] = knob("sdpa", "transformers' (sdpa, eager, flash_attention_2, "
                                               "flex_attention: a document mask for packed rows, CUDA only ...) or "
-                                              "sdpa_varlen (sdpa per sample of a packed row)")
+                                              "sdpa_varlen (each sample of a packed row on its own: PyTorch's "
+                                              "varlen flash kernel on a GPU, else sdpa on the samples' slots; "
+                                              "sdpa_slots: always the slots)")
     trust_remote_code: bool = knob(False, "run the checkpoint's own modelling code (it is code: trust its source)")
     quantization: Optional[Quantization] = knob(None, "nf4: a 4-bit base for QLoRA (bitsandbytes, CUDA only)")
     # Not null by default: OmegaConf cannot merge a dict from the command line into a null node.
@@ -346,7 +348,7 @@ def load_model(
     import torch
     from transformers import AutoConfig
 
-    if attn_implementation == "sdpa_varlen":
+    if attn_implementation in ("sdpa_varlen", "sdpa_slots"):
         from sft.model import attention
 
         attention.register()
@@ -443,7 +445,7 @@ def _load(name_or_path, gguf_file, config, dtype, attn_implementation, trust_rem
         if "is not supported. The only possible arguments are" in str(e):  # a name transformers does not know
             known = [k for k in re.findall(r'"(?:attn_implementation=)?([\w|]+)"', str(e)) if k != attn_implementation]
             raise ConfigError("model.attn_implementation", attn_implementation, f"no such attention (transformers': "
-                              f"{', '.join(dict.fromkeys(known))}; sft's: sdpa_varlen)") from None
+                              f"{', '.join(dict.fromkeys(known))}; sft's: sdpa_varlen, sdpa_slots)") from None
         if "does not support an attention implementation" not in str(e):
             raise
 

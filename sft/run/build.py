@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sft.config.schema import ConfigError
 from sft.training.arguments import evaluates, learning_rate, training_arguments
-from sft.training.checkpoints.sharded import sharded
+from sft.training.checkpoints.sharded import CheckpointConfig, sharded
 from sft.training.processes.engines import check_fsdp_layers
 from sft.training.processes.sequence_parallel import sequence_parallel_size
 
@@ -86,7 +86,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
                           sequence_parallel=sequence_parallel, sources=[str(part.train) for part in data.parts]),
         evaluation=EvaluationParts(list(cfg.eval_buckets), eval_generation(cfg, data), harness(cfg.eval_harness),
                                    data.tasks),
-        checkpoints=OmegaConf.to_object(cfg.checkpoint),
+        checkpoints=CheckpointConfig(**OmegaConf.to_container(cfg.checkpoint, resolve=True)),
         shows=Display(str(cfg.console), instantiate(cfg.throughput)),
     )
     if cfg.trainer.compile_layers:  # after the trainer's probes (the memory plan's, the lean loss's) ran eager

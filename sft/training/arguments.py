@@ -105,7 +105,9 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     dataloader_pin_memory: bool = knob(True, "pinned host memory (on GPU only)")
     torch_compile: bool = knob(False, "torch.compile the model")
     train_sampling_strategy: str = knob("random", "transformers' sampling of training rows")
-    dataloader_num_workers: int = knob(0, "data loader worker processes")
+    dataloader_num_workers: Optional[int] = knob(None, "data loader worker processes; null: 2 on a GPU (the "
+                                                 "collator's work, batching and finding the trained tokens, beside the "
+                                                 "step instead of before it), none on a CPU (its cores train)")
     report_to: List[str] = knob(help="trackers: tensorboard, wandb, mlflow, ... ([] for none)",
                                 factory=lambda: ["tensorboard"])
     run_name: Optional[str] = knob(None, "the trackers' run name")
@@ -175,8 +177,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
         for key in ("seed", "data_seed"):
             value = getattr(self, key)
             self.require(key, value is None or 0 <= value < 2**32, "must be in [0, 2**32 - 1] (numpy's seeds)")
-        self.require("dataloader_num_workers", self.dataloader_num_workers >= 0, "must be >= 0 (0: no worker "
-                     "processes)")
+        self.require("dataloader_num_workers", self.dataloader_num_workers is None or self.dataloader_num_workers >= 0,
+                     "must be >= 0 (0: no worker processes; null: 2 on a GPU)")
         if self.lr_scheduler_kwargs:
             self.check_scheduler_kwargs()
         if self.optim_args:
@@ -370,9 +372,16 @@ def training_arguments(trainer, run_dir: str, *, resuming: bool, max_grad_norm: 
 
 def resolve_nulls(fields: dict, on_gpu: bool) -> None:
     """What a null of the `trainer` group stands for where TrainingArguments takes none: the optimizer
-    (`optimizer_name`) and activation checkpointing (off, until the memory plan turns it on: sft.run.memory_plan)."""
-    fields["optim"] = optimizer_name(fields["optim"], on_gpu and not fields["use_cpu"])
+    (`optimizer_name`), activation checkpointing (off, until the memory plan turns it on: sft.run.memory_plan) and the
+    data loader's workers (2 on a GPU, none on a CPU)."""
+    gpu = on_gpu and not fields["use_cpu"]
+    fields["optim"] = optimizer_name(fields["optim"], gpu)
     fields["activation_checkpointing"] = bool(fields["activation_checkpointing"])
+    if fields.get("dataloader_num_workers", 0) is None:
+        fields["dataloader_num_workers"] = GPU_LOADER_WORKERS if gpu else 0
+
+
+GPU_LOADER_WORKERS = 2  # a null `trainer.dataloader_num_workers` on a GPU
 
 
 def optimizer_name(optim: str | None, on_gpu: bool) -> str:

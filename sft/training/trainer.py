@@ -37,6 +37,8 @@ still has each one, with the same parameters):
 - the evaluation overrides (`evaluation_loop`, `prediction_step`) are a base's, `sft.training.evaluation`'s
   `ExactEvaluation`, and the checkpoint and model saving overrides the other base's, `sft.training.checkpoints.saving`'s
   `CheckpointSaving`; each takes its own part (`sft.training.parts`: `evaluation`, `checkpoints`);
+- `_track_num_input_tokens` (private: Trainer's count of the tokens seen, a gather and a host read after every
+  micro-batch) counts nothing; `log` adds the step's own sums of input tokens to `state.num_input_tokens_seen`;
 - `log` (public) adds `ce` and `weight_mean` (the mean weight of an assistant token) next to `loss`,
   `aux_loss` (the router's, token-weighted) for a mixture of experts that asks for it, `aux/<name>` for
   each auxiliary term (its numerators over its denominators since the last log, without the coef), the
@@ -54,11 +56,12 @@ from typing_extensions import override
 
 from sft.config.schema import ConfigError
 from sft.data.splits.streaming import Stream
-from sft.data.tokens.batch import input_tokens
+from sft.data.tokens.batch import input_tokens, pop_targets, targets_of
 from sft.loss.auxiliary import AuxBatch
 from sft.loss.base import WeightedTokenLoss
 from sft.loss.kernels import choose_impl, lean_logits_error
 from sft.loss.logits import LogitTransform, router_aux_loss_coef
+from sft.model.attention import packed_rows_need_no_mask
 from sft.training.checkpoints.saving import CheckpointSaving
 from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.evaluation import ExactEvaluation
@@ -70,7 +73,7 @@ from sft.training.processes.sequence_parallel import SequenceParallel
 from sft.training.step.clipping import GradClipPolicy
 from sft.training.step.control import StepContext, StepControl, StepReport, step_gradients
 from sft.training.step.master_weights import MasterWeights
-from sft.training.step.micro_batches import MicroBatchPieces, refusal as pieces_refusal
+from sft.training.step.micro_batches import MicroBatchPieces, is_packed, refusal as pieces_refusal
 
 log = logging.getLogger("sft")
 
@@ -125,6 +128,8 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         self.micro_batches = MicroBatchPieces(cannot_cut or (None if step.oom_retry else "trainer.oom_retry=false"),
                                               step.micro_batch_tokens)
         self._step_start = ([], None)  # the step's micro-batches, and the statistics before its first one
+        self._packed_rows_need_no_mask = packed_rows_need_no_mask(self.model)
+        self._mask_not_needed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.args.device)
         if self.loss_impl != "naive":
             self._check_lean_loss_reproduces_the_logits()
         log.info("loss: %s cross entropy (loss.impl=%s)%s", self.loss_impl, loss.impl,
@@ -244,8 +249,8 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         # the loss's denominator, input tokens, each auxiliary term's denominator
         sums = torch.zeros(2 + len(self.aux_terms), dtype=torch.float64, device=device)
         for batch in batches:
-            sums[0] += self.loss.normaliser(batch["labels"], batch["weights"],
-                                            batch.get("position_ids")).to(device)
+            sums[0] += self.loss.normaliser(batch["labels"], batch["weights"], batch.get("position_ids"),
+                                            targets_of(batch)).to(device)
             sums[1] += input_tokens(batch).to(device)
             for i, (name, term) in enumerate(self.aux_terms.items()):
                 sums[2 + i] += term.denominator(AuxBatch.of(batch, name)).to(device)
@@ -341,13 +346,20 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         source_lines = inputs.pop("source_lines", None)
         source_views = inputs.pop("source_views", None)
         source_ids = inputs.pop("source_ids", None)
+        given = pop_targets(inputs)  # where its trained tokens are, as the collator found them
         aux_values = {k: inputs.pop(k) for k in [k for k in inputs if k.startswith("aux_")]}
         evaluating = not model.training and self._eval_rows is not None and source_lines is not None
         training = model.training and num_items_in_batch is not None
         model_inputs, columns = self.sp.shard(inputs) if self.sp is not None and model.training else (inputs, None)
+        if (columns is None and self._packed_rows_need_no_mask and is_packed(model_inputs)
+                and "cu_seq_lens_q" in model_inputs):
+            # the attention keeps the samples apart by their boundaries: the model is told its mask is built, so it
+            # builds none (transformers reads the packing from the positions first, a wait for the device each forward)
+            model_inputs = {**model_inputs, "attention_mask": self._mask_not_needed}
         outputs, terms, hidden = self._forward_terms(model, model_inputs, labels, weights, accuracy=evaluating,
                                                      keep_hidden=training and bool(self.aux_terms),
-                                                     position_ids=inputs.get("position_ids"), columns=columns)
+                                                     position_ids=inputs.get("position_ids"), columns=columns,
+                                                     given=given)
         if columns is not None:  # this rank's slice: the per-sample sums of the whole micro-batch, for the logs
             terms = self.sp.whole_terms(terms)
         if training:
@@ -394,7 +406,7 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         return total
 
     def _forward_terms(self, model, inputs, labels, weights, accuracy: bool, keep_hidden: bool = False,
-                       position_ids=None, columns=None):
+                       position_ids=None, columns=None, given=None):
         """The model's forward, the loss terms, and the final hidden states (None unless a lean loss or
         `keep_hidden` needs them); the logits either materialised (`naive`) or not. `position_ids` are the batch's
         (`inputs` may be a sequence-parallel slice of it, of the positions `columns`)."""
@@ -405,7 +417,7 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
                 outputs, hidden = model(**inputs, use_cache=False), None
             with torch.profiler.record_function("sft.loss"):  # a scope in a profile (sft.bench.profile)
                 terms = self.loss.terms(labels, weights, logits=outputs.logits, position_ids=position_ids,
-                                        accuracy=accuracy, columns=columns)
+                                        accuracy=accuracy, columns=columns, given=given)
             return outputs, terms, hidden
         no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
         outputs, hidden = self._forward_keeping_hidden(model, **inputs, logits_to_keep=no_logits)
@@ -414,7 +426,7 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         with self._gathered_lm_head(), torch.profiler.record_function("sft.loss"):
             terms = self.loss.terms(labels, weights, hidden=hidden, lm_head=self._lm_head.weight,
                                     position_ids=position_ids, impl=impl, accuracy=accuracy,
-                                    transform=self.logit_transform, columns=columns)
+                                    transform=self.logit_transform, columns=columns, given=given)
         return outputs, terms, hidden
 
     def _forward_keeping_hidden(self, model, **inputs):
@@ -440,11 +452,17 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         return deepspeed.zero.GatheredParameters([self._lm_head.weight], modifier_rank=None)
 
     @override
+    def _track_num_input_tokens(self, inputs):
+        """Trainer's count of the input tokens seen, made at each log from the micro-batches' own sums (`log`): Trainer
+        gathers and reads it on the host after every micro-batch, a GPU wait and a collective each."""
+
+    @override
     def log(self, logs, start_time=None):
         if "loss" in logs:  # a training log: every rank gets here together
             ce_sum, weight_sum, tokens, samples, inputs, positions, aux = (
                 self._sum_over_batches(self._train_stats).tolist())
             self._train_stats.zero_()
+            self.state.num_input_tokens_seen += int(inputs)  # (`_track_num_input_tokens`): before Trainer logs it
             if tokens:
                 logs["ce"] = ce_sum / tokens
                 logs["weight_mean"] = weight_sum / tokens

@@ -11,7 +11,10 @@ def test_gpu_7b_bench_preset_is_lora_on_qwen2_5_7b_shape_packed_bf16():
     shape = cfg.model.random_init
     assert (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size) == (3584, 28, 152064)
     assert cfg.lora is not None and cfg.data.packing and cfg.trainer.bf16 and cfg.model.dtype == "bfloat16"
-    assert cfg.loss.impl == "auto" and cfg.trainer.per_device_train_batch_size == 80
+    assert cfg.loss.impl == "auto" and cfg.bench.train_rows == "realistic"
+    # a step of 128 chats of users' lengths (about 68k tokens), in micro-batches of about 4k as TRL gets them
+    assert cfg.trainer.per_device_train_batch_size * cfg.trainer.gradient_accumulation_steps == 128
+    assert cfg.bench.train_row_count >= 128 * cfg.bench.steps
     # the headline side by side comes first: a run stopped by its time limit keeps it
     assert list(cfg.bench.cases)[:4] == ["packing", "trl_best", "hf_padding_free", "packing_full"]
     assert {"loss_naive", "loss_lean"} <= set(cfg.bench.cases)

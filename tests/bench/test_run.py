@@ -101,7 +101,7 @@ def test_every_other_round_runs_the_cases_in_reverse_order(monkeypatch):
 
 def test_ratios_at_each_batch_size_are_named_by_it_and_keep_their_targets():
     from sft.bench.cases import CASES, target_of
-    from sft.bench.run import case_id, pair_ratios
+    from sft.bench.report import case_id, pair_ratios
 
     assert [case_id("ce", size, 64) for size in (64, 16)] == ["ce", "ce_b16"]
     rounds = [{f"{case}_b16": {"tokens_per_second": tps * k, "peak_memory_gb": mem}

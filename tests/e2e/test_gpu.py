@@ -181,6 +181,64 @@ def test_flash_attention_varlen_packing_gives_each_sample_its_own_logits(tokeniz
     assert start == varlen.shape[0]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3_text"])  # grouped-query heads; sliding windows
+def test_torchs_varlen_kernel_gives_a_packed_row_the_logits_and_gradients_of_sdpas_slots(arch):
+    """`sdpa_varlen` on a GPU in bf16 runs PyTorch's varlen flash kernel (torch 2.10+); `sdpa_slots`, the padded slots
+    the CPU runs: the same logits and weight gradients within bf16's rounding, the windowed layers included."""
+    from torch.nn.attention import varlen  # noqa: F401  (the kernel is there: torch 2.10+)
+
+    from sft.data.tokens.collator import WeightedDataCollator
+    from sft.model.attention import register
+    from architectures import tiny
+
+    register()
+    results = {}
+    torch.manual_seed(0)
+    samples = [torch.randint(3, 128, (n,)).tolist() for n in (37, 5, 300, 19)]  # one past Gemma-3's tiny window
+    feats = [{"input_ids": s, "labels": s, "sample_weight": 1.0, "source_line": i} for i, s in enumerate(samples)]
+    packed = WeightedDataCollator(tokenizer=None, packing=True)(feats)
+    keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    inputs = {k: packed[k].cuda() if torch.is_tensor(packed[k]) else packed[k] for k in keys}
+    for attn in ("sdpa_varlen", "sdpa_slots"):
+        model = tiny(arch, tie=False, attn=attn).to(device="cuda", dtype=torch.bfloat16)
+        logits = model(**inputs, use_cache=False).logits.float()
+        logits.logsumexp(-1).sum().backward()
+        results[attn] = (logits.detach(), torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+    assert relative_error(results["sdpa_varlen"][0], results["sdpa_slots"][0]) < 2e-2
+    assert relative_error(results["sdpa_varlen"][1], results["sdpa_slots"][1]) < 5e-2
+
+
+def test_a_packed_step_on_a_gpu_synchronises_at_most_twice(tmp_path):
+    """CUDA's own count (`torch.cuda.set_sync_debug_mode`): a packed step of two micro-batches waits for the device at
+    most twice (the CPU test counts the host reads that cause them: tests/training/test_trainer.py)."""
+    import warnings
+
+    from transformers import TrainerCallback
+
+    from conftest import composed
+    from sft.run.build import build
+
+    class Window(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step in (2, 3):
+                torch.cuda.set_sync_debug_mode("warn")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            torch.cuda.set_sync_debug_mode("default")
+
+    cfg = composed("trainer.max_steps=5", "trainer.logging_steps=100", "trainer.eval_strategy=no",
+                   "trainer.save_strategy=no", "trainer.report_to=[]", "data.eval_file=null", "data.packing=true",
+                   "trainer.gradient_accumulation_steps=2", "trainer.bf16=true")
+    trainer = build(cfg, str(tmp_path)).trainer
+    trainer.add_callback(Window())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    print(f"synchronising operations in 2 packed steps: {len(syncs)}")
+    assert len(syncs) <= 4, syncs
+
+
 def test_qlora_trains_on_a_4bit_base_and_its_adapter_merges(tmp_path):
     if importlib.util.find_spec("bitsandbytes") is None:
         pytest.skip("bitsandbytes is not installed (pip install bitsandbytes)")

@@ -51,7 +51,7 @@ def test_an_attention_the_architecture_lacks_is_a_config_error_naming_the_altern
 
 
 @pytest.mark.parametrize("attn, boundaries", [("sdpa", True), ("eager", True), ("sdpa_varlen", True),
-                                              ("sdpa_varlen", False),
+                                              ("sdpa_varlen", False), ("sdpa_slots", True),
                                               pytest.param("flex_attention", False, marks=pytest.mark.slow)])
 def test_no_attention_leaks_across_packed_samples(tokenizer, attn, boundaries):
     """flex_attention: transformers' document mask, from the samples' positions (a lever for GPUs, issue 60; its
@@ -119,3 +119,23 @@ def test_flex_attention_trains_only_on_a_gpu(monkeypatch):
                             "sdpa_varlen)")
     monkeypatch.setattr(sft.model.loading, "cuda_available", lambda: True)
     check(composed("model.attn_implementation=flex_attention", "data.packing=true"))
+
+
+def test_a_packed_rows_slots_are_built_once_a_forward_for_every_layer(tokenizer, monkeypatch):
+    """The samples' boundaries come once a micro-batch from the collator, and the slots' index is built by the first
+    layer and reused by the others (it was rebuilt in each of a 7B's 28 layers); another micro-batch gets its own."""
+    import sft.model.attention
+
+    built = []
+    real = sft.model.attention.packed_slots
+    monkeypatch.setattr(sft.model.attention, "packed_slots", lambda *a: built.append(a) or real(*a))
+    model = load_model("tiny", attn_implementation="sdpa_varlen").eval()
+    collate = WeightedDataCollator(tokenizer, packing=True)
+    keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    with torch.no_grad():
+        for lengths in ((9, 6, 11), (4, 12)):
+            feats = [{"input_ids": list(range(10, 10 + n)), "labels": list(range(10, 10 + n)), "sample_weight": 1.0,
+                      "source_line": i} for i, n in enumerate(lengths)]
+            batch = collate(feats)
+            model(**{k: batch[k] for k in keys}, use_cache=False)
+    assert model.config.num_hidden_layers > 1 and len(built) == 2  # one a forward, not one a layer

@@ -188,3 +188,15 @@ def test_liger_patches_the_layers_only_of_a_family_it_has_kernels_for(monkeypatc
     assert liger_refusal("lfm2", compile_layers=False) == ("liger-kernel 0.8.5 has no kernels for lfm2 (it patches "
                                                            "llama, qwen2): set it to false")
     assert "not checked together" in liger_refusal("qwen2", compile_layers=True)
+
+
+def test_a_null_data_loader_is_two_workers_on_a_gpu_and_none_on_a_cpu():
+    """On a GPU the collator's work (batching, finding the trained tokens) runs in workers beside the step; on a CPU its
+    cores train. A number set is kept."""
+    from sft.training.arguments import resolve_nulls
+
+    for on_gpu, use_cpu, given, expected in ((True, False, None, 2), (False, False, None, 0), (True, True, None, 0),
+                                             (True, False, 0, 0), (False, False, 3, 3)):
+        fields = {"optim": None, "activation_checkpointing": None, "use_cpu": use_cpu, "dataloader_num_workers": given}
+        resolve_nulls(fields, on_gpu)
+        assert fields["dataloader_num_workers"] == expected, (on_gpu, use_cpu, given)

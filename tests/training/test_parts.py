@@ -11,6 +11,7 @@ def test_each_part_reaches_the_class_that_owns_it(tmp_path):
 
     from sft.loss.builtin import CrossEntropyLoss
     from sft.model.loading import load_model
+    from sft.training.checkpoints.sharded import CheckpointConfig
     from sft.training.parts import Display, EvaluationParts, StepParts
     from sft.training.step.clipping import StaticClip
     from sft.training.trainer import WeightedLossTrainer
@@ -19,8 +20,8 @@ def test_each_part_reaches_the_class_that_owns_it(tmp_path):
     clip = StaticClip(max_norm=0.5)
     step = StepParts.of(cfg.trainer, clip, {}, micro_batch_tokens=None, sources=["rows.jsonl"])
     assert step.master_weights and not step.oom_retry and step.clip_policy is clip
-    checkpoints = OmegaConf.to_object(cfg.checkpoint)
-    assert type(checkpoints).__name__ == "CheckpointConfig" and not checkpoints.async_save
+    checkpoints = CheckpointConfig(**OmegaConf.to_container(cfg.checkpoint, resolve=True))
+    assert not checkpoints.async_save
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], remove_unused_columns=False)
     meter = instantiate(cfg.throughput)
     trainer = WeightedLossTrainer(model=load_model("tiny"), args=args, loss=CrossEntropyLoss(), step=step,

@@ -16,11 +16,11 @@ from sft.training.trainer import WeightedLossTrainer
 
 
 def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parameters():
-    # Seven of them are private hooks of transformers (_clip_grad_norm, _get_grad_norm, _get_train_sampler, _save,
-    # _save_checkpoint, _save_optimizer_and_scheduler, _load_optimizer_and_scheduler): a rename or a new parameter there
-    # would silently bypass sft.training.step.control, the curriculum's sampler, the tied-copy filter, the mark that
-    # tells sft's crash debris from others' checkpoints, the sharded checkpoints' background writer, or the resume of
-    # plain SGD under FSDP.
+    # Eight of them are private hooks of transformers (_clip_grad_norm, _get_grad_norm, _get_train_sampler, _save,
+    # _save_checkpoint, _save_optimizer_and_scheduler, _load_optimizer_and_scheduler, _track_num_input_tokens): a rename
+    # or a new parameter there would silently bypass sft.training.step.control, the curriculum's sampler, the tied-copy
+    # filter, the mark that tells sft's crash debris from others' checkpoints, the sharded checkpoints' background
+    # writer, the resume of plain SGD under FSDP, or count the tokens twice.
     from transformers import Trainer
 
     from sft.training.checkpoints.saving import CheckpointSaving
@@ -33,7 +33,7 @@ def test_every_override_of_trainer_still_overrides_a_method_with_the_same_parame
                               "_get_train_sampler", "evaluation_loop", "prediction_step", "log",
                               "create_accelerator_and_postprocess", "_save", "_save_checkpoint", "training_step",
                               "save_model", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
-                              "get_train_dataloader", "create_optimizer"}
+                              "get_train_dataloader", "create_optimizer", "_track_num_input_tokens"}
     for name, ours in overrides.items():
         theirs = getattr(Trainer, name, None)
         assert theirs is not None, f"transformers.Trainer has no {name} any more"
@@ -179,3 +179,68 @@ def test_evaluation_makes_no_collective_per_batch_and_keeps_the_exact_metrics(tm
     for key in ("eval_loss", "eval_ce", "eval_token_accuracy", "eval_loss_bucket_1"):
         assert metrics[2][key] == pytest.approx(metrics[7][key], rel=1e-6), key
     assert metrics[7]["eval_loss"] != pytest.approx(metrics[7]["eval_ce"], rel=1e-3)  # the weights count
+
+
+def device_reads_per_step(tmp_path, *overrides: str) -> dict:
+    """Each place a training step reads a tensor's value on the host (`.item()`, `.tolist()`, `bool()`, `int()`,
+    `float()`, `nonzero`, ...: on a GPU each waits for the device), counted over steps 3 and 4 of a run built as a user's
+    is (`sft.run.build`): {(method, where in sft or the stack): count}. Left out: the optimizer's step counters (CPU
+    tensors on a GPU too) and the collator's work (on the CPU, before the batch moves)."""
+    import collections
+    import traceback
+
+    from transformers import TrainerCallback
+
+    from conftest import composed
+    from sft.run.build import build
+
+    reads, counting = collections.Counter(), [False]
+    methods = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "cpu")
+    originals = {name: getattr(torch.Tensor, name) for name in methods}
+
+    def counted(name):
+        def read(*args, **kwargs):
+            if counting[0]:
+                stack = traceback.extract_stack()[:-1]
+                files = [frame.filename for frame in stack]
+                if not any(f.endswith(("torch/optim/optimizer.py", "sft/data/tokens/batch.py",
+                                       "sft/data/tokens/collator.py")) for f in files[-4:]):
+                    frame = stack[-1]
+                    reads[(name, f"{frame.filename.rsplit('site-packages/', 1)[-1]}:{frame.lineno}")] += 1
+            return originals[name](*args, **kwargs)
+        return read
+
+    class Window(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            counting[0] = state.global_step in (2, 3)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            counting[0] = False
+
+    cfg = composed("trainer.max_steps=5", "trainer.logging_steps=100", "trainer.eval_strategy=no",
+                   "trainer.save_strategy=no", "trainer.report_to=[]", "data.eval_file=null",
+                   "trainer.gradient_accumulation_steps=2", *overrides)
+    trainer = build(cfg, str(tmp_path)).trainer
+    trainer.add_callback(Window())
+    try:
+        for name in methods:
+            setattr(torch.Tensor, name, counted(name))
+        trainer.train()
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+    return dict(reads)
+
+
+@pytest.mark.slow  # two short runs (about 10 s)
+def test_a_packed_step_reads_the_device_once_whatever_its_accumulation(tmp_path):
+    """A GPU waits each time the host reads a device tensor: a packed step of two micro-batches reads the device once
+    (its norm, loss and the ranks' stop requests together); the trained positions, the samples' boundaries and count
+    come from the collator, the model builds no mask (it used to read each micro-batch's packing twice, and Trainer
+    its token count). A padded step adds transformers' own check of each forward's padding (2 reads a forward)."""
+    packed = device_reads_per_step(tmp_path / "packed", "data.packing=true")
+    assert sum(packed.values()) <= 2 * 2, packed  # two steps counted: at most two reads a step
+    assert all("sft/training/step/control.py" in where for _, where in packed), packed
+    padded = device_reads_per_step(tmp_path / "padded")
+    from_the_model = {k: v for k, v in padded.items() if "masking_utils" in k[1]}
+    assert sum(padded.values()) - sum(from_the_model.values()) <= 2 * 2, padded

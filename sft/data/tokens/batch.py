@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100  # a label that takes no loss (prompt tokens, padding), as transformers' losses use it
+# Where a batch's trained tokens are, found by the collator on the CPU (`trained_positions`): the loss reads them
+# instead of finding them on the device, which would wait for the GPU (a `nonzero`, a count of the samples)
+TARGET_KEYS = ("target_rows", "target_cols", "target_samples", "num_samples")
 
 
 def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -54,3 +57,31 @@ def input_tokens(batch: dict) -> torch.Tensor:
     if mask is not None:
         return mask.sum()
     return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+
+
+def trained_positions(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:
+    """Where a batch's trained tokens are, as the loss reads them (`TARGET_KEYS`): the row and column of each position
+    that predicts an assistant token (position t predicts label t + 1), that token's sample (its row, or its sample of
+    a packed row), and the batch's number of samples; made by the collator, on the CPU, before the batch moves.
+
+        labels [[-100, 5, 6, -100]]  ->  target_rows [0, 0], target_cols [0, 1], target_samples [0, 0], num_samples 1
+    """
+    rows, cols = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+    if position_ids is None:
+        samples, count = rows, labels.shape[0]
+    else:
+        index, count = sample_index(position_ids)
+        samples = index[:, 1:][rows, cols]
+    return {"target_rows": rows, "target_cols": cols, "target_samples": samples, "num_samples": count}
+
+
+def targets_of(batch: dict) -> tuple | None:
+    """A batch's trained positions (`trained_positions`), left in it; None where it has none."""
+    return None if "target_rows" not in batch else tuple(batch[key] for key in TARGET_KEYS)
+
+
+def pop_targets(batch: dict) -> tuple | None:
+    """A batch's trained positions (`trained_positions`), taken out of it (the model's forward never sees them); None
+    where it has none (a batch cut into pieces, a collator of your own)."""
+    found = [batch.pop(key, None) for key in TARGET_KEYS]
+    return None if found[0] is None else tuple(found)

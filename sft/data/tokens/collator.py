@@ -8,7 +8,7 @@ import math
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-from sft.data.tokens.batch import IGNORE_INDEX
+from sft.data.tokens.batch import IGNORE_INDEX, trained_positions
 
 
 class WeightedDataCollator(DataCollatorForSeq2Seq):
@@ -24,6 +24,9 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
     mask for sdpa and eager) and the loss tell the samples apart, and the samples' boundaries
     (`cu_seq_lens_q/k`, `max_length_q/k`) go to the attention for flash attention's varlen kernels and
     `sdpa_varlen` (`sft.model.attention`); there is no `attention_mask`.
+
+    Where the trained tokens are is found here, on the CPU (`sft.data.tokens.batch.trained_positions`: `target_*`,
+    `num_samples`), so that the loss need not find them on the device.
 
     The batch holds what the model's forward takes plus `labels`, `weights`, `source_lines`,
     `source_views` (which text of its row a sequence is, see `chat_views`), a mixture's `source_ids` (the
@@ -86,6 +89,7 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
             batch["stream_state"] = raw[-1]["stream_state"]
         if self.sequence_parallel > 1:
             self._whole_positions(batch)
+        batch.update(trained_positions(batch["labels"], batch.get("position_ids") if self.packing else None))
         return batch
 
     def _whole_positions(self, batch: dict) -> None:

@@ -3,20 +3,12 @@ of numbers per line, for the summary, `sft plot` and the tests. Light on purpose
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from sft.files import read_json_lines
 
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The logs `MetricsFile` wrote (`sft.training.observability.step_log`), in order ([] where there is no file); a
     line cut short (the run was killed while writing it) is left out."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
+    return read_json_lines(path)

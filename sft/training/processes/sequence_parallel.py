@@ -41,7 +41,7 @@ from sft.config.schema import Schema, config_schema, knob
 log = logging.getLogger("sft")
 
 # The attention implementations Ulysses can wrap: they take whole sequences and position_ids, and need no mask
-SUPPORTED_ATTENTION = ("sdpa", "sdpa_varlen", "flash_attention_2", "flash_attention_3")
+SUPPORTED_ATTENTION = ("sdpa", "sdpa_varlen", "sdpa_slots", "flash_attention_2", "flash_attention_3")
 
 
 @config_schema("sp", "sp")
@@ -195,7 +195,7 @@ def _core_attention(name: str, original):
     """The attention Ulysses calls on whole sequences: sft's `sdpa_varlen` for sdpa (it separates the packed samples
     given by position_ids alone, where sdpa would need a mask), the model's own otherwise (flash attention's varlen
     reads position_ids itself)."""
-    if name in ("sdpa", "sdpa_varlen"):
+    if name in ("sdpa", "sdpa_varlen", "sdpa_slots"):
         from sft.model.attention import sdpa_varlen_attention
 
         return sdpa_varlen_attention

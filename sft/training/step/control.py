@@ -111,16 +111,20 @@ class StepControl:
             self._step_rows.append((source_lines, sources, per_row_loss.detach(), batch))
 
     def finish(self, model, ctx: StepContext) -> float:
-        """Judge the finished step, then skip or clip it; return the pre-clip norm Trainer logs."""
+        """Judge the finished step, then skip or clip it; return the pre-clip norm Trainer logs. The norm, the step's
+        loss and the ranks' stop requests reach the host in one read (a GPU waits for the step once, not for each)."""
         if ctx.engine is not None:  # the engine has already clipped and stepped inside backward
-            norm = float(ctx.accelerator.clip_grad_norm_(model.parameters(), math.inf))
-            threshold = self._deepspeed_threshold
+            total_norm = ctx.accelerator.clip_grad_norm_(model.parameters(), math.inf)
+            threshold = None
         else:
             params = [p for p in step_gradients(model, ctx.master_weights) if p.grad is not None]
             total_norm = ctx.accelerator.clip_grad_norm_(params, math.inf)  # unscales fp16; clips nothing
-            norm = float(total_norm)
+        norm, loss = self._read_step(ctx, total_norm)
+        if ctx.engine is not None:
+            threshold = self._deepspeed_threshold
+        else:
             threshold = self.clip_policy.threshold(norm) if math.isfinite(norm) else math.inf
-        verdicts = self._judge(ctx, norm, self._reduce_step(ctx))
+        verdicts = self._judge(ctx, norm, loss)
         if any(v.skip for v in verdicts):
             if ctx.engine is None and ctx.accelerator.scaler is None:  # fp16: the scaler skips it itself
                 for p in params:  # optimizers leave parameters without a gradient alone (pure: the fp32 copies)
@@ -135,22 +139,23 @@ class StepControl:
         self.clip_policy.observe(norm, threshold)
         return norm
 
-    def _reduce_step(self, ctx: StepContext) -> float | None:
-        """The step's mean loss over the ranks (for the judges; None without any); and whether any rank's controller
-        asked to stop, told to those that ask (`Controller.stop_agreed`): one all-reduce for both, none on one
-        process."""
+    def _read_step(self, ctx: StepContext, total_norm) -> tuple[float, float | None]:
+        """The step's pre-clip norm and its mean loss over the ranks (for the judges; None without any), read together;
+        whether any rank's controller asked to stop, told to those that ask (`Controller.stop_agreed`): one all-reduce
+        for the loss and the requests (none on one process), then one host read for everything."""
         local_stop = any(c.requests_stop() for c in self.stoppers)
-        if ctx.ranks == 1:
-            stop, loss = local_stop, float(self._step_loss) if self.judges else None
-        elif not (self.judges or self.stoppers):
-            return None
-        else:
+        norm = torch.as_tensor(total_norm, dtype=torch.float64).to(self._step_loss.device)
+        if ctx.ranks > 1 and (self.judges or self.stoppers):
             sums = ctx.sum_over_ranks(torch.stack([self._step_loss, self._step_loss.new_tensor(float(local_stop))]))
-            stop, loss = bool(sums[1] > 0), float(sums[0]) / ctx.ranks if self.judges else None
+            read = torch.cat([norm[None], sums]).tolist()
+            norm_value, loss, stop = read[0], read[1] / ctx.ranks, read[2] > 0
+        else:
+            norm_value, loss = torch.stack([norm, self._step_loss]).tolist()
+            stop = local_stop
         if stop:
             for controller in self.stoppers:
                 controller.stop_agreed(ctx.step)
-        return loss
+        return norm_value, loss if self.judges else None
 
     def _judge(self, ctx: StepContext, norm: float, loss: float | None) -> list[StepVerdict]:
         """Every judging controller's verdict on the finished step; a bad step is reported."""

@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from sft.data.tokens.batch import packed_bounds, sample_starts
+from sft.data.tokens.batch import TARGET_KEYS, packed_bounds, sample_starts
 
 log = logging.getLogger("sft")
 
@@ -51,7 +51,14 @@ def split_micro_batch(batch: dict, pieces: int) -> list[dict]:
     """`batch` as at most `pieces` micro-batches of its samples in order (fewer where it has fewer samples)."""
     if pieces <= 1 or samples_in(batch) <= 1:
         return [batch]
+    batch = without_targets(batch)
     return _split_packed(batch, pieces) if is_packed(batch) else _split_rows(batch, pieces)
+
+
+def without_targets(batch: dict) -> dict:
+    """`batch` without the collator's trained positions (`sft.data.tokens.batch.TARGET_KEYS`: the whole micro-batch's):
+    each piece's loss finds its own."""
+    return {key: value for key, value in batch.items() if key not in TARGET_KEYS}
 
 
 def _split_rows(batch: dict, pieces: int) -> list[dict]:
@@ -68,6 +75,7 @@ def split_by_tokens(batch: dict, budget: int | None) -> list[dict]:
     its own); a padded one, or any where `budget` is None, whole."""
     if budget is None or not is_packed(batch) or batch["input_ids"].shape[1] <= budget:
         return [batch]
+    batch = without_targets(batch)
     bounds = packed_bounds(batch["position_ids"][0]).tolist()
     groups, used = [[]], 0
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):

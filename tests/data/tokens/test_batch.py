@@ -37,3 +37,24 @@ def test_a_micro_batchs_input_tokens_leave_padding_out():
     ids = torch.ones(2, 5, dtype=torch.long)
     assert int(input_tokens({"input_ids": ids, "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])})) == 7
     assert int(input_tokens({"input_ids": ids})) == 10  # packed: no padding
+
+
+def test_the_trained_positions_the_collator_finds_are_those_the_loss_would_find():
+    """`trained_positions` (the collator's, on the CPU) against the loss's own search on the device
+    (`sft.loss.terms.select_targets` without them), padded and packed."""
+    from sft.data.tokens.batch import trained_positions
+    from sft.loss.terms import select_targets
+
+    torch.manual_seed(0)
+    labels = torch.randint(0, 50, (3, 12))
+    labels[torch.rand(3, 12) < 0.4] = -100
+    weights = torch.rand(3, 12)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]] * 3)
+    for position_ids in (None, positions):
+        found = trained_positions(labels, position_ids)
+        given = tuple(found[key] for key in ("target_rows", "target_cols", "target_samples", "num_samples"))
+        own, collated = select_targets(labels, weights, position_ids), select_targets(labels, weights, position_ids,
+                                                                                      given)
+        for field in ("rows", "cols", "labels", "weights", "sample"):
+            assert torch.equal(getattr(own, field), getattr(collated, field)), field
+        assert own.num_samples == collated.num_samples == (3 if position_ids is None else 9)

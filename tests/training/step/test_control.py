@@ -63,7 +63,7 @@ def test_the_step_loss_and_every_ranks_stop_flag_share_one_all_reduce(monkeypatc
                           StepReport("unused", str, None, ["train.jsonl"]))
     control.begin("cpu")
     control.add_micro_batch(torch.tensor(2.0), torch.tensor([0]), None, torch.tensor([2.0]), [None, None, None])
-    assert control._reduce_step(ctx) == 3.0
+    assert control._read_step(ctx, torch.tensor(0.5)) == (0.5, 3.0)
     assert len(reductions) == 1 and reductions[0].tolist() == [2.0, 0.0]  # this rank: no signal
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -77,12 +77,12 @@ def test_the_step_loss_and_every_ranks_stop_flag_share_one_all_reduce(monkeypatc
     # Without judges the flag still travels, alone; on one process nothing is reduced at all.
     reductions.clear()
     control.judges = []
-    assert control._reduce_step(ctx) is None and len(reductions) == 1
+    assert control._read_step(ctx, torch.tensor(0.5)) == (0.5, None) and len(reductions) == 1
     accelerator.num_processes = 1
     quiet = Preemption()
     alone = StepControl(StaticClip(max_norm=1.0), {"preemption": quiet}, StepReport("unused", str, None, []))
     alone.begin("cpu")
-    assert alone._reduce_step(ctx) is None and len(reductions) == 1
+    assert alone._read_step(ctx, torch.tensor(0.5)) == (0.5, None) and len(reductions) == 1
     state.global_step, step_end = 7, TrainerControl()
     quiet.on_step_end(SimpleNamespace(device="cpu"), state, step_end)
     assert not step_end.should_training_stop and quiet.stopped_at is None
