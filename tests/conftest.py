@@ -432,10 +432,22 @@ def slurm(tmp_path_factory):
     """A real one-host SLURM for the module's tests (`tests/slurm_cluster.py`): two nodes, a preemptible partition
     and a higher one, accounting; stopped after the module. Skipped, saying why, where it cannot run (not root, SLURM
     not installed: `python tests/slurm_cluster.py install`, which .ci/run does)."""
-    from slurm_cluster import Cluster, unavailable
+    from slurm_cluster import Cluster, unavailable, wait_for
 
     why = unavailable()
     if why:
         pytest.skip(why)
     with Cluster(tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster
+        # a job still running when the cluster stops (a test that failed mid-job leaves one): its processes end too
+        cluster.run(["sbatch", f"--output={cluster.root}/leftover.out", "--wrap", "srun sleep 300"], check=True)
+        wait_for(lambda: "sleep 300" in processes(), 60, "the leftover job's step to start")
+    left = [line for line in processes().splitlines() if "slurmstepd" in line or str(cluster.root) in line
+            or "sleep 300" in line]
+    assert not left, "the test cluster left these running:\n" + "\n".join(left)
+
+
+def processes() -> str:
+    """Every running process's command line, one a line (ps; the dead, not yet reaped, left out)."""
+    out = subprocess.run(["ps", "-eo", "stat=,pid=,args="], capture_output=True, text=True, check=True).stdout
+    return "\n".join(line.split(None, 1)[1] for line in out.splitlines() if not line.lstrip().startswith("Z"))

@@ -187,7 +187,13 @@ StorageLoc=slurm_acct_db
         self._spawn(["/usr/sbin/slurmd", "-D", "-N", node, "-f", str(self.conf)])
 
     def stop(self) -> None:
-        """End every process this cluster started (and their jobs' processes: the daemons' sessions), by PID."""
+        """End every process this cluster started, by PID: its jobs' first (cancelled, then whatever is left of
+        them: `slurmstepd` runs each job step in a session of its own, out of reach of the daemons'), then the
+        daemons."""
+        if self._started:
+            with _ignored():
+                self.run(["scancel", "--full", "--signal=KILL", "--user=root"], timeout=30)
+                wait_for(lambda: not self.run(["squeue", "-h"], timeout=30).stdout.strip(), 15, "the queue empty")
         for process in reversed(self._started):
             with _ignored():
                 os.killpg(process.pid, signal.SIGTERM)
@@ -200,6 +206,20 @@ StorageLoc=slurm_acct_db
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(5)
         self._started.clear()
+        for pid in self.leftovers():  # job processes the cancel did not reach (their slurmd already gone)
+            with _ignored():
+                os.kill(pid, signal.SIGKILL)
+
+    def leftovers(self) -> list[int]:
+        """The processes still running that this cluster started: every daemon and job process carries its
+        SLURM_CONF in its environment (the tests' own processes excepted: this one and its parents)."""
+        mine, marker, found = _ancestors(), f"SLURM_CONF={self.conf}".encode(), []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) not in mine:
+                with _ignored():
+                    if marker in (entry / "environ").read_bytes().split(b"\0"):
+                        found.append(int(entry.name))
+        return found
 
     def __enter__(self) -> Cluster:
         try:
@@ -238,6 +258,18 @@ def wait_for(ready, timeout: float, what: str) -> None:
         time.sleep(0.3)
 
 
+def _ancestors() -> set[int]:
+    """This process and its parents, up to init."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -248,7 +280,7 @@ class _ignored:
         return self
 
     def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, (ProcessLookupError, PermissionError, OSError))
+        return kind is not None and issubclass(kind, (OSError, subprocess.SubprocessError))
 
 
 if __name__ == "__main__":

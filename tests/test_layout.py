@@ -21,8 +21,8 @@ TESTS = REPO / "tests"
 # artefacts are cached (`sft.cache`) are at the base. The data and training stages are rooms: sub-packages of one
 # concept each, ordered as the stages are, each saying in its `__init__` what it may import (`may_import`).
 STAGES = [
-    ("config base", ("sft", "sft.config.schema", "sft.config.validate", "sft.config.secrets", "sft.sample_data",
-                     "sft.files", "sft.ranks", "sft.cache")),
+    ("config base", ("sft", "sft.config.schema", "sft.config.validate", "sft.config.secrets", "sft.config.overrides",
+                     "sft.sample_data", "sft.files", "sft.ranks", "sft.cache")),
     # the data stage's rooms (sft/data/__init__.py), lowest first; its loader on top
     ("data: rows", ("sft.data.rows",)),
     ("data: its config", ("sft.data.spec",)),
@@ -236,7 +236,6 @@ COVERED_BY = {
     "sft/data/splits/streaming.py": ("tests/e2e/test_streaming.py", "sft.data.splits.streaming"),
     "sft/data/tokens/weights.py": ("tests/loss/test_base.py", 'data.train["sample_weight"]'),
     "sft/eval/tasks/utils.py": ("tests/eval/test_harness.py", "sft_sample_addition"),
-    "sft/experiments/slurm_launcher.py": ("tests/e2e/test_slurm.py", "hydra/launcher=slurm"),
     "sft/experiments/stats.py": ("tests/experiments/test_report.py", "sft.experiments.stats"),
     "sft/experiments/tracking.py": ("tests/experiments/test_sweep.py", "trainer.report_to=[mlflow]"),
     "sft/experiments/verdict.py": ("tests/experiments/test_report.py", "sft.experiments.verdict"),
@@ -252,7 +251,6 @@ COVERED_BY = {
     "sft/training/observability/metrics_file.py": ("tests/training/observability/test_step_log.py", "metrics.jsonl"),
     "sft/training/observability/noise.py": ("tests/training/observability/test_step_log.py", "no noise"),
     "sft/training/processes/sentinel.py": ("tests/training/checkpoints/test_run_dir.py", "sentinel"),
-    "sft/training/processes/slurm.py": ("tests/e2e/test_slurm.py", "requeue"),
     "sft/training/trainer_fields.py": ("tests/training/test_arguments.py", "trainer_fields"),
 }
 

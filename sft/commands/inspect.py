@@ -140,10 +140,11 @@ def template(tokenizer, prefill: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hydra.errors import ConfigCompositionException, InstantiationException
+    from hydra.errors import ConfigCompositionException, HydraException, InstantiationException
     from omegaconf.errors import OmegaConfBaseException
 
     from sft.commands.train import fail
+    from sft.config.argv import composition_error
     from sft.config.schema import ConfigError
     from sft.data.rows.reading import DataError
 
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             fail(f"config: {reason}")
         if isinstance(reason, DataError):
             fail(str(reason))
+        if isinstance(reason, HydraException) and (said := composition_error(reason, args.overrides)) is not None:
+            fail(f"config: {said}")  # an override Hydra cannot parse, a misspelt knob: one line naming it
         if isinstance(reason, (ConfigCompositionException, OmegaConfBaseException)):  # an override Hydra refuses
             fail(f"config: {reason}")
         raise

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     from sft.config.registry import compose
     from sft.config.schema import ConfigError
     from sft.config.secrets import secrets_to_environment
-    from sft.experiments.report import ReportError, write_report
+    from sft.experiments.report import ReportError, exit_if_a_job_failed, write_report
     from sft.experiments.results import RunResults
     from sft.experiments.tracking import log_sweep_report, sweep_experiment
     from sft.training.checkpoints.run_dir import claim_sweep_dir
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     log_sweep_report(sweep_dir, cfg.trainer.report_to)
     print((Path(sweep_dir) / "sweep_summary.md").read_text())
+    exit_if_a_job_failed(sweep_dir)
 
 
 if __name__ == "__main__":

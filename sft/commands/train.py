@@ -71,12 +71,13 @@ def main(cfg: DictConfig) -> float | None:
             if is_rank_zero():
                 print_summary(HydraConfig.get().runtime.output_dir)
             print(f"preempted: {reason}", file=sys.stderr)
-            requeue_slurm_job()
+            requeue_slurm_job(HydraConfig.get().runtime.output_dir)
             sys.exit(PREEMPTED_EXIT_CODE)
         if in_sweep() and cfg.sweep.continue_on_error:
             job = SlurmJob.current()
-            RunResults.failed(reason, time.time() - started, job.id if job else None).record(
-                HydraConfig.get().runtime.output_dir)
+            run_dir = HydraConfig.get().runtime.output_dir
+            RunResults.failed(reason, time.time() - started, job.id if job else None,
+                              before=RunResults.read(run_dir)).record(run_dir)
             return None
         if isinstance(reason, ConfigError):
             fail(f"config: {reason}")
@@ -91,19 +92,29 @@ def main(cfg: DictConfig) -> float | None:
     return results.eval_ce  # the objective of sweeps: comparable across loss weights, unlike eval_loss
 
 
-def requeue_slurm_job() -> None:
-    """Under SLURM, rank 0 of a run stopped at a signal (its checkpoint complete, every rank done) asks SLURM to
-    requeue the job (`sft.training.processes.slurm`); the next attempt continues the run. Said either way."""
+def requeue_slurm_job(run_dir: str) -> None:
+    """Under SLURM, rank 0 of a run stopped at a signal (its checkpoint complete, every rank done) asks SLURM why
+    (`SlurmJob.stop`): a job SLURM requeues itself or the user cancelled is left so; any other is requeued
+    (`sft.training.processes.slurm`), and the next attempt continues the run. Said either way."""
     from sft.training.processes.slurm import SlurmJob
 
     job = SlurmJob.current()
     if job is None or not is_rank_zero():
         return
     sys.stderr.flush()
+    stop = job.stop()
+    if stop.cause == "requeued":
+        print(f"SLURM job {job.id}: {stop.why}; attempt {job.restart + 2} continues this run from its checkpoint",
+              file=sys.stderr, flush=True)
+        return
+    if stop.cause == "cancelled":
+        print(f"SLURM job {job.id}: {stop.why}: not requeued; the run stays stopped at its checkpoint in {run_dir} "
+              f"(to go on: sbatch it again with hydra.run.dir={run_dir} resume=auto)", file=sys.stderr, flush=True)
+        return
     why = job.requeue()
     if why is None:
-        print(f"SLURM job {job.id}: requeued; attempt {job.restart + 2} continues this run from its checkpoint",
-              file=sys.stderr, flush=True)
+        print(f"SLURM job {job.id} ({stop.why}): requeued; attempt {job.restart + 2} continues this run from its "
+              "checkpoint", file=sys.stderr, flush=True)
     else:
         print(f"SLURM job {job.id}: not requeued ({why}); exit code 75 (RequeueExit=75 requeues it where the "
               "cluster sets that; else submit it again: it continues the run)", file=sys.stderr, flush=True)
@@ -207,11 +218,15 @@ def compose_then_run(overrides: list[str]) -> None:
         if _full_error.composed:  # the run's own failure, with HYDRA_FULL_ERROR=1 set by the user
             raise
         _full_error.restore()
-        from sft.training.processes.slurm import SlurmRefused
+        from sft.training.processes.slurm import SlurmRefused, SweepStopped
+        from sft.training.step.preemption import PREEMPTED_EXIT_CODE
 
-        if isinstance(e, SlurmRefused):  # a sweep's jobs, which SLURM refused to queue
-            report(f"slurm: sbatch refused the sweep's jobs: {e}", 2)
+        if isinstance(e, SlurmRefused):  # a sweep's jobs, which SLURM refused to queue or to start
+            report(f"slurm: {e}", 2)
             sys.exit(2)
+        if isinstance(e, SweepStopped):
+            print(f"stopped: {e}", file=sys.stderr, flush=True)
+            sys.exit(PREEMPTED_EXIT_CODE)
         plain = [o for o in overrides if "=" in o and not o.startswith(("-", "hydra/"))
                  and (not o.startswith("hydra.") or o.startswith("hydra.searchpath="))]
         refused = composition_error(e, plain)

@@ -72,12 +72,16 @@ def composition_error(error: Exception, overrides: list[str], composer=None) -> 
             options = [o for o in re.findall(r"^\t(\S+)$", str(error), re.M) if not o.endswith("_schema")]
             return ConfigError(group, option, f"no such option (options: {', '.join(options)}){nearest(option, options)}")
     if isinstance(error, OverrideParseException):
+        from sft.config.overrides import quoted
+
         override = next((o for o in overrides if o in str(error)), None)
-        if override is not None and not override.isascii():
-            key, _, value = override.partition("=")
-            return ConfigError(key, value, f"the override grammar reads unquoted values as ASCII only: quote the "
-                               f"value, '{key}=\"{value}\"'")
-        return ConfigError("command line", override, str(error).splitlines()[0])
+        if override is None:
+            return ConfigError("command line", None, str(error).splitlines()[0])
+        key, _, value = override.partition("=")
+        why = ("Hydra's grammar reads unquoted values as ASCII only" if not override.isascii() else
+               "Hydra cannot parse it (values with characters such as < > | ' \" , [ ] { } need quotes)")
+        form = quoted(override)
+        return ConfigError(key.lstrip("+~"), value, f"{why}: write it {form}" if form else why)
     return None
 
 

@@ -3,11 +3,14 @@ smoothed (a debiased exponential moving average, from 20 points), the eval loss,
 threshold, and the eval loss of each difficulty bucket. Several runs (`sft plot <run dir> ...`, a sweep's jobs) are
 overlaid, one colour a run.
 
-`series` is what is drawn, point for point, from the logs: a test compares it with `metrics.jsonl`.
+`series` is what is drawn, point for point, from the logs: a test compares it with `metrics.jsonl`. A value that is not
+finite (a NaN loss, an infinite norm) is a gap (None) in its curve and in the smoothed one, which goes on from the
+values before it: a NaN once blanked the smoothed loss to the end of the run.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from sft.files import own_path
@@ -18,11 +21,12 @@ SPAN = 10  # the average's weight is about 1 - SPAN / points: it spans about a t
 SMOOTH_FROM = 20  # points of train loss below which no smoothed curve is drawn: the raw one reads as well
 
 
-def series(metrics: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
-    """name -> (steps, values) of every curve the picture has, read from the logs (None values left out)."""
-    def curve(key: str, where: str = "loss") -> tuple[list[int], list[float]]:
-        points = [(m["step"], m[key]) for m in metrics
-                  if isinstance(m.get(key), (int, float)) and (where in m)]
+def series(metrics: list[dict]) -> dict[str, tuple[list[int], list[float | None]]]:
+    """name -> (steps, values) of every curve the picture has, read from the logs (None values left out; a value that
+    is not finite kept as a gap, None)."""
+    def curve(key: str, where: str = "loss") -> tuple[list[int], list[float | None]]:
+        points = [(m["step"], m[key] if math.isfinite(m[key]) else None) for m in metrics
+                  if isinstance(m.get(key), (int, float)) and not isinstance(m.get(key), bool) and (where in m)]
         return [s for s, _ in points], [v for _, v in points]
 
     out = {"train loss": curve("loss"), "eval loss": curve("eval_loss", "eval_loss"),
@@ -37,17 +41,23 @@ def series(metrics: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     return {name: points for name, points in out.items() if points[0]}
 
 
-def smoothed(values: list[float]) -> list[float]:
+def smoothed(values: list[float | None]) -> list[float | None]:
     """A debiased exponential moving average (TensorBoard's smoothing): each point the mean of the points so far,
     weighted `w ** age`, with `w` at most `SMOOTHING` and spanning about a tenth of the points. Started from zero and
     divided by the weights' sum, it follows the data from the first point; one started at the first value would hold
-    on to it, and lie above the whole of a falling curve.
+    on to it, and lie above the whole of a falling curve. A gap (None) stays a gap and leaves the average as it was.
 
         [4, 2, 1], w = 0.5  ->  [4, (0.5*4 + 2) / 1.5, (0.25*4 + 0.5*2 + 1) / 1.75] = [4, 2.67, 1.71]
+        [4, None, 2]        ->  [4, None, (0.5*4 + 2) / 1.5]
     """
-    weight = max(0.0, min(SMOOTHING, 1 - SPAN / max(len(values), 1)))
-    out, average = [], 0.0
-    for n, value in enumerate(values, 1):
+    points = sum(value is not None for value in values)
+    weight = max(0.0, min(SMOOTHING, 1 - SPAN / max(points, 1)))
+    out, average, n = [], 0.0, 0
+    for value in values:
+        if value is None:
+            out.append(None)
+            continue
+        n += 1
         average = weight * average + (1 - weight) * value
         out.append(average / (1 - weight ** n) if weight else value)
     return out

@@ -49,6 +49,33 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
 
 
+# A sweep in which a job failed (or never wrote its results) exits with this code, after writing its report: a
+# script or a scheduler that runs the sweep sees it did not all go well (a signal's stop is 75: PREEMPTED_EXIT_CODE)
+SWEEP_FAILED_EXIT_CODE = 3
+
+
+def failed_jobs(sweep_dir: str | Path) -> list[str]:
+    """The jobs of a finished sweep that did not finish well, each as `#<n> (<status>: <error>)`: a failed one, and
+    one that wrote no results (killed, lost)."""
+    failed = []
+    for job in job_dirs(Path(sweep_dir)):
+        results = RunResults.read(job)
+        if results is None:
+            failed.append(f"#{job.name} (no results.json: the job was killed or lost)")
+        elif results.status == "failed":
+            failed.append(f"#{job.name} (failed: {(results.error or '').splitlines()[0][:200]})")
+    return failed
+
+
+def exit_if_a_job_failed(sweep_dir: str | Path) -> None:
+    """After the report: one line naming the sweep's failed jobs and exit `SWEEP_FAILED_EXIT_CODE`; nothing where every
+    job finished."""
+    if failed := failed_jobs(sweep_dir):
+        print(f"error: {len(failed)} job(s) of the sweep in {sweep_dir} did not finish: {'; '.join(failed)} (exit "
+              f"code {SWEEP_FAILED_EXIT_CODE}; the report holds the others)", file=sys.stderr)
+        sys.exit(SWEEP_FAILED_EXIT_CODE)
+
+
 def job_overrides(job: Path) -> dict[str, str]:
     saved = job / ".hydra" / "overrides.yaml"
     items = yaml.safe_load(saved.read_text()) if saved.is_file() else []
@@ -403,3 +430,4 @@ class SweepReport(Callback):
 
             log_sweep_report(sweep_dir, config.get("trainer", {}).get("report_to"))
             print((sweep_dir / "sweep_summary.md").read_text())
+        exit_if_a_job_failed(sweep_dir)

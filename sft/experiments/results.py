@@ -83,17 +83,21 @@ class RunResults:
                 self.extra[key] = value
 
     @classmethod
-    def failed(cls, error: BaseException | str, wall_time_s: float, slurm_job: str | None = None) -> RunResults:
-        """A failed run: the error's type and first line (and the SLURM job that ran it, where one did)."""
+    def failed(cls, error: BaseException | str, wall_time_s: float, slurm_job: str | None = None,
+               before: RunResults | None = None) -> RunResults:
+        """A failed run: the error's type and first line (and the SLURM job that ran it, where one did); the stops at a
+        signal of the attempts `before` it (their `preemptions`) stay on record."""
         if isinstance(error, BaseException):
             text = str(error).strip()
             error = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-        return cls(status="failed", error=error, wall_time_s=round(wall_time_s, 1), slurm_job=slurm_job)
+        return cls(status="failed", error=error, wall_time_s=round(wall_time_s, 1), slurm_job=slurm_job,
+                   preemptions=list(before.preemptions) if before is not None else [])
 
     def to_json(self) -> dict:
         if self.status == "failed":
             return {"status": self.status, "error": self.error, "wall_time_s": self.wall_time_s,
-                    **({"slurm_job": self.slurm_job} if self.slurm_job else {})}
+                    **({"slurm_job": self.slurm_job} if self.slurm_job else {}),
+                    **({"preemptions": self.preemptions} if self.preemptions else {})}
         out = {}
         for key, value in asdict(self).items():
             if key == "eval_loss_buckets":

@@ -36,8 +36,6 @@ class SweepConfig(Schema):
 
 
 JOB_RECORD = "sweep_job.json"  # in each job dir: the overrides that made the job
-
-
 def _identity(overrides: list[str]) -> list[str]:
     """The overrides that decide what a job computes (not where it writes, not how the sweep goes)."""
     return [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "sweep.", "resume="))]

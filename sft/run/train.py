@@ -115,9 +115,12 @@ def continue_slurm_job(cfg: DictConfig, run_dir: str, output_dir: str, before: R
                  job.restart + 1, run_dir)
         return before
     if before is not None and before.checkpoint and not Path(before.checkpoint).is_dir():
+        start_over = (f"to train this job of the sweep again from the start, delete {run_dir} and "
+                      "run the sweep again with sweep.resume=true (its finished jobs are kept)" if in_sweep() else
+                      "submit it anew with overwrite=true to start over")
         raise ConfigError("resume", "auto", f"SLURM job {job.id}, attempt {job.restart + 1}: the checkpoint this run "
                           f"stopped at ({before.checkpoint}, results.json) is gone, so it cannot go on without "
-                          "training its steps again: submit it anew with overwrite=true to start over")
+                          f"training its steps again: {start_over}")
     if cfg.resume is None:
         cfg.resume = "auto"
     log.info("SLURM job %s, attempt %d: continuing the run in %s (resume=%s)", job.id, job.restart + 1, output_dir,

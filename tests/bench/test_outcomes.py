@@ -7,7 +7,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import REPO
+
+pytestmark = pytest.mark.slow  # pytest in a subprocess, a test waited out
 
 TESTS = ("import time, pytest\n"
          "def test_ok():\n    assert True\n"

@@ -5,9 +5,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 
+@pytest.mark.slow  # a bench in a process of its own, waited out
 def test_a_part_out_of_time_gets_sigterm_then_sigkill_with_every_process_it_started(tmp_path):
     """The bench runs each case in a process of its own: when the pack's time limit ends the bench, its case dies too,
     and holds no GPU memory into the tests that follow; the bench is told first (SIGTERM), so that it stops its case

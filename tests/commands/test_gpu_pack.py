@@ -14,6 +14,7 @@ from conftest import REPO
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA GPU")
 
 
+@pytest.mark.slow
 @needs_cpu_only
 def test_the_pack_refuses_in_one_line_without_a_gpu_and_writes_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sft", "gpu-pack", "--out", str(tmp_path / "pack")], cwd=REPO,
@@ -25,6 +26,7 @@ def test_the_pack_refuses_in_one_line_without_a_gpu_and_writes_nothing(tmp_path)
     assert not (tmp_path / "pack").exists()
 
 
+@pytest.mark.slow
 def test_the_check_runs_nothing_and_says_whether_the_pack_would_run(tmp_path):
     pins = tmp_path / "pins.txt"
     pins.write_text("transformers==5.17.0\n# optional: liger-kernel>=0.8.2\n")

@@ -64,9 +64,11 @@ def test_an_option_of_your_search_path_is_not_refused_before_hydra_reads_the_sea
                                "on with exact_match=default, then set its keys"),
     ("model.random_init.hidden_size=64", "model.random_init.hidden_size: a new key of model.random_init (a free-form "
                                          "dict): add it with +model.random_init.hidden_size=..."),
-    ("data.train_file=/data/données.jsonl", "data.train_file='/data/données.jsonl': the override grammar reads "
-                                            "unquoted values as ASCII only: quote the value, "
-                                            "'data.train_file=\"/data/données.jsonl\"'"),
+    ("data.train_file=/data/données.jsonl", "data.train_file='/data/données.jsonl': Hydra's grammar reads unquoted "
+                                            "values as ASCII only: write it 'data.train_file=\"/data/données.jsonl\"'"),
+    ("tokenizer.stop_tokens=[<|a|>,<|b|>]", "tokenizer.stop_tokens='[<|a|>,<|b|>]': Hydra cannot parse it (values "
+                                            "with characters such as < > | ' \" , [ ] { } need quotes): write it "
+                                            "'tokenizer.stop_tokens=[\"<|a|>\",\"<|b|>\"]'"),
     ("+hydra.callbacks.x._target_=shutil.copyfile", "hydra.callbacks.x._target_: a Hydra callback or plugin is "
                                                     "built before any check: set it in a config file"),
 ])

@@ -49,9 +49,9 @@ def console_errors(log: str) -> list[str]:
     return [line for line in log.splitlines() if "CONSOLE" in line and ("Uncaught" in line or "Error" in line)]
 
 
-def sft(*args):
+def sft(*args, code: int = 0):
     proc = subprocess.run([sys.executable, "-m", "sft", *args], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
     return proc
 
 
@@ -93,7 +93,7 @@ def test_a_runs_page_draws_every_logged_point_shows_hostile_text_as_text_and_say
 def test_a_sweeps_page_reads_as_its_summary_marks_the_failed_job_and_links_each_jobs_page(tmp_path):
     sweep = tmp_path / "sweep"
     sft("train", "-m", "loss=ce,hard_sample", "clip.max_norm=1,-1", "trainer.seed=1,2", "trainer.max_steps=4", f"data.eval_file={SMALL_EVAL}",
-        f"hydra.sweep.dir={sweep}")
+        f"hydra.sweep.dir={sweep}", code=3)  # its failed jobs: exit 3 (sft.experiments.sweep), after the report
     dom, log = browse(tmp_path, sweep / "report.html", screenshot="sweep_page.png")
     shown = rendered(dom)
     assert shown["errors"] == [] and not console_errors(log)

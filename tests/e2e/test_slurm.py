@@ -1,19 +1,23 @@
 """Training under a real SLURM (`tests/slurm_cluster.py`: two nodes on this host, a preemptible partition `low` and
 `high`, whose jobs preempt it; accounting on). What users grow into past one box, run for real:
 
-- a sweep whose jobs are SLURM jobs ends in the verdict a local sweep gives; what SLURM refuses is one line;
+- a sweep whose jobs are SLURM jobs ends in the verdict a local sweep gives; what SLURM refuses is one line; a job
+  SLURM queued but will never start, and a signal to the sweep, cancel its jobs; a failed job is exit code 3;
 - a job preempted by the higher partition, signalled with `scancel --signal=TERM`, and warned of its time limit
   (`--signal`) saves each time, requeues itself and continues in its run dir, to the step losses of the run never
   stopped; a requeue after its checkpoint was removed is refused in one line, not trained again from the start;
 - two nodes (`examples/slurm/train.sbatch`, run by tests/e2e/test_examples.py too) under FSDP2 equal one process
   taking the same global batch, and a refusal inside the ranks is one line naming the node and rank;
-- a job whose node goes down mid-run continues on the other once SLURM requeues it.
+- `scancel` cancels: the run stops at its checkpoint, not requeued, and the command it prints continues it;
+- a job whose node goes down mid-run continues on the other once SLURM requeues it (and sft says so);
+- the cluster ends every process it started, a job running at its end included (tests/conftest.py's `slurm`).
 
 Each wait is bounded: a hang fails the test with the cluster's logs."""
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -166,7 +170,11 @@ def test_preempted_and_at_its_time_limit_a_job_goes_on_to_the_uninterrupted_loss
     assert logged_steps(run) == list(range(1, 301))  # every step once: none trained twice
     assert step_losses(run, 300) == pytest.approx(step_losses(whole, 300), rel=1e-6, abs=1e-5)
     log = (tmp_path / f"slurm-{job}.out").read_text()
-    assert log.count(f"SLURM job {job}: requeued") == 2
+    # preempted within its GraceTime the job still runs (sft requeues it; where SLURM already had, sft says so); at
+    # the warning, sft requeues it
+    assert "attempt 2 continues this run from its checkpoint" in log, log[-3000:]
+    assert f"SLURM job {job} (signalled while it runs): requeued; attempt 3 continues this run" in log
+    assert "not requeued" not in log and "again while stopping" not in log
     train_log = (run / "train.log").read_text()
     assert f"SLURM job {job} (attempt 1, preempted, cancelled with a signal, or at the time limit; the scheduler " \
            "gives partition low's GraceTime=30 s" in train_log
@@ -246,3 +254,83 @@ def test_a_job_whose_node_goes_down_mid_run_continues_when_slurm_requeues_it(slu
     steps = logged_steps(run)
     assert steps == sorted(set(steps)) and steps[-1] == 40 and "resume=auto: resuming from" in \
         (run / "train.log").read_text()
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    if "SIGTERM: finishing the current step" in out:  # where the run saw the node's end before it was killed
+        assert f"SLURM job {job}: SLURM requeues it itself" in out and "not requeued" not in out, out[-3000:]
+
+
+def test_scancel_cancels_the_run_stops_at_its_checkpoint_and_the_command_it_prints_goes_on(slurm, tmp_path):
+    """A plain `scancel` sends SIGTERM as a preemption does: the run saves its checkpoint, reads SLURM's state
+    (cancelled, not requeued by SLURM) and leaves the job cancelled, one cancel enough (SLURM 22.05 would accept a
+    requeue of it). The command it prints, pasted, continues the run to the uninterrupted losses."""
+    (tmp_path / "slow_steps.py").write_text(SLOW_STEPS)
+    overrides = [*EXACT, "trainer.max_steps=12", "trainer.save_steps=100"]
+    whole = tmp_path / "whole"
+    ref = sft("train", *overrides, f"hydra.run.dir={whole}", cluster=slurm, tmp_path=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "run"
+    job = sbatch(slurm, tmp_path, "--nodes=1", str(REPO / "examples/slurm/train.sbatch"), *overrides,
+                 "+controllers.slow={_target_:slow_steps.SlowSteps,seconds:0.5}", f"hydra.run.dir={run}")
+    wait(slurm, lambda: len(logged_steps(run)) >= 2, 120, "the job's second step")
+    slurm.run(["scancel", job])
+    output = tmp_path / f"slurm-{job}.out"
+    wait_until_ended(slurm, job, "CANCELLED", 120, output)
+    wait(slurm, lambda: "not requeued" in output.read_text(), 60, "the job's last words")
+    time.sleep(15)  # a requeued job would start again 10 s after (cred_expire=10)
+    assert slurm.job_state(job) == "CANCELLED" and not slurm.run(["squeue", "-h", "-j", job]).stdout.strip()
+    said = [line for line in output.read_text().splitlines() if "not requeued" in line]
+    assert said == [f"SLURM job {job}: cancelled (CANCELLED by 0: scancel): not requeued; the run stays stopped at "
+                    f"its checkpoint in {run} (to go on: sbatch it again with hydra.run.dir={run} resume=auto)"]
+    results = json.loads((run / "results.json").read_text())
+    assert results["status"] == "preempted" and Path(results["checkpoint"]).is_dir()
+
+    again = sbatch(slurm, tmp_path, "--nodes=1", str(REPO / "examples/slurm/train.sbatch"), *overrides,
+                   f"hydra.run.dir={run}", "resume=auto")
+    wait_until_ended(slurm, again, "COMPLETED", 180, tmp_path / f"slurm-{again}.out")
+    assert logged_steps(run) == list(range(1, 13))
+    assert step_losses(run, 12) == pytest.approx(step_losses(whole, 12), rel=1e-6, abs=1e-5)
+
+
+def test_a_sweep_slurm_will_never_start_a_failed_job_and_a_stopped_sweep_each_say_so_and_leave_nothing_queued(
+        slurm, tmp_path):
+    """More CPUs than a node has: SLURM queues the jobs (no EnforcePartLimits) as PENDING (PartitionConfig), and the
+    sweep says so in one line, exit 2, its jobs cancelled. A job that fails (its data file missing): the report is
+    written and the sweep exits 3. A SIGTERM to the sweep while its jobs run cancels them (each saving its checkpoint)
+    and exits 75."""
+    common = ["trainer.max_steps=4", *EXACT, "hydra/launcher=slurm_cpu", "hydra.launcher.mem_gb=1"]
+    never = sft("train", "-m", "loss=ce,hard_sample", *common, "hydra.launcher.cpus_per_task=8",
+                f"hydra.sweep.dir={tmp_path}/never", cluster=slurm, tmp_path=tmp_path, timeout=180)
+    lines = never.stderr.strip().splitlines()
+    assert never.returncode == 2 and lines[-1].startswith("error: slurm: SLURM queued the sweep's jobs but will never "
+                                                          "start job ") and \
+        "(PENDING PartitionConfig: asks more CPUs, memory or GPUs than the partition's nodes have); the sweep's 2 " \
+        "job(s) cancelled" in lines[-1] and not any("Traceback" in line for line in lines), never.stderr[-3000:]
+    wait(slurm, lambda: not slurm.run(["squeue", "-h"]).stdout.strip(), 30, "the never-starting jobs gone")
+
+    failed = sft("train", "-m", f"data.train_file={tmp_path}/missing.jsonl", *common,
+                 f"hydra.sweep.dir={tmp_path}/failed", cluster=slurm, tmp_path=tmp_path)
+    assert failed.returncode == 3 and (tmp_path / "failed" / "sweep_summary.md").is_file(), failed.stderr[-3000:]
+    assert "error: 1 job(s) of the sweep" in failed.stderr and "missing.jsonl" in failed.stderr
+
+    (tmp_path / "slow_steps.py").write_text(SLOW_STEPS)
+    log = tmp_path / "stopped.log"
+    sweep = subprocess.Popen([sys.executable, "-m", "sft", "train", "-m", "loss=ce,hard_sample",
+                              *[o for o in common if o != "trainer.max_steps=4"], "trainer.max_steps=100",
+                              "+controllers.slow={_target_:slow_steps.SlowSteps,seconds:0.5}",
+                              f"hydra.sweep.dir={tmp_path}/stopped"], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=log.open("w"), env=env(slurm, tmp_path))
+    try:
+        wait(slurm, lambda: any(len(logged_steps(tmp_path / "stopped" / str(n))) >= 2 for n in (0, 1)), 180,
+             "a job of the sweep at its second step")
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=60) == 75, log.read_text()[-3000:]
+    finally:
+        sweep.kill()
+    said = log.read_text().strip().splitlines()[-1]
+    assert said.startswith("stopped: SIGTERM to the sweep: its 2 SLURM job(s) cancelled") and \
+        said.endswith("the same command with sweep.resume=true goes on"), log.read_text()[-3000:]
+    wait(slurm, lambda: not slurm.run(["squeue", "-h"]).stdout.strip(), 120, "the stopped sweep's jobs gone")
+    ran = [n for n in (0, 1) if logged_steps(tmp_path / "stopped" / str(n))]
+    for n in ran:  # a running job saved its checkpoint at the cancel
+        results = json.loads((tmp_path / "stopped" / str(n) / "results.json").read_text())
+        assert results["status"] == "preempted" and Path(results["checkpoint"]).is_dir()

@@ -48,3 +48,23 @@ def test_a_short_run_draws_no_smoothed_curve():
     assert "train loss (smoothed)" not in series(logs) and "train loss" in series(logs)
     logs = [{"step": k, "loss": v} for k, v in enumerate(falling_loss(SMOOTH_FROM), 1)]
     assert series(logs)["train loss (smoothed)"][0] == list(range(1, SMOOTH_FROM + 1))
+
+
+def test_a_nan_is_a_gap_in_the_raw_and_smoothed_loss_which_go_on_after_it(tmp_path):
+    """A NaN step (the guard skipped it) blanked the smoothed loss to the end of the run, on the page and in
+    curves.png: it is a gap in both curves, and the smoothing goes on from the values before it."""
+    from sft.experiments.curves import draw
+
+    values = falling_loss(40)
+    logs = [{"step": k, "loss": float("nan") if k == 12 else v, "grad_norm": float("inf") if k == 12 else 1.0}
+            for k, v in enumerate(values, 1)]
+    curves = series(logs)
+    steps, raw = curves["train loss"]
+    _, smooth = curves["train loss (smoothed)"]
+    assert steps == list(range(1, 41)) and raw[11] is None and smooth[11] is None
+    finite = [v for k, v in enumerate(values, 1) if k != 12]
+    assert [s for s in smooth if s is not None] == smoothed(finite)  # the average as though the NaN were not there
+    assert all(s is not None and math.isfinite(s) for s in smooth[12:])
+    assert curves["grad norm"][1][11] is None
+    drawn = draw({"run": logs}, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000 and drawn["run"]["train loss (smoothed)"][1][-1] > 0

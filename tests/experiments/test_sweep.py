@@ -64,11 +64,37 @@ def test_a_2x2_sweep_writes_job_dirs_and_a_report_that_rebuilds_from_disk(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
-    sweep(tmp_path, "clip.max_norm=-1,0.5")
+def test_a_failing_job_is_recorded_the_sweep_goes_on_and_exits_non_zero_after_its_report(tmp_path):
+    """The summary named the failed job and the command said success (exit 0): now it exits 3, in one line naming the
+    job, after the report of every job."""
+    from sft.experiments.report import SWEEP_FAILED_EXIT_CODE
+
+    proc = run_train("-m", *QUICK, "clip.max_norm=-1,0.5", f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == SWEEP_FAILED_EXIT_CODE == 3, proc.stderr[-3000:]
     rows = summary(tmp_path)
     assert [r["status"] for r in rows] == ["failed", "ok"]
     assert "clip.max_norm=-1.0: must be >= 0" in rows[0]["error"] and rows[1]["eval_loss"]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: 1 job(s) of the sweep in {tmp_path} did not finish: #0 (failed: ") and "exit code 3" in last
+
+
+def test_a_sweep_whose_job_failed_or_vanished_names_them_and_exits_3_one_that_all_finished_nothing(tmp_path, capsys):
+    from sft.experiments.results import RunResults
+    from sft.experiments.report import exit_if_a_job_failed
+
+    for number, results in enumerate([RunResults(), RunResults.failed("ConfigError: clip.max_norm=-1", 1.0), None]):
+        (tmp_path / str(number)).mkdir()
+        if results is not None:
+            results.write(tmp_path / str(number))
+    with pytest.raises(SystemExit) as stopped:
+        exit_if_a_job_failed(tmp_path)
+    assert stopped.value.code == 3
+    said = capsys.readouterr().err
+    assert "2 job(s)" in said and "#1 (failed: ConfigError: clip.max_norm=-1)" in said and "#2 (no results.json" in said
+    (tmp_path / "1" / "results.json").unlink()
+    RunResults().write(tmp_path / "1")
+    RunResults().write(tmp_path / "2")
+    exit_if_a_job_failed(tmp_path)  # every job finished: nothing said, no exit
 
 
 def model_weights(run_dir):

@@ -69,9 +69,10 @@ def switches_off(template: str) -> list[dict]:
 
 
 def as_override(kwargs: dict) -> str:
-    """`{enable_thinking: True}` -> `+tokenizer.chat_template_kwargs.enable_thinking=true`."""
-    return ", ".join(f"+tokenizer.chat_template_kwargs.{k}={str(v).lower() if isinstance(v, bool) else v}"
-                     for k, v in kwargs.items())
+    """`{enable_thinking: True}` -> `+tokenizer.chat_template_kwargs.enable_thinking=true` (as Hydra parses it)."""
+    from sft.config.overrides import override
+
+    return ", ".join(override(f"tokenizer.chat_template_kwargs.{k}", v, add=True) for k, v in kwargs.items())
 
 
 def _on(switch: str):

@@ -56,6 +56,9 @@ class ChatRenderer:
         try:
             return self._render(messages, tools, add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template is code: TypeError, RecursionError, ... as well as its own
+            converted = self._in_the_form_that_renders(messages, tools, add_generation_prompt)
+            if converted is not None:  # its tool calls' arguments in the form this template takes
+                return converted
             raise self._refusal(e, messages, tools, add_generation_prompt) from e
 
     def with_kwargs(self, kwargs: dict) -> ChatRenderer:
@@ -89,11 +92,6 @@ class ChatRenderer:
             return Refused("messages", f"the chat template refuses this chat: {error} (data.on_error=skip leaves such "
                            "rows out, counted, and trains the others)")
         message = f"{type(error).__name__}: {str(error)[:300]}"
-        form = self._arguments_form_that_renders(messages, tools, add_generation_prompt)
-        if form is not None:
-            given, wanted = ("an object", "a JSON string") if form == "text" else ("JSON text", "an object")
-            return Refused("messages", f"the chat template takes tool-call arguments as {wanted} and fails on them as "
-                           f"{given} ({message}): give each call's arguments as {wanted}")
         if tools is not None:
             try:  # the chat with definitions known to be well-formed instead of the row's
                 self._render(messages, _PROBE_TOOLS, add_generation_prompt)
@@ -107,10 +105,11 @@ class ChatRenderer:
                        + ("; a tool-use template may need the row's tools" if tools is None and "NoneType" in message
                           else ""))
 
-    def _arguments_form_that_renders(self, messages, tools, add_generation_prompt) -> str | None:
-        """Where the chat has tool calls and fails, the other form of their arguments (`text`: JSON strings, `object`)
-        if the chat renders with it: the form the template takes (Apertus's first import concatenated them as text,
-        `TypeError: can only concatenate str (not "dict") to str`), which its probe could not tell."""
+    def _in_the_form_that_renders(self, messages, tools, add_generation_prompt) -> str | None:
+        """Where the chat has tool calls and fails, its rendering with their arguments in the other form (`text`: JSON
+        strings, `object`) where that renders: the form the template takes, which its probe could not tell (Apertus's
+        first import concatenated them as text, `TypeError: can only concatenate str (not "dict") to str`; the probe
+        chat was refused by the template on other grounds). None where the other form fails too."""
         calls = [c for m in messages for c in m.get("tool_calls") or [] if isinstance(c, dict) and "function" in c]
         forms = {"text" if isinstance(c["function"].get("arguments"), str) else "object" for c in calls}
         if len(forms) != 1:
@@ -119,10 +118,9 @@ class ChatRenderer:
         try:
             converted = [{**m, "tool_calls": [self._in_form(c, other) for c in m["tool_calls"]]}
                          if m.get("tool_calls") else m for m in messages]
-            self._render(converted, tools, add_generation_prompt)
+            return self._render(converted, tools, add_generation_prompt)
         except Exception:  # noqa: BLE001 - the other form fails too: the arguments are not the cause
             return None
-        return other
 
     @staticmethod
     def _in_form(call: dict, form: str) -> dict:

@@ -160,13 +160,14 @@ def _refuse_call_without_stop(render: ChatRenderer, i: int, call: str) -> None:
     `<|tools_prefix|>...<|tools_suffix|>`, followed by the tool's result in the same turn): trained so, the model
     would write on past its call instead of stopping for the result. Where the call ends with a special token of its
     own, the refusal names the stop tokens that would train it (that token added, where the server stops there)."""
+    from sft.config.overrides import override
     from sft.data.chat.text import special_tokens
 
     stops = render.profile.stops
     ending = next((t for t in special_tokens(render.tokenizer) if call.rstrip().endswith(t)), None)
     if ending is not None and len(render.tokenizer.encode(ending, add_special_tokens=False)) == 1:
         way = (f"where the model's server stops at {ending!r} after a call (to run the tool), add it to the stop "
-               f"tokens: tokenizer.stop_tokens=[{','.join([*stops, ending])}]; else set ")
+               f"tokens: {override('tokenizer.stop_tokens', [*stops, ending])}; else set ")
     else:
         way = "set "
     raise Refused(f"messages[{i}]", f"the chat template ends this tool-calling turn with no token the model could stop "

@@ -25,35 +25,47 @@
     }
     return v === null || v === undefined ? "" : String(num(v));
   }
+  const LONG_CELL = 160;  // a longer text shows its first characters, the whole in its tooltip: rows stay a line or two
   function table(parent, columns, rows, rowClass, cellClass) {
-    const t = add(parent, "table");
+    const box = add(parent, "div", null, { class: "table-box" });  // scrolls inside itself, never off the page
+    const t = add(box, "table");
     const head = add(t, "tr");
     columns.forEach((c) => add(head, "th", c));
     rows.forEach((row, i) => {
       const tr = add(t, "tr", null, rowClass ? { class: rowClass(row) || "" } : {});
-      columns.forEach((c) => add(tr, "td", interval(row[c]), cellClass ? { class: cellClass(row, c) || "" } : {}));
+      columns.forEach((c) => {
+        const text = interval(row[c]), attrs = cellClass ? { class: cellClass(row, c) || "" } : {};
+        if (text.length > LONG_CELL) Object.assign(attrs, { title: text });
+        add(tr, "td", text.length > LONG_CELL ? text.slice(0, LONG_CELL) + "…" : text, attrs);
+      });
     });
     return t;
   }
   const charts = [];
   function chart(parent, title, traces, yTitle, xTitle) {
     const div = add(parent, "div", null, { class: "chart", "data-title": title });
-    if (traces.length > 2) div.style.height = `${260 + 20 * traces.length}px`;  // room for a legend line a trace
+    if (traces.length > 2) div.style.height = `${270 + 24 * traces.length}px`;  // room for a legend line a trace
     charts.push([div, traces, {
       title: { text: title, font: { size: 14 }, x: 0.01, xanchor: "left" }, margin: { l: 55, r: 10, t: 36, b: 36 },
       xaxis: { title: { text: xTitle === undefined ? "step" : xTitle } }, yaxis: { title: { text: yTitle || "" } },
       legend: { orientation: "h", yanchor: "top", y: -0.3 }, showlegend: traces.length > 1 }]);  // below "step"
   }
+  const MARKED = 200;  // a curve of more points is drawn as a line alone: a marker a point made a long run's page slow
   function line(name, s, extra) {
-    return Object.assign({ type: "scatter", mode: "lines+markers", name: name, x: s.x, y: s.y,
-                           connectgaps: false, marker: { size: 4 } }, extra || {});
+    return Object.assign({ type: "scatter", mode: s.x.length > MARKED ? "lines" : "lines+markers", name: name,
+                           x: s.x, y: s.y, connectgaps: false, marker: { size: 4 } }, extra || {});
+  }
+  // the points a chart drew: its curves' finite values (a gap, null, draws nothing), the smoothed one aside
+  function drawn(div) {
+    return div.data.filter((t) => t.name !== "smoothed")
+      .reduce((n, t) => n + t.y.filter((v) => typeof v === "number" && isFinite(v)).length, 0);
   }
 
   add(page, "h1", data.title);
   if (data.kind === "run") run(); else sweep();
   Promise.all(charts.map(([div, traces, layout]) => Plotly.newPlot(div, traces, layout,
                                                                    { displaylogo: false, displayModeBar: "hover" })
-    .then(() => div.setAttribute("data-points", String(div.querySelectorAll("path.point").length)))))
+    .then(() => div.setAttribute("data-points", String(drawn(div))))))
     .catch((e) => errors.push(String(e)))
     .finally(() => {
       document.body.setAttribute("data-errors", JSON.stringify(errors));
@@ -159,10 +171,12 @@
     }
     section("Curves of every job (click a name to show or hide it)");
     const box = add(page, "div", null, { class: "charts" });
-    function jobName(job) {  // "job 2: loss=hard_sample trainer.seed=1"
+    function jobName(job) {  // "job 2: loss=hard_sample trainer.seed=1": the overrides that differ between jobs
       const row = data.jobs.find((r) => String(r.job) === job);
       const keys = row ? Object.keys(row) : [];  // the job's overrides: the columns between "job" and "status"
-      const said = keys.slice(1, Math.max(keys.indexOf("status"), 1)).map((p) => `${p}=${row[p]}`).join(" ");
+      const differ = keys.slice(1, Math.max(keys.indexOf("status"), 1))
+        .filter((p) => new Set(data.jobs.map((r) => String(r[p]))).size > 1);
+      const said = differ.map((p) => `${p}=${row[p]}`).join(" ");
       return said ? `job ${job}: ${said}` : `job ${job}`;
     }
     for (const metric of ["train loss", "eval loss"]) {

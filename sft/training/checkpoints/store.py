@@ -18,6 +18,11 @@ with that marker and no `sft_state.json` is this run's crash debris, which `resu
 `checkpoint-N` with neither (copied in from a plain Trainer run, say) was not written here: it is renamed
 `checkpoint-N.foreign`, never deleted (`set_aside_foreign`).
 
+A checkpoint dir is deleted (rotation, crash debris) by first renaming it `checkpoint-N.deleting-<pid>`, a name no
+resume reads, then removing it (`delete_dir`): a kill in the middle leaves that name, whose removal the next start
+finishes (`finish_deletes`), never a `checkpoint-N` missing some of its files (which a resume would set aside as
+foreign, and keep for ever).
+
 A resume from step N renames the dir's checkpoints after N (damaged ones that `resume=auto` passed over,
 or a later branch left by `resume=<older checkpoint>`) to `checkpoint-M.damaged` / `.abandoned`: kept
 for the user, never resumed from, rotated or written into (`set_aside_after`).
@@ -81,12 +86,32 @@ def crash_debris(checkpoint: Path) -> bool:
     return (checkpoint / WRITING_FILE).is_file()
 
 
+DELETING = ".deleting-"  # a checkpoint dir being deleted: `checkpoint-N.deleting-<pid>` (`delete_dir`)
+
+
+def delete_dir(path: Path) -> None:
+    """Delete a checkpoint dir so that no kill can leave half of it under its own name: renamed first (atomic: the dir
+    is whole under its name, or under a name no resume reads), then removed."""
+    doomed = path.with_name(f"{path.name}{DELETING}{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def finish_deletes(output_dir: str | os.PathLike) -> list[Path]:
+    """Finish the deletes a kill interrupted (`delete_dir`'s renamed dirs left behind); return them."""
+    root = Path(output_dir)
+    left = sorted(p for p in root.iterdir() if p.is_dir() and DELETING in p.name) if root.is_dir() else []
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    return left
+
+
 def remove_incomplete(output_dir: str | os.PathLike) -> list[Path]:
     """Delete sft's checkpoint dirs that have no completion marker (left by a crash); return them. A dir that
     sft did not write is left alone (`set_aside_foreign`)."""
     removed = [p for _, p, ok in checkpoints(output_dir) if not ok and crash_debris(p)]
     for p in removed:
-        shutil.rmtree(p, ignore_errors=True)
+        delete_dir(p)
     return removed
 
 
@@ -258,6 +283,9 @@ def find_checkpoint(resume: str | None, output_dir: str, force: bool, trust: boo
                 damaged[path] = problem
                 log.warning("resume=auto: passing over %s: %s", path, problem)
         if is_rank_zero():
+            for left in finish_deletes(output_dir):
+                log.warning("resume=auto: finished deleting %s (a checkpoint rotation was stopped while deleting it)",
+                            left)
             for debris in remove_incomplete(output_dir):
                 log.warning("resume=auto: removed %s, a checkpoint left incomplete by a crash", debris)
             for foreign in set_aside_foreign(output_dir):
@@ -279,6 +307,8 @@ def find_checkpoint(resume: str | None, output_dir: str, force: bool, trust: boo
     if problem:
         log.warning("resume_force: resuming from %s although %s", resume, problem)
     if inside(resume, output_dir):
+        if is_rank_zero():
+            finish_deletes(output_dir)
         set_aside_after(output_dir, step_of(resume), {})
     return resume
 
@@ -366,7 +396,7 @@ class CheckpointState(TrainerCallback, ExportableState):
             if ok and not self.ours(path):
                 continue
             if ok or (step < newest_step and crash_debris(path)):  # older, incomplete and ours: crash debris
-                shutil.rmtree(path, ignore_errors=True)
+                delete_dir(path)
                 log.info("checkpoint rotation: removed %s", path)
 
     def ours(self, checkpoint: Path) -> bool:

@@ -4,9 +4,10 @@ run asks for.
 
 - A job stopped at a signal (SIGTERM when a higher partition preempts it or `scancel --signal=TERM`, the `--signal`
   SLURM sends before the time limit, submitit's SIGUSR2) finishes its step, saves a complete checkpoint
-  (`sft.training.step.preemption`), then its rank 0 requeues it (`scontrol requeue`, where the job may be requeued)
-  and it exits 75 (`RequeueExit=75` requeues it where the cluster sets that instead). A cancelled job is not
-  requeued: SLURM refuses, and the run stays stopped with its checkpoint.
+  (`sft.training.step.preemption`), then its rank 0 asks SLURM why (`SlurmJob.stop`) and requeues it (`scontrol
+  requeue`, where the job may be requeued) and it exits 75 (`RequeueExit=75` requeues it where the cluster sets that
+  instead). A cancelled job (`scancel`) is not requeued: the run stays stopped with its checkpoint. A job SLURM
+  requeued itself (a preemption under PreemptMode=REQUEUE, a node failure) is not requeued twice.
 - The next attempt (`SLURM_RESTART_COUNT` > 0) continues the run: the same run dir (`run_dir`:
   `outputs/slurm-<job id>` for a batch job without `hydra.run.dir`; a sweep job's dir is its own), `resume=auto`,
   nothing trained twice; a run that finished stays finished.
@@ -45,8 +46,14 @@ def note_signals_from_the_start(argv: list[str]) -> None:
 
 
 class SlurmRefused(RuntimeError):
-    """SLURM refused to queue a job (sbatch's reasons, one line): a partition that does not exist, more CPUs or memory
-    than any node has."""
+    """SLURM refused a sweep's jobs, in one line: sbatch refused to queue them (a partition that does not exist, more
+    memory than any node has), or queued them for a wait that never ends (more CPUs than a node has: `PENDING
+    (PartitionConfig)`), when they were cancelled. Exit code 2."""
+
+
+class SweepStopped(RuntimeError):
+    """The process of a sweep whose jobs are SLURM jobs got a signal while it waited for them: its jobs were cancelled
+    (each run saves its checkpoint and is not requeued). Exit code 75: `sweep.resume=true` goes on."""
 
 
 @dataclass(frozen=True)
@@ -72,13 +79,53 @@ class SlurmJob:
 
     @cached_property
     def fields(self) -> dict[str, str]:
-        """`scontrol show job`'s fields (BatchFlag, Requeue, Partition, ...); {} where it does not answer."""
+        """`scontrol show job`'s fields (BatchFlag, Requeue, Partition, ...) when first asked; {} where it does not
+        answer."""
+        return self.fields_now()
+
+    def fields_now(self) -> dict[str, str]:
+        """`scontrol show job`'s fields as they are now (JobState, Reason, Restarts change as the job ends)."""
         try:
-            out = subprocess.run(["scontrol", "show", "job", "-o", self.id.split("_")[0]], capture_output=True,
-                                 text=True, timeout=30).stdout
+            out = subprocess.run(["scontrol", "show", "job", "-o", self.id], capture_output=True, text=True,
+                                 timeout=30).stdout
         except (OSError, subprocess.TimeoutExpired):
             return {}
         return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+    def accounted_state(self) -> str | None:
+        """The job's state in SLURM's accounting (`sacct`: "CANCELLED by 0", "PREEMPTED", "RUNNING"); None without
+        accounting."""
+        try:
+            out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", self.id, "-o", "State"], capture_output=True,
+                                 text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+        return lines[-1].strip() if lines else None
+
+    def stop(self) -> Stop:
+        """Why this attempt is stopping, in SLURM's own words: `scontrol show job` read afresh and, where it cannot
+        tell a cancel from a preemption, accounting (see `Stop`)."""
+        now = self.fields_now()
+        state, reason = now.get("JobState", ""), now.get("Reason", "")
+        if not now:
+            return Stop("unknown", "scontrol does not answer")
+        if int(now.get("Restarts") or 0) > self.restart or state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"):
+            return Stop("requeued", "SLURM requeues it itself (preempted under PreemptMode=REQUEUE, or its node "
+                        "failed)")
+        if state == "RUNNING":  # only signalled: `scancel --signal`, `--signal`'s warning, a preemption's grace
+            return Stop("signalled", "signalled while it runs")
+        if reason == "TimeLimit" or state == "TIMEOUT":
+            return Stop("time limit", "at its time limit")
+        accounted = self.accounted_state() or ""
+        if accounted.startswith("CANCELLED") or state == "CANCELLED":
+            return Stop("cancelled", f"cancelled ({accounted or state}: scancel)")
+        if accounted == "PREEMPTED" or state == "PREEMPTED":
+            return Stop("preempted", "preempted (PreemptMode=CANCEL)")
+        if not accounted:  # a cancel and a preemption under PreemptMode=CANCEL look alike to scontrol
+            return Stop("cancelled", f"ending ({state}) without a time limit, not requeued by SLURM, and accounting "
+                        "does not answer to tell a preemption from a cancel: taken as cancelled (scancel)")
+        return Stop("ending", f"ending ({state}, {accounted})")
 
     @property
     def requeueable(self) -> bool:
@@ -100,7 +147,9 @@ class SlurmJob:
         return f"partition {partition}'s GraceTime={grace} s, then KillWait={kill_wait}"
 
     def requeue(self) -> str | None:
-        """Ask SLURM to requeue this job (it ends this attempt); None where it did, else why not."""
+        """Ask SLURM to requeue this job (it ends this attempt); None where it did, else why not. Ask only where
+        `stop()` says neither SLURM requeued it nor the user cancelled it: SLURM 22.05 accepts `scontrol requeue` of a
+        job being cancelled, and a cancel would never end."""
         if not self.requeueable:
             return ("the job may not be requeued (submit it with sbatch --requeue)" if self.fields else
                     "scontrol does not answer")
@@ -109,6 +158,31 @@ class SlurmJob:
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"scontrol requeue failed ({e})"
         return None if proc.returncode == 0 else (proc.stderr.strip() or f"scontrol requeue exit {proc.returncode}")
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why a SLURM job's attempt is stopping, as SLURM has it when the run asks (after its checkpoint). Read on Slurm
+    22.05 (tests/e2e/test_slurm.py, docs/distributed.md), `scontrol show job` while the job's processes handle the
+    signal:
+
+        scancel                          JobState=COMPLETING Reason=None       Restarts as before  sacct: CANCELLED by 0
+        the time limit                   JobState=COMPLETING Reason=TimeLimit  Restarts as before
+        preempted, PreemptMode=REQUEUE   JobState=RUNNING within its GraceTime; once requeued: COMPLETING, Restarts + 1
+        preempted, PreemptMode=CANCEL    JobState=COMPLETING Reason=None       Restarts as before  sacct: PREEMPTED
+        its node failed                  JobState=PENDING                      Restarts + 1
+        scancel --signal, --signal=...   JobState=RUNNING
+
+    `cause`: requeued (SLURM does it), cancelled (no requeue), signalled, time limit, preempted, ending (sft
+    requeues these), unknown (scontrol does not answer)."""
+
+    cause: str
+    why: str
+
+    @property
+    def wants_requeue(self) -> bool:
+        """Whether the run asks SLURM to requeue the job: not where SLURM does it itself, nor where it was cancelled."""
+        return self.cause not in ("requeued", "cancelled")
 
 
 def signal_meaning(name: str) -> str:

@@ -115,8 +115,9 @@ class Preemption(Controller):
                 signal.signal(sig, default if self.signal is None else self._after_stop)
 
     def _after_stop(self, signum, frame) -> None:
-        log.warning("%s again while stopping: exiting now (exit code %d)", signal.Signals(signum).name,
-                    PREEMPTED_EXIT_CODE)
+        # expected, not a fault: SLURM's requeue ends the attempt with a SIGTERM of its own, after the run stopped
+        log.info("%s after the run stopped (what it saved is complete): exiting now (exit code %d)",
+                 signal.Signals(signum).name, PREEMPTED_EXIT_CODE)
         logging.shutdown()
         os._exit(PREEMPTED_EXIT_CODE)
 

@@ -145,10 +145,12 @@ def test_a_call_only_turns_null_content_written_as_json_is_not_trained():
     assert not ChatRenderer(tokenizer).profile.null_content  # writes an empty content
 
 
-def test_a_template_that_fails_on_an_argument_form_gets_the_form_it_takes_or_one_line_naming_it():
+def test_a_template_that_fails_on_an_argument_form_gets_the_form_it_takes():
     """Apertus's first import concatenated a call's arguments as text: an object failed inside the template
     (`TypeError: can only concatenate str (not "dict") to str`). Where the form probe can tell, rows are converted to
-    the text it takes and train; where it cannot (the probe chat refused), the refusal names the form."""
+    the text it takes and train; where it cannot (the probe chat refused: it refused such rows, asking for JSON
+    text), the chat that fails is rendered again with its calls' arguments as text, and trains the same tokens as a
+    row that gave them so."""
     from sft.data.chat.settings import configure_chat
 
     chat = [WEATHER_CHAT[0], {**WEATHER_CHAT[1], "content": ""}, WEATHER_CHAT[2], WEATHER_CHAT[3]]
@@ -156,11 +158,8 @@ def test_a_template_that_fails_on_an_argument_form_gets_the_form_it_takes_or_one
     assert sorted(run for sequence in runs for run in sequence) == [
         '<call>get_weather {"city": "Paris"}</call><|im_end|>', "It is 18 C and sunny.<|im_end|>"]
     strict = configure_chat(family_tokenizer("arguments_concatenated"), {"strict": True})
-    with pytest.raises(Refused) as refused:
-        chat_views(strict, [{"role": "system", "content": "Be brief."}, *chat], WEATHER_TOOLS)
-    assert refused.value.reason == (
-        'the chat template takes tool-call arguments as a JSON string and fails on them as an object (TypeError: can '
-        'only concatenate str (not "dict") to str): give each call\'s arguments as a JSON string')
+    system = [{"role": "system", "content": "Be brief."}]
     as_text = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": '{"city": "Paris"}'}}
                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in chat]
-    assert chat_views(strict, [{"role": "system", "content": "Be brief."}, *as_text], WEATHER_TOOLS)
+    converted, given = (labelled(strict, [*system, *rows], tools=WEATHER_TOOLS) for rows in (chat, as_text))
+    assert converted == given and any("get_weather" in run for sequence in given for run in sequence)

@@ -193,8 +193,8 @@ def test_a_chat_ending_with_a_call_the_template_ends_with_no_stop_is_refused_nam
     assert refused.value.field == "messages[1]"
     assert ("ends this tool-calling turn with no token the model could stop at ('<|tools_prefix|>[{\"get_weather\": "
             "{\"city\": \"Paris\"}}]<|tools_suffix|>'; the stop tokens: '<|assistant_end|>')") in refused.value.reason
-    assert ("add it to the stop tokens: tokenizer.stop_tokens=[<|assistant_end|>,<|tools_suffix|>]"
-            in refused.value.reason)
+    assert ("""add it to the stop tokens: 'tokenizer.stop_tokens=["<|assistant_end|>","<|tools_suffix|>"]'"""
+            in refused.value.reason)  # as Hydra parses it, pasted into a shell
     stopping = configure_chat(family_tokenizer("call_without_stop"), None, ["<|assistant_end|>", "<|tools_suffix|>"])
     assert labelled(stopping, chat, tools=WEATHER_TOOLS) == [
         ['<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>']]

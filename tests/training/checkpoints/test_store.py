@@ -26,6 +26,42 @@ def test_rotation_keeps_the_newest_complete_checkpoints_and_the_resumed_one(tmp_
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
 
 
+KILLED_WHILE_ROTATING = """
+import os, shutil, signal
+_rmtree = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    files = sorted(p for p in __import__("pathlib").Path(path).rglob("*") if p.is_file())
+    if "checkpoint-2" in str(path) and len(files) > 2:
+        for f in [*[f for f in files if f.name == "sft_state.json"], *files[:2]]:
+            f.unlink()  # part of the checkpoint deleted, its marker first, then the process killed
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _rmtree(path, *args, **kwargs)
+shutil.rmtree = rmtree
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_in_the_middle_of_a_rotation_leaves_nothing_a_resume_sets_aside(tmp_path):
+    """A SIGKILL while rotation deleted checkpoint-2 left it with its weights and optimizer but no sft_state.json; the
+    resume renamed it `.foreign` ("not a checkpoint sft wrote") and kept it for ever (15+ GB at 7B). Now a delete
+    renames the dir first: the resume finishes the delete, sets nothing aside, and goes on from checkpoint-4."""
+    from conftest import run_patched
+
+    run = ["trainer.max_steps=6", "trainer.save_steps=2", "trainer.save_total_limit=1", "trainer.eval_steps=100",
+           f"hydra.run.dir={tmp_path}"]
+    killed = run_patched(KILLED_WHILE_ROTATING, *run)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
+    assert left[0] == "checkpoint-2.deleting-" + left[0].rsplit("-", 1)[1] and left[1:] == ["checkpoint-4"], left
+    resumed = run_train(*run, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # (the one resumed from is kept beside the newest, as rotation keeps it)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-4",
+                                                                                         "checkpoint-6"]
+    assert "finished deleting" in (tmp_path / "train.log").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["resumed_from"].endswith("checkpoint-4")
+
+
 @pytest.mark.slow
 def test_resume_with_changed_data_is_refused_unless_forced(tmp_path):
     train = tmp_path / "train.jsonl"  # 300 rows: tokenised three times below

@@ -1,5 +1,5 @@
 """Process-group details (`sft.training.processes.distributed`): CPU threads shared out among the processes, one run dir
-decided by rank 0, the allocator on a CPU, the exit of a finished run."""
+decided by rank 0, the allocator and OpenMP's spinning on a CPU, the exit of a finished run."""
 
 import sys
 
@@ -15,6 +15,18 @@ def test_cpu_threads_share_the_cores_and_respect_the_users_setting():
     assert cpu_threads(16, 2, None) == 8 and cpu_threads(2, 4, None) == 1
     assert cpu_threads(16, 2, "4") is None  # the user's own setting stands
     assert cpu_threads(16, 1, "1") is None and cpu_threads(2, 1, None) is None  # one process: torch's choice
+
+
+@pytest.mark.parametrize("users", [None, "infinite"])
+def test_openmp_threads_spin_briefly_set_before_torch_loads_unless_the_user_chose(users):
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: `import sft` must set it without importing torch."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | ({"GOMP_SPINCOUNT": users} if users else {})
+    script = "import os, sys, sft; print('torch' in sys.modules, os.environ['GOMP_SPINCOUNT'])"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", users or "1000"]
 
 
 def test_rank_0_decides_the_run_dir_for_every_rank(monkeypatch):
