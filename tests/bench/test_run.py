@@ -150,6 +150,7 @@ def test_long_rows_train_one_row_of_each_length_with_the_same_losses_in_every_va
     assert "KiB/token" in proc.stdout
 
 
+@pytest.mark.slow  # the command in a process of its own
 @pytest.mark.parametrize("override, message", [
     ("bench.stepz=3", "error: config: bench.stepz: not a knob of bench (did you mean bench.steps?)"),
     ("model.random_init={model_type:qwen2}", "error: config: model.random_init.model_type: a new key of "

@@ -36,9 +36,9 @@ def test_a_config_override_the_model_does_not_have_is_refused():
         load_model("tiny", config_overrides={"intermediate_size": 96})
 
 
+@pytest.mark.slow  # the command in a process of its own
 @pytest.mark.parametrize("env, why", [({"HF_HUB_OFFLINE": "1"}, "the hub is off (HF_HUB_OFFLINE)"),
-                                      pytest.param({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the hub cannot be reached",
-                                                   marks=pytest.mark.slow)])
+                                      ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the hub cannot be reached")])
 def test_a_model_neither_on_disk_nor_reachable_is_one_line_at_once_saying_how_to_point_at_a_local_copy(
         tmp_path, env, why):
     import subprocess
