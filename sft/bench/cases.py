@@ -117,6 +117,8 @@ def versus_naive_loss(kernel: str, target_memory: float | None = None, target_ti
 # settings (`sft.bench.training.fastest_settings`), on their own attention, not the sdpa_varlen sft's packing turns
 # sdpa into. What each measures: `sft.bench.run`'s docstring.
 PACKED = ("loss=ce", "data.packing=true")
+TEACHER_IS_THE_MODEL = ("+teacher=path", *(f"teacher.{knob}=${{model.{knob}}}" for knob in
+                                           ("name_or_path", "gguf_file", "random_init", "dtype")))
 TABLE = (
     training("raw", "loss=ce", "loss.impl=naive"),
     training("hf"),
@@ -135,6 +137,9 @@ TABLE = (
     training("ce_compiled", "loss=ce", "trainer.torch_compile=true", on_request=True,  # minutes of compiling
              ratios={"compile_gain": Ratio("ce")}),
     training("hard_sample", "loss=hard_sample", ratios={"hard_sample_vs_ce": Ratio("ce", target=0.97)}),
+    # a distillation from a teacher of the model's own size and weights: what the second model costs in time and memory
+    training("distill", "loss=distill", *TEACHER_IS_THE_MODEL, on_request=True,
+             ratios={"distill_vs_ce": Ratio("ce", memory=True)}),
     training("packing", *PACKED, ratios={"packing_gain": Ratio("ce", target=1.3),
                                          "packing_vs_trl_padding_free": Ratio("trl_padding_free", target=1.3,
                                                                               memory=True),

@@ -22,7 +22,11 @@ A loss (built-in or yours) shapes this through three kinds of hooks:
   target: the numerator's `c_t` becomes `c_t * f_t`; the denominator, summed before any forward, keeps
   `d_t`, so the factor scales the loss and its gradient, it is not renormalised away;
 - auxiliary terms (`aux`, `sft.loss.auxiliary.AuxTerm`) from the final hidden states and the batch, each
-  `coef * sum of its numerators / sum of its denominators` over the step, added to the loss.
+  `coef * sum of its numerators / sum of its denominators` over the step, added to the loss;
+- a second model's logits (`second_model`: a teacher, `cfg.teacher`): the per-token loss is then `token_loss(logits,
+  labels, second_logits)` in place of the cross entropy, from the same positions' logits of both models
+  (`sft.loss.builtin.DistillLoss`), still times `c_t` over `sum_t d_t`: per token, so exact under accumulation and
+  data parallelism as the cross entropy is.
 
 How the cross entropy is computed (`impl`) changes memory and speed, not values (`sft.loss.kernels`):
 - `naive`: from the model's logits, as its own loss does: the whole micro-batch's logits exist at once
@@ -43,12 +47,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Dict
+from typing import Any, Callable, ClassVar, Dict, Optional
 
 import numpy as np
 from omegaconf import MISSING
 
-from sft.config.schema import Choice, Schema, knob, target_base
+from sft.config.schema import Choice, ConfigError, Schema, knob, target_base
 
 
 class Normalize(Choice):
@@ -93,10 +97,17 @@ class WeightedTokenLoss(Schema):
     aux: Dict[str, Any] = knob(help="name -> an auxiliary term (`_target_` + its knobs, e.g. coef, "
                                "sft.loss.auxiliary.AuxTerm); logged as aux/<name>", factory=dict)
 
+    # The second model whose logits `token_loss` reads, by its config section ("teacher"); None: none.
+    second_model: ClassVar[Optional[str]] = None
+
     def __post_init__(self):
         self.check()
 
     def check(self, cfg=None):
+        if cfg is not None and self.second_model is not None and cfg.get(self.second_model) is None:
+            raise ConfigError("", None, f"{type(self).__name__} reads a {self.second_model}'s logits and the config "
+                              f"has none: add +{self.second_model}=<option> (sft/conf/{self.second_model}/), e.g. "
+                              f"+{self.second_model}=path {self.second_model}.name_or_path=<its dir>")
         # (composition refuses other choices; a loss built in Python is checked here)
         self.require("impl", self.impl in Impl.values(), f"must be one of {', '.join(Impl.values())}")
         self.require("normalize", self.normalize in Normalize.values(),
@@ -173,6 +184,13 @@ class WeightedTokenLoss(Schema):
         None: 1."""
         return None
 
+    # --- a second model's logits: the per-token loss ------------------------------------------------------------
+
+    def token_loss(self, logits, labels, second_logits):
+        """The per-token loss `[N]` (differentiable in `logits`) and the cross entropy `[N]`, from the model's float32
+        `logits` `[N, V]` at the positions predicting `labels` `[N]` and the second model's there (`second_model`)."""
+        raise NotImplementedError(f"{type(self).__name__} names a second model and must define token_loss")
+
     # --- the step's numerator and denominator ------------------------------------------------------------
 
     def normaliser(self, labels, weights, position_ids=None, given=None):
@@ -183,21 +201,29 @@ class WeightedTokenLoss(Schema):
         return coefficients(self.normalize, select_targets(labels, weights, position_ids, given))[1].sum()
 
     def terms(self, labels, weights, *, logits=None, hidden=None, lm_head=None, position_ids=None,
-              impl: str = "naive", accuracy: bool = False, transform=None, columns=None, given=None):
+              impl: str = "naive", accuracy: bool = False, transform=None, columns=None, given=None, second=None):
         """Numerator and statistics of a micro-batch (`sft.loss.terms.LossTerms`), from the logits (`naive`) or from
         the final hidden states and the output projection's weight (`chunked`, `cce`), whose logits get `transform`
         (the model's own post-projection step, `LogitTransform.of(model.config)`); `columns`: the logits or hidden
-        states are those of these positions only (`sft.loss.terms.compute_terms`)."""
+        states are those of these positions only; `second`: the second model's outputs on the same batch
+        (`sft.loss.terms.SecondOutputs`) where the loss names one (`sft.loss.terms.compute_terms`)."""
         from sft.loss.terms import compute_terms, select_targets
 
         factor = None if type(self).token_factor is WeightedTokenLoss.token_factor else self.token_factor
+        if self.second_model is not None and second is None:
+            raise ValueError(f"{type(self).__name__} reads the {self.second_model}'s outputs: pass second=")
         return compute_terms(select_targets(labels, weights, position_ids, given), self.normalize, factor, logits=logits,
                              hidden=hidden, lm_head=lm_head, impl=impl, accuracy=accuracy, transform=transform,
-                             chunk_tokens=self.chunk_tokens, columns=columns)
+                             chunk_tokens=self.chunk_tokens, columns=columns,
+                             token_loss=self.token_loss if self.second_model is not None else None, second=second)
 
-    def __call__(self, logits, labels, weights, position_ids=None):
-        """The loss of one self-contained batch (its own normaliser), e.g. for evaluation or tests."""
-        terms = self.terms(labels, weights, logits=logits, position_ids=position_ids)
+    def __call__(self, logits, labels, weights, position_ids=None, second_logits=None):
+        """The loss of one self-contained batch (its own normaliser), e.g. for evaluation or tests; `second_logits`:
+        the second model's on the same batch, where the loss reads one."""
+        from sft.loss.terms import SecondOutputs
+
+        second = SecondOutputs(logits=second_logits) if second_logits is not None else None
+        terms = self.terms(labels, weights, logits=logits, position_ids=position_ids, second=second)
         return terms.loss_sum / terms.denominator.sum().clamp_min(1e-12)
 
 

@@ -10,11 +10,11 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import ClassVar, List, Optional
 
 import numpy as np
 
-from sft.config.schema import ConfigError, config_schema, knob
+from sft.config.schema import Choice, ConfigError, config_schema, knob
 from sft.loss.base import WeightedTokenLoss
 
 
@@ -160,3 +160,58 @@ class LengthLoss(WeightedTokenLoss):
 
     def sample_weight(self, row):
         return super().sample_weight(row) * (row["assistant_tokens"] / self.length_ref) ** -self.length_beta
+
+
+class Divergence(Choice):
+    """`loss.divergence` of `DistillLoss` (`sft.loss.divergence.token_divergence`)."""
+
+    forward = "forward"
+    reverse = "reverse"
+    jsd = "jsd"
+
+
+@config_schema("loss", "distill")
+@dataclass(eq=False, kw_only=True)
+class DistillLoss(WeightedTokenLoss):
+    """Knowledge distillation: each assistant token's loss is `(1 - kd_ratio) * ce + kd_ratio * D(teacher, student)`,
+    `D` a divergence between the two models' next-token distributions at its position (`sft.loss.divergence`: forward
+    KL, reverse KL or the skewed Jensen-Shannon), the teacher a frozen model of the same vocabulary (`+teacher=...`),
+    and the token weights and normalisation every loss has on top (hard samples distilled harder with `alpha`).
+
+        one token, student logits [0, 0], teacher [log 3, 0], label 0, kd_ratio=0.5, forward
+          ->  0.5 * ce (log 2 = 0.6931) + 0.5 * KL(teacher || student) (0.1308)  =  0.4120
+
+    Where the two models' output layers differ in width (Qwen2.5-7B's 152,064 rows beside 0.5B's 151,936, both
+    padding the same 151,665-token vocabulary), the divergence is over the shared first columns.
+    """
+
+    _target_: str = "sft.loss.builtin.DistillLoss"
+    second_model: ClassVar[Optional[str]] = "teacher"
+    divergence: Divergence = knob(Divergence.forward, "forward: KL(teacher || student), mass-covering | reverse: KL(student || "
+                           "teacher), mode-seeking | jsd: beta KL(teacher || m) + (1 - beta) KL(student || m)")
+    kd_ratio: float = knob(0.5, "each token's loss: (1 - kd_ratio) * ce + kd_ratio * divergence (1: distillation "
+                           "alone, 0: ce alone)")
+    temperature: float = knob(1.0, "both distributions softened as softmax(logits / T), the divergence times T ** 2")
+    beta: float = knob(0.5, "jsd: the teacher's share of the mixture m (0 < beta < 1)")
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("divergence", self.divergence in Divergence.values(),
+                     f"must be one of {', '.join(Divergence.values())}")
+        self.require("kd_ratio", 0 <= self.kd_ratio <= 1, "must be in [0, 1]")
+        self.require("temperature", math.isfinite(self.temperature) and self.temperature > 0,
+                     "must be a finite number > 0")
+        self.require("beta", 0 < self.beta < 1, "must be in (0, 1) (its ends are forward and reverse KL)")
+
+    def token_loss(self, logits, labels, second_logits):
+        import torch.nn.functional as F
+
+        from sft.loss.divergence import token_divergence
+
+        ce = F.cross_entropy(logits, labels, reduction="none")
+        if self.kd_ratio == 0:
+            return ce, ce
+        width = min(logits.size(-1), second_logits.size(-1))
+        divergence = token_divergence(logits[:, :width], second_logits[:, :width], str(self.divergence), self.beta,
+                                      self.temperature)
+        return (1 - self.kd_ratio) * ce + self.kd_ratio * divergence, ce

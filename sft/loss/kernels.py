@@ -110,6 +110,41 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
                                             transform or LogitTransform(), factor)
 
 
+def token_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor,
+                       token_loss: Callable, second, chunk_tokens: int = 1024, accuracy: bool = False,
+                       transform: LogitTransform | None = None):
+    """`(sum_t c_t l_t, ce [N], l [N], correct [N] or None)` for a loss `l_t` read from both the model's and a second
+    model's logits (`token_loss(logits, labels, second_logits) -> (l, ce)`; `second`: the second model's outputs at
+    the same N targets, `sft.loss.terms.SecondOutputs`), a chunk of `chunk_tokens` targets at a time. Each chunk's
+    loss is checkpointed: its logits (both models') exist only while it is computed, and again in the backward, which
+    recomputes them, so at most one chunk of logits is held at any time, at the cost of a second projection."""
+    from torch.utils.checkpoint import checkpoint
+
+    transform = transform or LogitTransform()
+    weight_in = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    n = hidden.size(0)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    ce, values = torch.empty(n, device=hidden.device), torch.empty(n, device=hidden.device)
+    correct = torch.empty(n, dtype=torch.bool, device=hidden.device) if accuracy else None
+    for start in range(0, n, chunk_tokens):
+        end = min(start + chunk_tokens, n)
+
+        def chunk(h, w, start=start, end=end):
+            logits = transform((h @ w.T).float())
+            with torch.no_grad():
+                second_logits = second.logits_of(start, end)
+            loss, chunk_ce = token_loss(logits, labels[start:end], second_logits)
+            found = logits.argmax(-1) == labels[start:end] if accuracy else loss.new_empty(0)
+            return (coef[start:end] * loss).sum(), loss.detach(), chunk_ce.detach(), found
+
+        part, values[start:end], ce[start:end], found = checkpoint(chunk, hidden[start:end], weight_in,
+                                                                   use_reentrant=False)
+        if accuracy:
+            correct[start:end] = found
+        total = total + part
+    return total, ce, values, correct
+
+
 def lean_logits_error(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                       transform: LogitTransform) -> str | None:
     """How a model's own `logits` differ from its decoder's output `hidden` projected by its output layer's `weight`

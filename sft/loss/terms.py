@@ -55,6 +55,32 @@ def select_targets(labels: torch.Tensor, weights: torch.Tensor, position_ids: to
 
 
 @dataclass
+class SecondOutputs:
+    """A second model's outputs on a micro-batch (a teacher's, `WeightedTokenLoss.second_model`), computed without
+    gradients: its `logits` `[rows, positions, V]`, or its final hidden states and output projection's weight, whose
+    logits get its `transform`, projected a chunk of tokens at a time as the model's own are (`chunked`)."""
+
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    lm_head: torch.Tensor | None = None
+    transform: LogitTransform | None = None
+
+    def at(self, t: Targets) -> "SecondOutputs":
+        """Only the rows of the positions predicting the targets `t`, in their order."""
+        if self.logits is not None:
+            return SecondOutputs(logits=self.logits[t.rows, t.cols])
+        return SecondOutputs(hidden=self.hidden[t.rows, t.cols], lm_head=self.lm_head, transform=self.transform)
+
+    def logits_of(self, start: int, end: int) -> torch.Tensor:
+        """The float32 logits of selected rows `start:end` (after `at`)."""
+        if self.logits is not None:
+            return self.logits[start:end].float()
+        h = self.hidden[start:end]
+        weight = self.lm_head if self.lm_head.dtype == h.dtype else self.lm_head.to(h.dtype)
+        return (self.transform or LogitTransform())((h @ weight.T).float())
+
+
+@dataclass
 class LossTerms:
     """One micro-batch's share of a step's loss, plus per-sample sums for evaluation and the logs."""
 
@@ -82,18 +108,51 @@ def coefficients(normalize: str, t: Targets) -> tuple[torch.Tensor, torch.Tensor
 
 def compute_terms(t: Targets, normalize: str, factor: Callable | None, *, logits=None, hidden=None, lm_head=None,
                   impl: str = "naive", accuracy: bool = False, transform: LogitTransform | None = None,
-                  chunk_tokens: int = 1024, columns: tuple[int, int] | None = None) -> LossTerms:
+                  chunk_tokens: int = 1024, columns: tuple[int, int] | None = None, token_loss: Callable | None = None,
+                  second: SecondOutputs | None = None) -> LossTerms:
     """`LossTerms` of a micro-batch's targets: each token's cross entropy from the logits (`naive`) or from the
     final hidden states and the output projection's weight (`chunked`, `cce`, `liger`; the logits get `transform`),
     times its coefficient and the loss's forward-dependent `factor(ce)` where it has one.
 
     `columns` `(start, end)`: the logits or hidden states are those of these positions only (a rank's slice under
     sequence parallelism); the terms are then those of the targets predicted there, with the coefficients of the
-    whole batch (a sample's token count under `normalize=sample`), so the slices' terms sum to the batch's."""
+    whole batch (a sample's token count under `normalize=sample`), so the slices' terms sum to the batch's.
+
+    `token_loss(logits, labels, second_logits) -> (loss, ce)`, with a second model's outputs `second`: each token's
+    loss in place of its cross entropy (`sft.loss.builtin.DistillLoss`), from both models' logits at its position,
+    by `naive` or, with a lean `impl`, a chunk of tokens at a time (`token_loss_chunked`)."""
     coef, den = coefficients(normalize, t)
     if columns is not None:
         keep = (t.cols >= columns[0]) & (t.cols < columns[1])
         t, coef, den = t.within(keep, columns[0]), coef[keep], den[keep]
+    if token_loss is not None:
+        loss_sum, ce, values, correct = _second_model_terms(t, coef, token_loss, second, logits=logits, hidden=hidden,
+                                                            lm_head=lm_head, impl=impl, accuracy=accuracy,
+                                                            transform=transform, chunk_tokens=chunk_tokens)
+    else:
+        loss_sum, ce, correct, coef = _cross_entropy_terms(t, coef, factor, logits=logits, hidden=hidden,
+                                                           lm_head=lm_head, impl=impl, accuracy=accuracy,
+                                                           transform=transform, chunk_tokens=chunk_tokens)
+        values = ce
+
+    def per_sample(values):
+        return torch.zeros(t.num_samples, dtype=values.dtype, device=values.device).index_add_(0, t.sample, values)
+
+    ce, coef, values = ce.detach(), coef.detach(), values.detach()
+    return LossTerms(
+        loss_sum=loss_sum,
+        numerator=per_sample(coef * values),  # values: each token's loss (its cross entropy but with token_loss)
+        denominator=per_sample(den),
+        ce_sum=per_sample(ce),
+        weight_sum=per_sample(t.weights),
+        tokens=per_sample(torch.ones_like(t.labels)),
+        correct=None if correct is None else per_sample(correct.long()),
+    )
+
+
+def _cross_entropy_terms(t: Targets, coef, factor, *, logits, hidden, lm_head, impl, accuracy, transform,
+                         chunk_tokens):
+    """`(sum_t c_t f_t ce_t, ce, correct or None, c_t f_t)`: each target's cross entropy by `impl`."""
     correct = None
     if impl in ("cce", "liger"):
         from sft.loss.kernels import kernel_dtype_problem
@@ -137,17 +196,22 @@ def compute_terms(t: Targets, normalize: str, factor: Callable | None, *, logits
         loss_sum = (coef * ce).sum()
     else:
         raise ValueError(f"loss impl {impl!r}: terms() takes naive, chunked, cce or liger (see choose_impl)")
+    return loss_sum, ce, correct, coef
 
-    def per_sample(values):
-        return torch.zeros(t.num_samples, dtype=values.dtype, device=values.device).index_add_(0, t.sample, values)
 
-    ce, coef = ce.detach(), coef.detach()
-    return LossTerms(
-        loss_sum=loss_sum,
-        numerator=per_sample(coef * ce),
-        denominator=per_sample(den),
-        ce_sum=per_sample(ce),
-        weight_sum=per_sample(t.weights),
-        tokens=per_sample(torch.ones_like(t.labels)),
-        correct=None if correct is None else per_sample(correct.long()),
-    )
+def _second_model_terms(t: Targets, coef, token_loss: Callable, second: SecondOutputs, *, logits, hidden, lm_head,
+                        impl, accuracy, transform, chunk_tokens):
+    """`(sum_t c_t l_t, ce, l, correct or None)`: each target's loss `l_t` from both models' logits at its position,
+    all at once from the logits (`naive`), else a chunk of tokens at a time (`sft.loss.kernels.token_loss_chunked`:
+    the fused kernels compute cross entropies only)."""
+    from sft.loss.kernels import token_loss_chunked, warn_once
+
+    if impl in ("cce", "liger"):
+        warn_once(f"loss.impl={impl}: its kernel computes the cross entropy only, and this loss reads a second "
+                  "model's logits; using chunked (exact)")
+    if impl != "naive":
+        return token_loss_chunked(hidden[t.rows, t.cols], lm_head, t.labels, coef, token_loss, second.at(t),
+                                  chunk_tokens, accuracy, transform)
+    selected = logits[t.rows, t.cols].float()
+    values, ce = token_loss(selected, t.labels, second.at(t).logits_of(0, len(t.labels)))
+    return (coef * values).sum(), ce, values, (selected.argmax(-1) == t.labels) if accuracy else None

@@ -174,14 +174,7 @@ class ModelConfig(Schema):
                                            "time; null: untiled")
 
     def check(self, cfg=None):
-        if self.gguf_file:
-            from sft.model.gguf import find_gguf
-
-            self.require("gguf_file", not self.random_init, "and random_init exclude each other: random_init builds "
-                         "random weights, gguf_file reads a model's")
-            find_gguf(self.gguf_file, self.name_or_path, key="gguf_file")  # the file is there (converting it waits for the model)
-        elif not self.random_init and self.name_or_path != TINY:
-            check_reachable(self.name_or_path)
+        self.check_source()
         if cfg is not None and cfg.trainer.precision == "pure":
             self.require("dtype", self.dtype == Dtype.float32, "trainer.precision=pure holds the linear layers' "
                          "weights in bf16 and the rest in fp32, as autocast computes them: leave model.dtype=float32")
@@ -210,6 +203,18 @@ class ModelConfig(Schema):
             self.require("tiled_mlp_tokens", (cfg.deepspeed or {}).get("zero_optimization", {}).get("stage") != 3,
                          "is not supported under ZeRO-3, which gathers the MLP's weights at every tile (ranks with "
                          "rows of other lengths would make other numbers of gathers, and hang): use deepspeed=zero2")
+
+
+    def check_source(self) -> None:
+        """The weights are there: a GGUF file, a local dir, the hub's cache or a reachable hub (or random ones)."""
+        if self.gguf_file:
+            from sft.model.gguf import find_gguf
+
+            self.require("gguf_file", not self.random_init, "and random_init exclude each other: random_init builds "
+                         "random weights, gguf_file reads a model's")
+            find_gguf(self.gguf_file, self.name_or_path, key="gguf_file")  # the file is there (converting it waits for the model)
+        elif not self.random_init and self.name_or_path != TINY:
+            check_reachable(self.name_or_path)
 
 
 @dataclass

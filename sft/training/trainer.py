@@ -62,6 +62,7 @@ from sft.loss.base import WeightedTokenLoss
 from sft.loss.kernels import choose_impl, lean_logits_error
 from sft.loss.logits import LogitTransform, router_aux_loss_coef
 from sft.model.attention import packed_rows_need_no_mask
+from sft.model.teacher import Teacher, forward_keeping_hidden
 from sft.training.checkpoints.saving import CheckpointSaving
 from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.evaluation import ExactEvaluation
@@ -83,10 +84,10 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, loss: WeightedTokenLoss, step: StepParts | None = None, shows: Display | None = None,
-                 **kwargs):
-        """Trainer's arguments, the weighted `loss`, a step's control (`step`) and what the run shows (`shows`); the
-        evaluation's part (`evaluation`) and the checkpoints' (`checkpoints`) go to the classes that own them
-        (`sft.training.parts`)."""
+                 teacher=None, **kwargs):
+        """Trainer's arguments, the weighted `loss`, a step's control (`step`), what the run shows (`shows`) and the
+        frozen second model the loss reads (`teacher`, `sft.model.teacher`); the evaluation's part (`evaluation`) and
+        the checkpoints' (`checkpoints`) go to the classes that own them (`sft.training.parts`)."""
         step, shows = step or StepParts(), shows or Display()
         self.controllers = dict(step.controllers)
         self.pure_bf16 = step.master_weights  # trainer.precision=pure: create_optimizer gives it fp32 copies
@@ -97,6 +98,11 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         super().__init__(*args, callbacks=callbacks, **kwargs)
         use_step_log(self, shows.console)  # short lines (or JSON ones), not transformers' dicts of strings
         self.loss = loss
+        if (teacher is None) != (loss.second_model is None):
+            raise ValueError(f"{type(loss).__name__} reads {loss.second_model or 'no second model'}, and the trainer "
+                             f"was given {'none' if teacher is None else 'one'}")
+        # not an attribute Trainer knows: never wrapped, stepped or saved
+        self.teacher = Teacher(teacher, self.args.device) if teacher is not None else None
         self.clip_policy = step.clip_policy or GradClipPolicy()
         decode = self.processing_class.decode if self.processing_class is not None else str
         self.step_control = StepControl(self.clip_policy, self.controllers, StepReport(
@@ -114,6 +120,8 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         self._step_tokens = None  # input tokens of the optimizer step over all ranks (weights the aux loss)
         self.aux_terms = dict(getattr(loss, "aux", None) or {})  # the loss's auxiliary terms, by name
         self.sp = SequenceParallel.start(step.sequence_parallel) if step.sequence_parallel > 1 else None
+        if self.sp is not None and self.teacher is not None:
+            raise ConfigError("teacher", type(teacher).__name__, "not with sequence parallelism: sp=none")
         if self.sp is not None and self.router_aux_coef:
             raise ConfigError("sp.size", step.sequence_parallel, f"{type(self.model).__name__}'s router aux loss is "
                               "computed per forward from its tokens' router logits, which sequence parallelism "
@@ -356,10 +364,12 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
             # the attention keeps the samples apart by their boundaries: the model is told its mask is built, so it
             # builds none (transformers reads the packing from the positions first, a wait for the device each forward)
             model_inputs = {**model_inputs, "attention_mask": self._mask_not_needed}
+        # the teacher sees the micro-batch as it is (its attention may need the mask the model is spared)
+        second = self.teacher.outputs(inputs, lean=self.loss_impl != "naive") if self.teacher is not None else None
         outputs, terms, hidden = self._forward_terms(model, model_inputs, labels, weights, accuracy=evaluating,
                                                      keep_hidden=training and bool(self.aux_terms),
                                                      position_ids=inputs.get("position_ids"), columns=columns,
-                                                     given=given)
+                                                     given=given, second=second)
         if columns is not None:  # this rank's slice: the per-sample sums of the whole micro-batch, for the logs
             terms = self.sp.whole_terms(terms)
         if training:
@@ -406,10 +416,11 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         return total
 
     def _forward_terms(self, model, inputs, labels, weights, accuracy: bool, keep_hidden: bool = False,
-                       position_ids=None, columns=None, given=None):
+                       position_ids=None, columns=None, given=None, second=None):
         """The model's forward, the loss terms, and the final hidden states (None unless a lean loss or
         `keep_hidden` needs them); the logits either materialised (`naive`) or not. `position_ids` are the batch's
-        (`inputs` may be a sequence-parallel slice of it, of the positions `columns`)."""
+        (`inputs` may be a sequence-parallel slice of it, of the positions `columns`); `second`: the teacher's
+        outputs on the batch."""
         if self.loss_impl == "naive":
             if keep_hidden:
                 outputs, hidden = self._forward_keeping_hidden(model, **inputs)
@@ -417,7 +428,7 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
                 outputs, hidden = model(**inputs, use_cache=False), None
             with torch.profiler.record_function("sft.loss"):  # a scope in a profile (sft.bench.profile)
                 terms = self.loss.terms(labels, weights, logits=outputs.logits, position_ids=position_ids,
-                                        accuracy=accuracy, columns=columns, given=given)
+                                        accuracy=accuracy, columns=columns, given=given, second=second)
             return outputs, terms, hidden
         no_logits = torch.empty(0, dtype=torch.long, device=labels.device)
         outputs, hidden = self._forward_keeping_hidden(model, **inputs, logits_to_keep=no_logits)
@@ -426,22 +437,12 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         with self._gathered_lm_head(), torch.profiler.record_function("sft.loss"):
             terms = self.loss.terms(labels, weights, hidden=hidden, lm_head=self._lm_head.weight,
                                     position_ids=position_ids, impl=impl, accuracy=accuracy,
-                                    transform=self.logit_transform, columns=columns, given=given)
+                                    transform=self.logit_transform, columns=columns, given=given, second=second)
         return outputs, terms, hidden
 
     def _forward_keeping_hidden(self, model, **inputs):
-        """The model's forward (no KV cache), and the decoder's output: the final hidden states."""
-        hidden = {}
-
-        def keep_hidden_states(module, args, output):  # returns None: the output itself goes on unchanged
-            hidden["states"] = output[0]
-
-        hook = self._decoder.register_forward_hook(keep_hidden_states)
-        try:
-            outputs = model(**inputs, use_cache=False)
-        finally:
-            hook.remove()
-        return outputs, hidden["states"]
+        """The model's forward (no KV cache), and its decoder's output: the final hidden states."""
+        return forward_keeping_hidden(model, self._decoder, **inputs)
 
     def _gathered_lm_head(self):
         """Under ZeRO-3 the projection's weight is sharded; gather it for the loss (read-only)."""

@@ -107,6 +107,19 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, on
 
 
 @pytest.mark.slow
+def test_a_distillation_on_two_processes_equals_one_process(tmp_path):
+    """The teacher is the tiny model, the student starts as it: from the second step on the student has moved and the
+    divergence (here the skewed Jensen-Shannon, mostly) drives the update, normalised over both ranks' tokens."""
+    distill = [*EXACT, *WEIGHTED[1:], "loss=distill", "loss.divergence=jsd", "loss.kd_ratio=0.9", "+teacher=tiny"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = run_train(*distill, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={one}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    double = launch("--nproc", "2", *distill, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}")
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert_same_run(one, two)
+
+
+@pytest.mark.slow
 def test_sequence_parallel_under_zero3_preempted_then_resumed_equals_one_process(tmp_path, one_process):
     """Each sequence split over 2 ranks (`sp=ulysses`: DeepSpeed's Ulysses attention) under ZeRO-3, the group training
     the single process's 4-row micro-batches. SIGTERM on both ranks in step 1: each finishes the step, they save a

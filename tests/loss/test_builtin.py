@@ -1,6 +1,8 @@
 """The built-in losses (`sft.loss.builtin`): each against its formula in value and gradient, and against the model's
 own loss; the keyword loss's token weights."""
 
+import math
+
 import pytest
 import torch
 from conftest import SAFETY, write_jsonl
@@ -9,7 +11,8 @@ from loss_math import LABELS, LOGITS, hand_ce
 from sft.data.tokens.collator import WeightedDataCollator
 from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
-from sft.loss.builtin import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
+from sft.config.schema import ConfigError
+from sft.loss.builtin import CrossEntropyLoss, DFTLoss, DistillLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
 
 
 def weighted_text(tokenizer, data, row: int, weight: float) -> str:
@@ -106,3 +109,46 @@ def test_length_weight_is_the_power_of_the_answers_length():
     loss = LengthLoss(length_ref=100, length_beta=0.5, alpha=1.0)
     assert loss.sample_weight({"difficulty_score": 2.0, "assistant_tokens": 400}) == pytest.approx(2.0 * 0.5)
     assert LengthLoss(length_beta=0.0).sample_weight({"difficulty_score": 3.0, "assistant_tokens": 9}) == 1.0
+
+
+def test_distill_is_its_docstring_example():
+    loss = DistillLoss(kd_ratio=0.5)
+    value, ce = loss.token_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), torch.tensor([[math.log(3), 0.0]]))
+    assert ce.item() == pytest.approx(math.log(2))
+    assert value.item() == pytest.approx(0.4120, abs=1e-4)
+
+
+def test_distill_is_the_weighted_mix_of_ce_and_kl_in_value_and_gradient():
+    # Independent form: per token (1 - r) * -log p_S(y) + r * sum_v p_T(v) log(p_T(v) / p_S(v)), hard-sample weighted
+    torch.manual_seed(0)
+    teacher = LOGITS + torch.randn(LOGITS.shape)
+    weights = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 3.0, 3.0, 3.0]])  # sample 1 three times as hard
+    mask = LABELS[:, 1:] != -100
+    logits = LOGITS.clone().requires_grad_(True)
+    log_s, log_t = logits[:, :-1].log_softmax(-1), teacher[:, :-1].log_softmax(-1)
+    ce = -log_s.gather(-1, LABELS[:, 1:].clamp_min(0)[..., None])[..., 0]
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+    w = weights[:, 1:]
+    expected = ((0.7 * ce + 0.3 * kl) * w)[mask].sum() / w[mask].sum()
+    ours = DistillLoss(kd_ratio=0.3)(logits, LABELS, weights, second_logits=teacher)
+    assert ours.item() == pytest.approx(expected.item(), rel=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(expected, logits)[0])
+    # kd_ratio 0 is the cross entropy, whatever the teacher says
+    assert DistillLoss(kd_ratio=0.0)(LOGITS, LABELS, weights, second_logits=teacher).item() == pytest.approx(
+        HardSampleLoss(alpha=0.0)(LOGITS, LABELS, weights).item(), rel=1e-6)
+
+
+def test_distill_over_output_layers_of_other_widths_compares_the_shared_columns():
+    # a teacher whose output layer pads the vocabulary with more rows: the divergence over the first 3 columns
+    wide = torch.cat([LOGITS + 0.5, torch.full((2, 4, 2), 9.0)], -1)
+    narrow = DistillLoss(kd_ratio=1.0)(LOGITS, LABELS, (LABELS != -100).float(), second_logits=LOGITS + 0.5)
+    padded = DistillLoss(kd_ratio=1.0)(LOGITS, LABELS, (LABELS != -100).float(), second_logits=wide)
+    assert narrow.item() == pytest.approx(0.0, abs=1e-6)  # a shift of every logit is the same distribution
+    assert padded.item() == pytest.approx(narrow.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("knobs, field", [({"kd_ratio": 1.5}, "kd_ratio"), ({"temperature": 0.0}, "temperature"),
+                                          ({"beta": 1.0}, "beta"), ({"divergence": "tv"}, "divergence")])
+def test_distill_refuses_a_bad_knob_naming_it(knobs, field):
+    with pytest.raises(ConfigError, match=f"^{field}="):
+        DistillLoss(**knobs)

@@ -11,7 +11,7 @@ from conftest import ROWS, chat, fast_loop, train_steps, write_jsonl
 
 from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
-from sft.loss.builtin import CrossEntropyLoss, DFTLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
+from sft.loss.builtin import CrossEntropyLoss, DFTLoss, DistillLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
 from sft.training.trainer import WeightedLossTrainer
 
 
@@ -244,3 +244,71 @@ def test_a_packed_step_reads_the_device_once_whatever_its_accumulation(tmp_path)
     padded = device_reads_per_step(tmp_path / "padded")
     from_the_model = {k: v for k, v in padded.items() if "masking_utils" in k[1]}
     assert sum(padded.values()) - sum(from_the_model.values()) <= 2 * 2, padded
+
+
+def a_teacher(seed: int = 1, scale: float = 0.05):
+    """The tiny model with its weights moved by Gaussian noise: a teacher of the same vocabulary that disagrees."""
+    from sft.model.loading import load_model
+
+    teacher = load_model("tiny")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale)
+    return teacher
+
+
+@pytest.mark.parametrize("divergence", fast_loop(["forward", "reverse", "jsd"], {"jsd"}))
+def test_distillation_is_exact_under_accumulation_the_lean_loss_and_packing(tmp_path, tokenizer, divergence):
+    loss = DistillLoss(divergence=divergence, kd_ratio=0.7, temperature=2.0, alpha=1.0, impl="naive")
+    lean = dataclasses.replace(loss, impl="chunked", chunk_tokens=7)
+    losses_a, params_a, _ = train_steps(tmp_path / "a", tokenizer, loss, 4, 1, teacher=a_teacher())
+    losses_b, params_b, trainer = train_steps(tmp_path / "b", tokenizer, lean, 1, 4, teacher=a_teacher())
+    losses_c, params_c, _ = train_steps(tmp_path / "c", tokenizer, lean, 4, 1, packing=True, teacher=a_teacher())
+    assert trainer.loss_impl == "chunked"
+    assert losses_b == pytest.approx(losses_a, abs=1e-5) and losses_c == pytest.approx(losses_a, abs=1e-5)
+    torch.testing.assert_close(params_b, params_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(params_c, params_a, atol=1e-5, rtol=0)
+    assert not any(p.requires_grad for p in trainer.teacher.parameters())
+
+
+def test_a_distillation_steps_loss_is_the_per_token_mix_computed_apart(tmp_path, tokenizer):
+    # The first logged loss is the step's, before any update: recomputed from both models' own logits on the collated
+    # rows, with PyTorch's kl_div, hard-sample weighted.
+    import torch.nn.functional as F
+
+    from sft.data.tokens.collator import WeightedDataCollator
+    from sft.model.loading import load_model
+
+    teacher = a_teacher(scale=0.2)
+    losses, _, trainer = train_steps(tmp_path, tokenizer, DistillLoss(kd_ratio=0.4, alpha=1.0), 4, 1, steps=1,
+                                     teacher=teacher)
+    batch = WeightedDataCollator(tokenizer)([trainer.train_dataset[i] for i in range(4)])
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        student_logits = load_model("tiny")(**inputs).logits[:, :-1]
+        teacher_logits = teacher(**inputs).logits[:, :-1]
+    labels, weights = batch["labels"][:, 1:], batch["weights"][:, 1:]
+    trained = labels != -100
+    ce = F.cross_entropy(student_logits[trained], labels[trained], reduction="none")
+    kl = F.kl_div(student_logits[trained].log_softmax(-1), teacher_logits[trained].log_softmax(-1),
+                  reduction="none", log_target=True).sum(-1)
+    expected = ((0.6 * ce + 0.4 * kl) * weights[trained]).sum() / weights[trained].sum()
+    assert losses[0] == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.slow  # two runs (about 3 s)
+def test_a_teacher_that_is_the_student_teaches_nothing(tmp_path, tokenizer):
+    from sft.model.loading import load_model
+
+    losses, params, _ = train_steps(tmp_path, tokenizer, DistillLoss(kd_ratio=1.0), 4, 1, teacher=load_model("tiny"))
+    start = torch.cat([p.detach().flatten() for p in load_model("tiny").parameters()])
+    assert losses == pytest.approx([0.0, 0.0], abs=1e-6)
+    torch.testing.assert_close(params, start, atol=1e-6, rtol=0)
+
+
+def test_a_loss_and_a_teacher_go_together(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="DistillLoss reads teacher, and the trainer was given none"):
+        train_steps(tmp_path, tokenizer, DistillLoss(), 4, 1)
+    with pytest.raises(ValueError, match="reads no second model, and the trainer was given one"):
+        train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1, teacher=a_teacher())
