@@ -23,10 +23,10 @@ A loss (built-in or yours) shapes this through three kinds of hooks:
   `d_t`, so the factor scales the loss and its gradient, it is not renormalised away;
 - auxiliary terms (`aux`, `sft.loss.auxiliary.AuxTerm`) from the final hidden states and the batch, each
   `coef * sum of its numerators / sum of its denominators` over the step, added to the loss;
-- a second model's logits (`second_model`: a teacher, `cfg.teacher`): the per-token loss is then `token_loss(logits,
-  labels, second_logits)` in place of the cross entropy, from the same positions' logits of both models
-  (`sft.loss.builtin.DistillLoss`), still times `c_t` over `sum_t d_t`: per token, so exact under accumulation and
-  data parallelism as the cross entropy is.
+- a per-token loss read from the logits, `token_loss(logits, labels, second_logits)`, in place of the cross entropy
+  where a loss needs more of a position's distribution than its target's probability (its entropy: `EAFTLoss`), or a
+  second model's logits there too (`second_model`, a teacher: `DistillLoss`); still times `c_t` over `sum_t d_t`:
+  per token, so exact under accumulation and data parallelism as the cross entropy is.
 
 How the cross entropy is computed (`impl`) changes memory and speed, not values (`sft.loss.kernels`):
 - `naive`: from the model's logits, as its own loss does: the whole micro-batch's logits exist at once
@@ -104,6 +104,8 @@ class WeightedTokenLoss(Schema):
         self.check()
 
     def check(self, cfg=None):
+        if self.second_model is not None and not self.reads_logits:
+            raise TypeError(f"{type(self).__name__} names a second model and must define token_loss")
         if cfg is not None and self.second_model is not None and cfg.get(self.second_model) is None:
             raise ConfigError("", None, f"{type(self).__name__} reads a {self.second_model}'s logits and the config "
                               f"has none: add +{self.second_model}=<option> (sft/conf/{self.second_model}/), e.g. "
@@ -184,12 +186,18 @@ class WeightedTokenLoss(Schema):
         None: 1."""
         return None
 
-    # --- a second model's logits: the per-token loss ------------------------------------------------------------
+    # --- a per-token loss read from the logits (and a second model's) -----------------------------------------------
 
     def token_loss(self, logits, labels, second_logits):
         """The per-token loss `[N]` (differentiable in `logits`) and the cross entropy `[N]`, from the model's float32
-        `logits` `[N, V]` at the positions predicting `labels` `[N]` and the second model's there (`second_model`)."""
-        raise NotImplementedError(f"{type(self).__name__} names a second model and must define token_loss")
+        `logits` `[N, V]` at the positions predicting `labels` `[N]`, and the second model's there (`second_model`;
+        None without one). Not overridden: each token's cross entropy (times `token_factor`), by any `impl`."""
+        raise NotImplementedError
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether the per-token loss is `token_loss`'s (from the logits) rather than the cross entropy."""
+        return type(self).token_loss is not WeightedTokenLoss.token_loss
 
     # --- the step's numerator and denominator ------------------------------------------------------------
 
@@ -215,7 +223,7 @@ class WeightedTokenLoss(Schema):
         return compute_terms(select_targets(labels, weights, position_ids, given), self.normalize, factor, logits=logits,
                              hidden=hidden, lm_head=lm_head, impl=impl, accuracy=accuracy, transform=transform,
                              chunk_tokens=self.chunk_tokens, columns=columns,
-                             token_loss=self.token_loss if self.second_model is not None else None, second=second)
+                             token_loss=self.token_loss if self.reads_logits else None, second=second)
 
     def __call__(self, logits, labels, weights, position_ids=None, second_logits=None):
         """The loss of one self-contained batch (its own normaliser), e.g. for evaluation or tests; `second_logits`:

@@ -162,6 +162,40 @@ class LengthLoss(WeightedTokenLoss):
         return super().sample_weight(row) * (row["assistant_tokens"] / self.length_ref) ** -self.length_beta
 
 
+@config_schema("loss", "eaft")
+@dataclass(eq=False, kw_only=True)
+class EAFTLoss(WeightedTokenLoss):
+    """Entropy-Adaptive Fine-Tuning (Wang et al., 2026, arXiv 2601.02151): each token's cross entropy times `H **
+    entropy_power`, `H` the entropy of the model's (detached) distribution over its `top_k` largest logits, as the
+    authors' code computes it. A token the model predicts with confidence and gets wrong (low entropy: the answer
+    conflicts with what it knows) weighs little; one it is unsure of (high entropy: something to learn) weighs more,
+    which keeps fine-tuning from overwriting what the model knew.
+
+        top-2 logits [0, 0] (H = log 2) and [5, 0] (H = 0.0402), entropy_power=1  ->  factors [0.6931, 0.0402]
+    """
+
+    _target_: str = "sft.loss.builtin.EAFTLoss"
+    top_k: int = knob(20, "the logits whose softmax's entropy weighs a token (the authors' 20)")
+    entropy_power: float = knob(1.0, "each token's cross entropy times entropy ** entropy_power (the paper's alpha)")
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("top_k", self.top_k >= 2, "must be >= 2 (one logit has no entropy)")
+        self.require("entropy_power", math.isfinite(self.entropy_power) and self.entropy_power >= 0,
+                     "must be a finite number >= 0 (0: the cross entropy)")
+
+    def token_loss(self, logits, labels, second_logits):
+        import torch
+        import torch.nn.functional as F
+
+        ce = F.cross_entropy(logits, labels, reduction="none")
+        with torch.no_grad():
+            top = logits.topk(min(self.top_k, logits.size(-1)), dim=-1).values
+            log_p = top.log_softmax(-1)
+            entropy = -(log_p.exp() * log_p).sum(-1)
+        return entropy.pow(self.entropy_power) * ce, ce
+
+
 class Divergence(Choice):
     """`loss.divergence` of `DistillLoss` (`sft.loss.divergence.token_divergence`)."""
 

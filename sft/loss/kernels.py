@@ -113,9 +113,9 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
 def token_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor,
                        token_loss: Callable, second, chunk_tokens: int = 1024, accuracy: bool = False,
                        transform: LogitTransform | None = None):
-    """`(sum_t c_t l_t, ce [N], l [N], correct [N] or None)` for a loss `l_t` read from both the model's and a second
-    model's logits (`token_loss(logits, labels, second_logits) -> (l, ce)`; `second`: the second model's outputs at
-    the same N targets, `sft.loss.terms.SecondOutputs`), a chunk of `chunk_tokens` targets at a time. Each chunk's
+    """`(sum_t c_t l_t, ce [N], l [N], correct [N] or None)` for a loss `l_t` read from the model's logits and a second
+    model's (`token_loss(logits, labels, second_logits) -> (l, ce)`; `second`: the second model's outputs at the same
+    N targets, `sft.loss.terms.SecondOutputs`, or None), a chunk of `chunk_tokens` targets at a time. Each chunk's
     loss is checkpointed: its logits (both models') exist only while it is computed, and again in the backward, which
     recomputes them, so at most one chunk of logits is held at any time, at the cost of a second projection."""
     from torch.utils.checkpoint import checkpoint
@@ -132,7 +132,7 @@ def token_loss_chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         def chunk(h, w, start=start, end=end):
             logits = transform((h @ w.T).float())
             with torch.no_grad():
-                second_logits = second.logits_of(start, end)
+                second_logits = second.logits_of(start, end) if second is not None else None
             loss, chunk_ce = token_loss(logits, labels[start:end], second_logits)
             found = logits.argmax(-1) == labels[start:end] if accuracy else loss.new_empty(0)
             return (coef[start:end] * loss).sum(), loss.detach(), chunk_ce.detach(), found

@@ -118,17 +118,18 @@ def compute_terms(t: Targets, normalize: str, factor: Callable | None, *, logits
     sequence parallelism); the terms are then those of the targets predicted there, with the coefficients of the
     whole batch (a sample's token count under `normalize=sample`), so the slices' terms sum to the batch's.
 
-    `token_loss(logits, labels, second_logits) -> (loss, ce)`, with a second model's outputs `second`: each token's
-    loss in place of its cross entropy (`sft.loss.builtin.DistillLoss`), from both models' logits at its position,
-    by `naive` or, with a lean `impl`, a chunk of tokens at a time (`token_loss_chunked`)."""
+    `token_loss(logits, labels, second_logits) -> (loss, ce)`: each token's loss in place of its cross entropy, from
+    its position's logits (`sft.loss.builtin.EAFTLoss`) and a second model's there, given its outputs `second`
+    (`sft.loss.builtin.DistillLoss`), by `naive` or, with a lean `impl`, a chunk of tokens at a time
+    (`token_loss_chunked`)."""
     coef, den = coefficients(normalize, t)
     if columns is not None:
         keep = (t.cols >= columns[0]) & (t.cols < columns[1])
         t, coef, den = t.within(keep, columns[0]), coef[keep], den[keep]
     if token_loss is not None:
-        loss_sum, ce, values, correct = _second_model_terms(t, coef, token_loss, second, logits=logits, hidden=hidden,
-                                                            lm_head=lm_head, impl=impl, accuracy=accuracy,
-                                                            transform=transform, chunk_tokens=chunk_tokens)
+        loss_sum, ce, values, correct = _token_loss_terms(t, coef, token_loss, second, logits=logits, hidden=hidden,
+                                                          lm_head=lm_head, impl=impl, accuracy=accuracy,
+                                                          transform=transform, chunk_tokens=chunk_tokens)
     else:
         loss_sum, ce, correct, coef = _cross_entropy_terms(t, coef, factor, logits=logits, hidden=hidden,
                                                            lm_head=lm_head, impl=impl, accuracy=accuracy,
@@ -199,19 +200,20 @@ def _cross_entropy_terms(t: Targets, coef, factor, *, logits, hidden, lm_head, i
     return loss_sum, ce, correct, coef
 
 
-def _second_model_terms(t: Targets, coef, token_loss: Callable, second: SecondOutputs, *, logits, hidden, lm_head,
-                        impl, accuracy, transform, chunk_tokens):
-    """`(sum_t c_t l_t, ce, l, correct or None)`: each target's loss `l_t` from both models' logits at its position,
-    all at once from the logits (`naive`), else a chunk of tokens at a time (`sft.loss.kernels.token_loss_chunked`:
-    the fused kernels compute cross entropies only)."""
+def _token_loss_terms(t: Targets, coef, token_loss: Callable, second: SecondOutputs | None, *, logits, hidden,
+                      lm_head, impl, accuracy, transform, chunk_tokens):
+    """`(sum_t c_t l_t, ce, l, correct or None)`: each target's loss `l_t` from its position's logits (and the second
+    model's), all at once from the logits (`naive`), else a chunk of tokens at a time
+    (`sft.loss.kernels.token_loss_chunked`: the fused kernels compute cross entropies only)."""
     from sft.loss.kernels import token_loss_chunked, warn_once
 
     if impl in ("cce", "liger"):
-        warn_once(f"loss.impl={impl}: its kernel computes the cross entropy only, and this loss reads a second "
-                  "model's logits; using chunked (exact)")
+        warn_once(f"loss.impl={impl}: its kernel computes the cross entropy only, and this loss reads the logits; "
+                  "using chunked (exact)")
+    second = second.at(t) if second is not None else None
     if impl != "naive":
-        return token_loss_chunked(hidden[t.rows, t.cols], lm_head, t.labels, coef, token_loss, second.at(t),
-                                  chunk_tokens, accuracy, transform)
+        return token_loss_chunked(hidden[t.rows, t.cols], lm_head, t.labels, coef, token_loss, second, chunk_tokens,
+                                  accuracy, transform)
     selected = logits[t.rows, t.cols].float()
-    values, ce = token_loss(selected, t.labels, second.at(t).logits_of(0, len(t.labels)))
+    values, ce = token_loss(selected, t.labels, second.logits_of(0, len(t.labels)) if second is not None else None)
     return (coef * values).sum(), ce, values, (selected.argmax(-1) == t.labels) if accuracy else None

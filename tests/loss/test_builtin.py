@@ -12,7 +12,8 @@ from sft.data.tokens.collator import WeightedDataCollator
 from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
 from sft.config.schema import ConfigError
-from sft.loss.builtin import CrossEntropyLoss, DFTLoss, DistillLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
+from sft.loss.builtin import (CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss, KeywordLoss,
+                              LengthLoss)
 
 
 def weighted_text(tokenizer, data, row: int, weight: float) -> str:
@@ -152,3 +153,35 @@ def test_distill_over_output_layers_of_other_widths_compares_the_shared_columns(
 def test_distill_refuses_a_bad_knob_naming_it(knobs, field):
     with pytest.raises(ConfigError, match=f"^{field}="):
         DistillLoss(**knobs)
+
+
+def test_eaft_is_its_docstring_example():
+    logits = torch.tensor([[0.0, 0.0, -30.0], [5.0, 0.0, -30.0]])  # the third logit falls outside the top 2
+    value, ce = EAFTLoss(top_k=2).token_loss(logits, torch.tensor([0, 1]), None)
+    assert (value / ce).tolist() == pytest.approx([math.log(2), 0.0402], abs=1e-4)
+
+
+def test_eaft_is_the_authors_formula_in_value_and_gradient():
+    # Their form (LLaMA-Factory-EAFT, also axolotl's): top-k logits, softmax, entropy with a 1e-10 floor, ** alpha,
+    # detached, times each token's cross entropy; here over the step's weighted tokens
+    mask = LABELS[:, 1:] != -100
+    logits = LOGITS.clone().requires_grad_(True)
+    shifted = logits[:, :-1][mask]
+    with torch.no_grad():
+        top = torch.topk(shifted.float(), k=2, dim=-1).values
+        probs = torch.softmax(top, dim=-1)
+        weights = torch.pow(-(probs * torch.log(probs + 1e-10)).sum(-1), 1.5)
+    ce = torch.nn.functional.cross_entropy(shifted, LABELS[:, 1:][mask], reduction="none")
+    expected = (weights * ce).sum() / mask.sum()
+    ours = EAFTLoss(top_k=2, entropy_power=1.5)(logits, LABELS, (LABELS != -100).float())
+    assert ours.item() == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(expected, logits)[0],
+                               atol=1e-6, rtol=1e-5)
+    assert EAFTLoss(entropy_power=0.0)(LOGITS, LABELS, (LABELS != -100).float()).item() == pytest.approx(
+        CrossEntropyLoss()(LOGITS, LABELS, (LABELS != -100).float()).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("knobs, field", [({"top_k": 1}, "top_k"), ({"entropy_power": -1.0}, "entropy_power")])
+def test_eaft_refuses_a_bad_knob_naming_it(knobs, field):
+    with pytest.raises(ConfigError, match=f"^{field}="):
+        EAFTLoss(**knobs)

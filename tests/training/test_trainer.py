@@ -11,7 +11,8 @@ from conftest import ROWS, chat, fast_loop, train_steps, write_jsonl
 
 from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
-from sft.loss.builtin import CrossEntropyLoss, DFTLoss, DistillLoss, FocalLoss, HardSampleLoss, KeywordLoss, LengthLoss
+from sft.loss.builtin import (CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss, KeywordLoss,
+                              LengthLoss)
 from sft.training.trainer import WeightedLossTrainer
 
 
@@ -51,6 +52,7 @@ BUILT_IN = {
     "focal": FocalLoss(gamma=2.0, alpha=1.0),
     "dft": DFTLoss(alpha=1.0, normalize="sample"),
     "length": LengthLoss(length_ref=8.0, length_beta=0.5, alpha=1.0),
+    "eaft": EAFTLoss(top_k=5, alpha=1.0),
 }
 
 
@@ -100,7 +102,7 @@ def test_logged_ce_and_weight_mean_describe_the_step(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("name", fast_loop(["hard_sample", "hard_sample-sample", "hard_sample-token", "keywords",
-                                            "focal", "dft"], {"hard_sample", "focal"}))
+                                            "focal", "dft", "eaft"], {"hard_sample", "focal", "eaft"}))
 def test_chunked_loss_trains_exactly_as_the_naive_one(tmp_path, tokenizer, name):
     naive = dataclasses.replace(BUILT_IN[name], impl="naive")
     chunked = dataclasses.replace(BUILT_IN[name], impl="chunked", chunk_tokens=7)
