@@ -29,7 +29,7 @@ from sft.experiments.sweep import SweepConfig
 from sft.loss import builtin
 from sft.model.loading import ModelConfig, TokenizerConfig
 from sft.model.lora import LoraConfig
-from sft.model.teacher import TeacherConfig
+from sft.model.second_model import ReferenceConfig, TeacherConfig
 from sft.training.arguments import TrainerConfig
 from sft.training.checkpoints.sharded import CheckpointConfig
 from sft.training.observability.throughput import ThroughputMeter
@@ -38,10 +38,11 @@ from sft.training.processes.sequence_parallel import SequenceParallelConfig
 from sft.training.step import clipping
 
 # Imported for their schemas, which each class's `@config_schema` registers as it is defined: the data, evaluation,
-# model, LoRA, trainer, checkpoint, FSDP schemas, and the modules of the built-in losses, controllers and clip policies.
+# model, second model, LoRA, trainer, checkpoint, FSDP schemas, and the modules of the built-in losses, controllers
+# and clip policies.
 REGISTERING = (CollatorConfig, DataSpec, ExactMatchConfig, EvalHarness, EvalGeneration, ModelConfig, TokenizerConfig,
-               TeacherConfig, LoraConfig, TrainerConfig, CheckpointConfig, FsdpConfig, SequenceParallelConfig, builtin,
-               sft.training.controllers, clipping)
+               TeacherConfig, ReferenceConfig, LoraConfig, TrainerConfig, CheckpointConfig, FsdpConfig,
+               SequenceParallelConfig, builtin, sft.training.controllers, clipping)
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # sft/conf/: the config groups, shipped in the package
 
@@ -63,8 +64,10 @@ class TrainConfig(Schema):
     model: Any = knob(MISSING, "the model group: sft/conf/model/")
     data: Any = knob(MISSING, "the data group: sft/conf/data/")
     loss: Any = knob(MISSING, "the loss group: sft/conf/loss/")
-    teacher: Any = knob(None, "the teacher group: a frozen second model the loss reads (loss=distill), "
+    teacher: Any = knob(None, "the teacher group: a frozen model the loss learns from (loss=distill), "
                         "+teacher=<option> (sft/conf/teacher/; null: none)")
+    reference: Any = knob(None, "the reference group: a frozen model the loss stays near (loss=asft), "
+                          "+reference=<option> (sft/conf/reference/; null: none)")
     lora: Any = knob(None, "the lora group (null: full fine-tuning)")
     deepspeed: Any = knob(None, "the deepspeed group: DeepSpeed's JSON as a dict (null: off)")
     fsdp: Any = knob(None, "the fsdp group (null: off)")

@@ -8,8 +8,8 @@ loss of your own extends `WeightedTokenLoss`:
 
 from sft.loss.auxiliary import AuxBatch, AuxTerm
 from sft.loss.base import WeightedTokenLoss, build_loss
-from sft.loss.builtin import (CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss,
+from sft.loss.builtin import (ASFTLoss, CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss,
                               KeywordLoss, LengthLoss)
 
-__all__ = ["AuxBatch", "AuxTerm", "CrossEntropyLoss", "DFTLoss", "DistillLoss", "EAFTLoss", "FocalLoss",
+__all__ = ["ASFTLoss", "AuxBatch", "AuxTerm", "CrossEntropyLoss", "DFTLoss", "DistillLoss", "EAFTLoss", "FocalLoss",
            "HardSampleLoss", "KeywordLoss", "LengthLoss", "WeightedTokenLoss", "build_loss"]

@@ -166,17 +166,19 @@ class LengthLoss(WeightedTokenLoss):
 @dataclass(eq=False, kw_only=True)
 class EAFTLoss(WeightedTokenLoss):
     """Entropy-Adaptive Fine-Tuning (Wang et al., 2026, arXiv 2601.02151): each token's cross entropy times `H **
-    entropy_power`, `H` the entropy of the model's (detached) distribution over its `top_k` largest logits, as the
-    authors' code computes it. A token the model predicts with confidence and gets wrong (low entropy: the answer
-    conflicts with what it knows) weighs little; one it is unsure of (high entropy: something to learn) weighs more,
-    which keeps fine-tuning from overwriting what the model knew.
+    entropy_power`, `H` the normalised entropy of the model's (detached) distribution over its `top_k` largest logits:
+    their softmax's entropy over its largest, `log(top_k)`, so 0 <= H <= 1. A token the model predicts with confidence
+    and gets wrong (low entropy: the answer conflicts with what it knows) weighs little; one it is unsure of (high
+    entropy: something to learn) weighs more, which keeps fine-tuning from overwriting what the model knew.
+    (LLaMA-Factory's port divides by 3.0, about log 20; axolotl's by nothing.)
 
-        top-2 logits [0, 0] (H = log 2) and [5, 0] (H = 0.0402), entropy_power=1  ->  factors [0.6931, 0.0402]
+        top-2 logits [0, 0] (entropy log 2) and [5, 0] (0.0402), entropy_power=1  ->  factors [1.0, 0.0580]
     """
 
     _target_: str = "sft.loss.builtin.EAFTLoss"
     top_k: int = knob(20, "the logits whose softmax's entropy weighs a token (the authors' 20)")
-    entropy_power: float = knob(1.0, "each token's cross entropy times entropy ** entropy_power (the paper's alpha)")
+    entropy_power: float = knob(1.0, "each token's cross entropy times its normalised entropy ** entropy_power (the "
+                                "paper's alpha)")
 
     def check(self, cfg=None):
         super().check(cfg)
@@ -190,9 +192,9 @@ class EAFTLoss(WeightedTokenLoss):
 
         ce = F.cross_entropy(logits, labels, reduction="none")
         with torch.no_grad():
-            top = logits.topk(min(self.top_k, logits.size(-1)), dim=-1).values
-            log_p = top.log_softmax(-1)
-            entropy = -(log_p.exp() * log_p).sum(-1)
+            k = min(self.top_k, logits.size(-1))
+            log_p = logits.topk(k, dim=-1).values.log_softmax(-1)
+            entropy = -(log_p.exp() * log_p).sum(-1) / math.log(k)
         return entropy.pow(self.entropy_power) * ce, ce
 
 
@@ -221,8 +223,9 @@ class DistillLoss(WeightedTokenLoss):
 
     _target_: str = "sft.loss.builtin.DistillLoss"
     second_model: ClassVar[Optional[str]] = "teacher"
-    divergence: Divergence = knob(Divergence.forward, "forward: KL(teacher || student), mass-covering | reverse: KL(student || "
-                           "teacher), mode-seeking | jsd: beta KL(teacher || m) + (1 - beta) KL(student || m)")
+    divergence: Divergence = knob(Divergence.forward, "forward: KL(teacher || student), mass-covering | reverse: "
+                                  "KL(student || teacher), mode-seeking | jsd: beta KL(teacher || m) + (1 - beta) "
+                                  "KL(student || m)")
     kd_ratio: float = knob(0.5, "each token's loss: (1 - kd_ratio) * ce + kd_ratio * divergence (1: distillation "
                            "alone, 0: ce alone)")
     temperature: float = knob(1.0, "both distributions softened as softmax(logits / T), the divergence times T ** 2")
@@ -249,3 +252,36 @@ class DistillLoss(WeightedTokenLoss):
         divergence = token_divergence(logits[:, :width], second_logits[:, :width], str(self.divergence), self.beta,
                                       self.temperature)
         return (1 - self.kd_ratio) * ce + self.kd_ratio * divergence, ce
+
+
+@config_schema("loss", "asft")
+@dataclass(eq=False, kw_only=True)
+class ASFTLoss(WeightedTokenLoss):
+    """Anchored Supervised Fine-Tuning (Zhu et al., ICLR 2026, arXiv 2509.23753): Dynamic Fine-Tuning's loss (each
+    token's cross entropy times its detached probability p, `dft`) plus `kl_weight` times KL(reference || model) over
+    the vocabulary at its position, the reference a frozen model (`+reference=model`: the trained model as it starts),
+    whose anchor keeps DFT's reweighting from drifting away from what the model knew.
+
+        one token, model logits [0, 0], reference [log 3, 0], label 0, kl_weight=0.05
+          ->  p * ce = 0.5 * log 2 (0.3466)  +  0.05 * KL (0.1308)  =  0.3531
+    """
+
+    _target_: str = "sft.loss.builtin.ASFTLoss"
+    second_model: ClassVar[Optional[str]] = "reference"
+    kl_weight: float = knob(0.05, "each token's loss: p * ce + kl_weight * KL(reference || model) (the paper's 0.05; "
+                            "LLaMA-Factory's default 0.1)")
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("kl_weight", math.isfinite(self.kl_weight) and self.kl_weight >= 0,
+                     "must be a finite number >= 0 (0: dft)")
+
+    def token_loss(self, logits, labels, second_logits):
+        import torch.nn.functional as F
+
+        from sft.loss.divergence import token_divergence
+
+        ce = F.cross_entropy(logits, labels, reduction="none")
+        width = min(logits.size(-1), second_logits.size(-1))
+        anchor = token_divergence(logits[:, :width], second_logits[:, :width], "forward")
+        return (-ce.detach()).exp() * ce + self.kl_weight * anchor, ce

@@ -1,7 +1,7 @@
 """What a run is made of: `build(cfg, run_dir)` makes the training arguments (before the model, as DeepSpeed ZeRO-3
-requires), tokenizer, loss, controllers, model (+ LoRA), teacher, data, collator and trainer, as a `Recipe`, reading as their
-table of contents: the whole config stops here, each part getting its own sections. The bench's cases build through it
-too, so that what they time is what a run trains."""
+requires), tokenizer, loss, controllers, model (+ LoRA), the second model a loss reads, data, collator and trainer,
+as a `Recipe`, reading as their table of contents: the whole config stops here, each part getting its own sections.
+The bench's cases build through it too, so that what they time is what a run trains."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
 
     from sft.loss.base import build_loss
     from sft.model.compile import compile_layers
-    from sft.model.teacher import load_teacher
+    from sft.model.second_model import load_second_model
     from sft.run.memory_plan import fit_step_in_memory
     from sft.training.parts import Display, EvaluationParts, StepParts
     from sft.training.step.preemption import Preemption
@@ -71,7 +71,9 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     set_seed(args.seed)
     model = build_model(cfg, args.activation_checkpointing, sequence_parallel)
     check_model_levers(cfg, args, model)
-    teacher = load_teacher(cfg.teacher, tokenizer, bool(cfg.data.packing)) if cfg.teacher is not None else None
+    # the frozen teacher or reference the loss reads (the config allows one only where the loss reads it)
+    second_model = (load_second_model(cfg[loss.second_model], loss.second_model, tokenizer, bool(cfg.data.packing))
+                    if loss.second_model is not None else None)
     spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
     data = load_data(spec, tokenizer, loss, controllers, args, run_dir)
     controllers["preemption"] = preemption or Preemption(grace_s=cfg.signal_grace_s)
@@ -84,7 +86,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
         model=model, args=args, train_dataset=data.train, eval_dataset=data.eval, data_collator=collator,
         processing_class=tokenizer,
         loss=loss,
-        teacher=teacher,
+        second_model=second_model,
         step=StepParts.of(cfg.trainer, clip_policy, controllers, micro_batch_tokens=micro_batch_tokens,
                           sequence_parallel=sequence_parallel, sources=[str(part.train) for part in data.parts]),
         evaluation=EvaluationParts(list(cfg.eval_buckets), eval_generation(cfg, data), harness(cfg.eval_harness),

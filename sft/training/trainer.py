@@ -15,7 +15,8 @@ still has each one, with the same parameters):
   step's denominator`, their denominators summed with the loss's in `get_batch_samples`.
   With a lean loss implementation (`loss.impl`, see `sft.losses`) the model runs without its output
   projection (`logits_to_keep` selects no position) and the loss takes the final hidden states, captured
-  from the decoder, and the projection's weight (gathered under ZeRO-3);
+  from the decoder, and the projection's weight (gathered under ZeRO-3). A loss that reads a second model (a
+  teacher, a reference) gets its outputs on the same micro-batch, from its forward without gradients;
 - `_clip_grad_norm` and `_get_grad_norm` (private: Trainer's only hooks between the backward passes and
   `optimizer.step()` that receive the model; Trainer calls the first where `max_grad_norm > 0`, the second always)
   hand the step to `sft.training.step.control.StepControl.finish` (controllers' verdicts, skip, clip policy) with a
@@ -62,7 +63,7 @@ from sft.loss.base import WeightedTokenLoss
 from sft.loss.kernels import choose_impl, lean_logits_error
 from sft.loss.logits import LogitTransform, router_aux_loss_coef
 from sft.model.attention import packed_rows_need_no_mask
-from sft.model.teacher import Teacher, forward_keeping_hidden
+from sft.model.second_model import FrozenModel, forward_keeping_hidden
 from sft.training.checkpoints.saving import CheckpointSaving
 from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.evaluation import ExactEvaluation
@@ -84,10 +85,11 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, loss: WeightedTokenLoss, step: StepParts | None = None, shows: Display | None = None,
-                 teacher=None, **kwargs):
+                 second_model=None, **kwargs):
         """Trainer's arguments, the weighted `loss`, a step's control (`step`), what the run shows (`shows`) and the
-        frozen second model the loss reads (`teacher`, `sft.model.teacher`); the evaluation's part (`evaluation`) and
-        the checkpoints' (`checkpoints`) go to the classes that own them (`sft.training.parts`)."""
+        frozen model the loss reads beside it (`second_model`: its teacher or reference, `sft.model.second_model`); the
+        evaluation's part (`evaluation`) and the checkpoints' (`checkpoints`) go to the classes that own them
+        (`sft.training.parts`)."""
         step, shows = step or StepParts(), shows or Display()
         self.controllers = dict(step.controllers)
         self.pure_bf16 = step.master_weights  # trainer.precision=pure: create_optimizer gives it fp32 copies
@@ -98,11 +100,11 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         super().__init__(*args, callbacks=callbacks, **kwargs)
         use_step_log(self, shows.console)  # short lines (or JSON ones), not transformers' dicts of strings
         self.loss = loss
-        if (teacher is None) != (loss.second_model is None):
+        if (second_model is None) != (loss.second_model is None):
             raise ValueError(f"{type(loss).__name__} reads {loss.second_model or 'no second model'}, and the trainer "
-                             f"was given {'none' if teacher is None else 'one'}")
+                             f"was given {'none' if second_model is None else 'one'}")
         # not an attribute Trainer knows: never wrapped, stepped or saved
-        self.teacher = Teacher(teacher, self.args.device) if teacher is not None else None
+        self.second_model = FrozenModel(second_model, self.args.device) if second_model is not None else None
         self.clip_policy = step.clip_policy or GradClipPolicy()
         decode = self.processing_class.decode if self.processing_class is not None else str
         self.step_control = StepControl(self.clip_policy, self.controllers, StepReport(
@@ -120,8 +122,8 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         self._step_tokens = None  # input tokens of the optimizer step over all ranks (weights the aux loss)
         self.aux_terms = dict(getattr(loss, "aux", None) or {})  # the loss's auxiliary terms, by name
         self.sp = SequenceParallel.start(step.sequence_parallel) if step.sequence_parallel > 1 else None
-        if self.sp is not None and self.teacher is not None:
-            raise ConfigError("teacher", type(teacher).__name__, "not with sequence parallelism: sp=none")
+        if self.sp is not None and self.second_model is not None:
+            raise ConfigError(loss.second_model, type(second_model).__name__, "not with sequence parallelism: sp=none")
         if self.sp is not None and self.router_aux_coef:
             raise ConfigError("sp.size", step.sequence_parallel, f"{type(self.model).__name__}'s router aux loss is "
                               "computed per forward from its tokens' router logits, which sequence parallelism "
@@ -364,8 +366,9 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
             # the attention keeps the samples apart by their boundaries: the model is told its mask is built, so it
             # builds none (transformers reads the packing from the positions first, a wait for the device each forward)
             model_inputs = {**model_inputs, "attention_mask": self._mask_not_needed}
-        # the teacher sees the micro-batch as it is (its attention may need the mask the model is spared)
-        second = self.teacher.outputs(inputs, lean=self.loss_impl != "naive") if self.teacher is not None else None
+        # the second model sees the micro-batch as it is (its attention may need the mask the model is spared)
+        second = (self.second_model.outputs(inputs, lean=self.loss_impl != "naive")
+                  if self.second_model is not None else None)
         outputs, terms, hidden = self._forward_terms(model, model_inputs, labels, weights, accuracy=evaluating,
                                                      keep_hidden=training and bool(self.aux_terms),
                                                      position_ids=inputs.get("position_ids"), columns=columns,
@@ -419,7 +422,7 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
                        position_ids=None, columns=None, given=None, second=None):
         """The model's forward, the loss terms, and the final hidden states (None unless a lean loss or
         `keep_hidden` needs them); the logits either materialised (`naive`) or not. `position_ids` are the batch's
-        (`inputs` may be a sequence-parallel slice of it, of the positions `columns`); `second`: the teacher's
+        (`inputs` may be a sequence-parallel slice of it, of the positions `columns`); `second`: the second model's
         outputs on the batch."""
         if self.loss_impl == "naive":
             if keep_hidden:

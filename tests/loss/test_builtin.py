@@ -12,8 +12,8 @@ from sft.data.tokens.collator import WeightedDataCollator
 from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
 from sft.config.schema import ConfigError
-from sft.loss.builtin import (CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss, KeywordLoss,
-                              LengthLoss)
+from sft.loss.builtin import (ASFTLoss, CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss,
+                              KeywordLoss, LengthLoss)
 
 
 def weighted_text(tokenizer, data, row: int, weight: float) -> str:
@@ -158,19 +158,19 @@ def test_distill_refuses_a_bad_knob_naming_it(knobs, field):
 def test_eaft_is_its_docstring_example():
     logits = torch.tensor([[0.0, 0.0, -30.0], [5.0, 0.0, -30.0]])  # the third logit falls outside the top 2
     value, ce = EAFTLoss(top_k=2).token_loss(logits, torch.tensor([0, 1]), None)
-    assert (value / ce).tolist() == pytest.approx([math.log(2), 0.0402], abs=1e-4)
+    assert (value / ce).tolist() == pytest.approx([1.0, 0.0580], abs=1e-4)
 
 
-def test_eaft_is_the_authors_formula_in_value_and_gradient():
-    # Their form (LLaMA-Factory-EAFT, also axolotl's): top-k logits, softmax, entropy with a 1e-10 floor, ** alpha,
-    # detached, times each token's cross entropy; here over the step's weighted tokens
+def test_eaft_is_the_papers_formula_in_value_and_gradient():
+    # The form of LLaMA-Factory's port: top-k logits, softmax, entropy with a 1e-10 floor, normalised (there by 3.0,
+    # about log 20; here by log k), ** alpha, detached, times each token's cross entropy
     mask = LABELS[:, 1:] != -100
     logits = LOGITS.clone().requires_grad_(True)
     shifted = logits[:, :-1][mask]
     with torch.no_grad():
         top = torch.topk(shifted.float(), k=2, dim=-1).values
         probs = torch.softmax(top, dim=-1)
-        weights = torch.pow(-(probs * torch.log(probs + 1e-10)).sum(-1), 1.5)
+        weights = torch.pow(-(probs * torch.log(probs + 1e-10)).sum(-1) / math.log(2), 1.5)
     ce = torch.nn.functional.cross_entropy(shifted, LABELS[:, 1:][mask], reduction="none")
     expected = (weights * ce).sum() / mask.sum()
     ours = EAFTLoss(top_k=2, entropy_power=1.5)(logits, LABELS, (LABELS != -100).float())
@@ -185,3 +185,31 @@ def test_eaft_is_the_authors_formula_in_value_and_gradient():
 def test_eaft_refuses_a_bad_knob_naming_it(knobs, field):
     with pytest.raises(ConfigError, match=f"^{field}="):
         EAFTLoss(**knobs)
+
+
+def test_asft_is_its_docstring_example():
+    value, _ = ASFTLoss(kl_weight=0.05).token_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]),
+                                                   torch.tensor([[math.log(3), 0.0]]))
+    assert value.item() == pytest.approx(0.3531, abs=1e-4)
+
+
+def test_asft_is_dft_plus_the_kl_anchor_in_value_and_gradient():
+    # LLaMA-Factory's form: the DFT loss's token mean plus kl_weight times the token mean of
+    # kl_div(log_softmax(model), softmax(reference)) summed over the vocabulary
+    torch.manual_seed(1)
+    reference = LOGITS + torch.randn(LOGITS.shape)
+    mask = LABELS[:, 1:] != -100
+    logits = LOGITS.clone().requires_grad_(True)
+    shifted, labels = logits[:, :-1][mask], LABELS[:, 1:][mask]
+    ce = torch.nn.functional.cross_entropy(shifted, labels, reduction="none")
+    dft = (ce * torch.exp(-ce).detach()).mean()
+    kl = torch.nn.functional.kl_div(shifted.log_softmax(-1), reference[:, :-1][mask].softmax(-1),
+                                    reduction="none").sum(-1).mean()
+    expected = dft + 0.1 * kl
+    ours = ASFTLoss(kl_weight=0.1)(logits, LABELS, (LABELS != -100).float(), second_logits=reference)
+    assert ours.item() == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(torch.autograd.grad(ours, logits)[0], torch.autograd.grad(expected, logits)[0],
+                               atol=1e-6, rtol=1e-5)
+    # kl_weight 0 is dft
+    assert ASFTLoss(kl_weight=0.0)(LOGITS, LABELS, (LABELS != -100).float(), second_logits=reference).item() == \
+        pytest.approx(DFTLoss()(LOGITS, LABELS, (LABELS != -100).float()).item(), rel=1e-6)

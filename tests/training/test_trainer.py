@@ -11,8 +11,8 @@ from conftest import ROWS, chat, fast_loop, train_steps, write_jsonl
 
 from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
-from sft.loss.builtin import (CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss, KeywordLoss,
-                              LengthLoss)
+from sft.loss.builtin import (ASFTLoss, CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss,
+                              KeywordLoss, LengthLoss)
 from sft.training.trainer import WeightedLossTrainer
 
 
@@ -264,14 +264,15 @@ def a_teacher(seed: int = 1, scale: float = 0.05):
 def test_distillation_is_exact_under_accumulation_the_lean_loss_and_packing(tmp_path, tokenizer, divergence):
     loss = DistillLoss(divergence=divergence, kd_ratio=0.7, temperature=2.0, alpha=1.0, impl="naive")
     lean = dataclasses.replace(loss, impl="chunked", chunk_tokens=7)
-    losses_a, params_a, _ = train_steps(tmp_path / "a", tokenizer, loss, 4, 1, teacher=a_teacher())
-    losses_b, params_b, trainer = train_steps(tmp_path / "b", tokenizer, lean, 1, 4, teacher=a_teacher())
-    losses_c, params_c, _ = train_steps(tmp_path / "c", tokenizer, lean, 4, 1, packing=True, teacher=a_teacher())
+    losses_a, params_a, _ = train_steps(tmp_path / "a", tokenizer, loss, 4, 1, second_model=a_teacher())
+    losses_b, params_b, trainer = train_steps(tmp_path / "b", tokenizer, lean, 1, 4, second_model=a_teacher())
+    losses_c, params_c, _ = train_steps(tmp_path / "c", tokenizer, lean, 4, 1, packing=True,
+                                        second_model=a_teacher())
     assert trainer.loss_impl == "chunked"
     assert losses_b == pytest.approx(losses_a, abs=1e-5) and losses_c == pytest.approx(losses_a, abs=1e-5)
     torch.testing.assert_close(params_b, params_a, atol=1e-5, rtol=0)
     torch.testing.assert_close(params_c, params_a, atol=1e-5, rtol=0)
-    assert not any(p.requires_grad for p in trainer.teacher.parameters())
+    assert not any(p.requires_grad for p in trainer.second_model.parameters())
 
 
 def test_a_distillation_steps_loss_is_the_per_token_mix_computed_apart(tmp_path, tokenizer):
@@ -284,7 +285,7 @@ def test_a_distillation_steps_loss_is_the_per_token_mix_computed_apart(tmp_path,
 
     teacher = a_teacher(scale=0.2)
     losses, _, trainer = train_steps(tmp_path, tokenizer, DistillLoss(kd_ratio=0.4, alpha=1.0), 4, 1, steps=1,
-                                     teacher=teacher)
+                                     second_model=teacher)
     batch = WeightedDataCollator(tokenizer)([trainer.train_dataset[i] for i in range(4)])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     with torch.no_grad():
@@ -299,11 +300,25 @@ def test_a_distillation_steps_loss_is_the_per_token_mix_computed_apart(tmp_path,
     assert losses[0] == pytest.approx(expected.item(), rel=1e-5)
 
 
+@pytest.mark.slow  # three short runs
+def test_asft_is_exact_under_accumulation_the_lean_loss_and_packing(tmp_path, tokenizer):
+    loss = ASFTLoss(kl_weight=0.3, alpha=1.0, impl="naive")
+    lean = dataclasses.replace(loss, impl="chunked", chunk_tokens=7)
+    losses_a, params_a, _ = train_steps(tmp_path / "a", tokenizer, loss, 4, 1, second_model=a_teacher())
+    losses_b, params_b, _ = train_steps(tmp_path / "b", tokenizer, lean, 1, 4, second_model=a_teacher())
+    losses_c, params_c, _ = train_steps(tmp_path / "c", tokenizer, lean, 4, 1, packing=True,
+                                        second_model=a_teacher())
+    assert losses_b == pytest.approx(losses_a, abs=1e-5) and losses_c == pytest.approx(losses_a, abs=1e-5)
+    torch.testing.assert_close(params_b, params_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(params_c, params_a, atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow  # two runs (about 3 s)
 def test_a_teacher_that_is_the_student_teaches_nothing(tmp_path, tokenizer):
     from sft.model.loading import load_model
 
-    losses, params, _ = train_steps(tmp_path, tokenizer, DistillLoss(kd_ratio=1.0), 4, 1, teacher=load_model("tiny"))
+    losses, params, _ = train_steps(tmp_path, tokenizer, DistillLoss(kd_ratio=1.0), 4, 1,
+                                    second_model=load_model("tiny"))
     start = torch.cat([p.detach().flatten() for p in load_model("tiny").parameters()])
     assert losses == pytest.approx([0.0, 0.0], abs=1e-6)
     torch.testing.assert_close(params, start, atol=1e-6, rtol=0)
@@ -313,4 +328,4 @@ def test_a_loss_and_a_teacher_go_together(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="DistillLoss reads teacher, and the trainer was given none"):
         train_steps(tmp_path, tokenizer, DistillLoss(), 4, 1)
     with pytest.raises(ValueError, match="reads no second model, and the trainer was given one"):
-        train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1, teacher=a_teacher())
+        train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1, second_model=a_teacher())
