@@ -77,8 +77,9 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
     adam_beta1: float = knob(0.9, "AdamW's beta1")
     adam_beta2: float = knob(0.98, "AdamW's beta2")
     adam_epsilon: float = knob(1e-8, "AdamW's epsilon")
-    optim: Optional[str] = knob(None, "transformers' optimizer name; null: adamw_torch_fused on a GPU (AdamW's update of "
-                                "every parameter in one kernel launch), adamw_torch on a CPU")
+    optim: Optional[str] = knob(None, "transformers' optimizer name, or muon (sft.training.step.muon: Muon on the "
+                                "layers' matrices, AdamW on the rest); null: adamw_torch_fused on a GPU (AdamW's update "
+                                "of every parameter in one kernel launch), adamw_torch on a CPU")
     num_train_epochs: float = knob(6.0, "epochs, where max_steps is -1")
     max_steps: int = knob(-1, "optimizer steps (-1: by epochs)")
     lr_scheduler_type: str = knob("cosine", "transformers' scheduler name")
@@ -212,6 +213,8 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
 
             self.require("bf16", cpu_bf16_instructions() is not None, NO_BF16_CPU)
         self.check_precision(cfg)
+        if self.optim == MUON:
+            self.check_muon(cfg)
         if self.activation_offloading:
             self.require("activation_offloading", self.activation_checkpointing,
                          "offloads the activation checkpoints: set trainer.activation_checkpointing=true too")
@@ -240,6 +243,18 @@ class TrainerConfig(TrainingArgumentsFields, Schema):
                      "(trainer.bf16=true is that already): set trainer.precision=mixed")
         self.require("precision", cfg.fsdp is None, "FSDP2 reduce-scatters the parameters' own gradients, which pure "
                      "hands to the optimizer's fp32 copies: one process only; set trainer.precision=mixed")
+
+    def check_muon(self, cfg) -> None:
+        from sft.training.step.muon import muon_missing
+
+        self.require("optim", muon_missing() is None, str(muon_missing()))
+        self.require("optim", self.precision != Precision.pure, "Muon steps the parameters themselves, not pure's "
+                     "fp32 copies: set trainer.precision=mixed")
+        if cfg is not None:
+            self.require("optim", not cfg.deepspeed, "DeepSpeed builds and shards its own optimizer, and Muon needs "
+                         "each matrix whole: use fsdp=none deepspeed=none (DDP) with muon")
+            self.require("optim", cfg.fsdp is None, "FSDP2 shards each matrix over the ranks, and Muon orthogonalises "
+                         "whole matrices: use DDP (fsdp=none) with muon")
 
     def check_scheduler_kwargs(self) -> None:
         """`lr_scheduler_kwargs` must be parameters of the schedule `lr_scheduler_type` builds (transformers' function
@@ -381,6 +396,7 @@ def resolve_nulls(fields: dict, on_gpu: bool) -> None:
         fields["dataloader_num_workers"] = GPU_LOADER_WORKERS if gpu else 0
 
 
+MUON = "muon"  # trainer.optim: sft.training.step.muon's optimizer, which TrainingArguments does not name
 GPU_LOADER_WORKERS = 2  # a null `trainer.dataloader_num_workers` on a GPU
 
 
@@ -388,6 +404,8 @@ def optimizer_name(optim: str | None, on_gpu: bool) -> str:
     """`trainer.optim`, where null: AdamW fused into one kernel launch per step on a GPU (PyTorch's
     `fused=True`, the same update as the per-tensor one to rounding), the multi-tensor one on a CPU (fused there too
     since PyTorch 2.4, kept as the CPU runs' reference)."""
+    if optim == MUON:  # the AdamW half's settings go to TrainingArguments; the trainer builds the optimizer
+        return "adamw_torch"
     return optim or ("adamw_torch_fused" if on_gpu else "adamw_torch")
 
 

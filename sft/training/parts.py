@@ -31,7 +31,8 @@ class StepParts:
     (`sft.training.step.control`), the fp32 copies pure bf16 steps (`master_weights`: `trainer.precision=pure`), how a
     micro-batch is cut (an out-of-memory error retried in pieces, `oom_retry`; a packed micro-batch trained in pieces
     of at most `micro_batch_tokens`: `sft.training.step.micro_batches`), the ranks that split each sequence
-    (`sequence_parallel`: `sp.size`) and the training sources' names (the rows of a bad step are named by them)."""
+    (`sequence_parallel`: `sp.size`), the training sources' names (the rows of a bad step are named by them) and
+    whether Muon steps the matrices (`muon`: `trainer.optim=muon`, `sft.training.step.muon`)."""
 
     clip_policy: GradClipPolicy | None = None
     controllers: dict[str, Controller] = field(default_factory=dict)
@@ -40,14 +41,15 @@ class StepParts:
     micro_batch_tokens: int | None = None
     sequence_parallel: int = 1
     sources: list[str] = field(default_factory=list)
+    muon: bool = False
 
     @classmethod
     def of(cls, trainer, clip_policy: GradClipPolicy, controllers: dict[str, Controller], **rest) -> StepParts:
-        """From the `trainer` section (`precision`, `oom_retry`), the clip policy (`clip`) and the controllers
+        """From the `trainer` section (`precision`, `oom_retry`, `optim`), the clip policy (`clip`) and the controllers
         (`controllers`); `rest`: what the run decided (the memory plan's `micro_batch_tokens`, `sequence_parallel`,
         `sources`)."""
         return cls(clip_policy, controllers, master_weights=trainer.precision == "pure", oom_retry=trainer.oom_retry,
-                   **rest)
+                   muon=trainer.optim == "muon", **rest)
 
 
 @dataclass

@@ -22,7 +22,8 @@ still has each one, with the same parameters):
   hand the step to `sft.training.step.control.StepControl.finish` (controllers' verdicts, skip, clip policy) with a
   `StepContext`, the step's number and the objects it acts on;
 - `create_optimizer` (public) gives the optimizer fp32 copies of a bf16 model's trained weights under
-  `trainer.precision=pure` (`sft.training.step.master_weights`), whose gradients step control then judges and clips;
+  `trainer.precision=pure` (`sft.training.step.master_weights`), whose gradients step control then judges and clips,
+  and makes Muon with AdamW under `trainer.optim=muon` (`sft.training.step.muon`);
 - `get_train_dataloader` (public) reads a stream (`sft.data.splits.streaming`) as this rank's share, not split again;
 - `_get_train_sampler` (private: Trainer builds its sampler there) returns a controller's sampler (the
   curriculum's) when one provides it (`Controller.train_sampler`), under sequence parallelism given to the ranks of
@@ -76,6 +77,7 @@ from sft.training.step.clipping import GradClipPolicy
 from sft.training.step.control import StepContext, StepControl, StepReport, step_gradients
 from sft.training.step.master_weights import MasterWeights
 from sft.training.step.micro_batches import MicroBatchPieces, is_packed, refusal as pieces_refusal
+from sft.training.step.muon import MuonWithAdamW
 
 log = logging.getLogger("sft")
 
@@ -93,6 +95,7 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         step, shows = step or StepParts(), shows or Display()
         self.controllers = dict(step.controllers)
         self.pure_bf16 = step.master_weights  # trainer.precision=pure: create_optimizer gives it fp32 copies
+        self.muon = step.muon  # trainer.optim=muon: create_optimizer makes sft.training.step.muon's
         self.master_weights: MasterWeights | None = None
         self.throughput = shows.throughput or ThroughputMeter()
         callbacks = list(self.controllers.values()) + [self.throughput] + kwargs.pop("callbacks", [])
@@ -295,7 +298,10 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
 
     @override
     def create_optimizer(self, model=None):
-        """Trainer's, stepping fp32 copies of the bf16 weights it trains under `trainer.precision=pure`."""
+        """Trainer's, stepping fp32 copies of the bf16 weights it trains under `trainer.precision=pure`; Muon on the
+        layers' matrices and AdamW on the rest under `trainer.optim=muon` (`sft.training.step.muon`)."""
+        if self.muon and self.optimizer is None:
+            self.optimizer = MuonWithAdamW.of(self.model, self.args)
         optimizer = super().create_optimizer(model)
         if self.pure_bf16 and self.master_weights is None:
             self.master_weights = MasterWeights.attach(optimizer, processes=self.accelerator.num_processes)
