@@ -36,6 +36,7 @@ def test_trl_case_trains_on_the_same_tokens_with_the_same_loss_as_sft(tmp_path, 
     assert losses[ours] == pytest.approx(losses[theirs], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow  # two short runs
 def test_the_raw_loop_trains_sfts_batches_to_the_same_step_losses_as_sft_with_the_same_loss(tmp_path):
     """`sft_vs_raw` is like for like: the hand-written loop, on the batches `ce_naive` trains on, logs the same loss
     at every step (same model, rows, order, accumulation, clipping, optimizer and schedule)."""

@@ -77,6 +77,7 @@ def test_a_cold_and_a_warm_data_cache_give_the_same_initial_adapter(tmp_path):
     assert lora_a and all(torch.equal(a[k], b[k]) for k in lora_a)
 
 
+@pytest.mark.slow  # a short run
 def test_a_policy_that_does_not_clip_hands_trainer_no_threshold(tmp_path):
     """`clip=none` (or `clip.max_norm=0`) is `max_grad_norm=0` in TrainingArguments, which the trackers log: no
     stand-in threshold; the steps still reach step control (`_get_grad_norm`)."""

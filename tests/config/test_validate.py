@@ -2,58 +2,66 @@
 command line (exit code 2)."""
 
 import pytest
-from conftest import assert_cli_refuses, composed, run_train
+from conftest import assert_cli_refuses, composed, fast_loop, run_train
 
 from sft.config import ConfigError, check
 
 
-@pytest.mark.parametrize(
-    "overrides, key",
-    [
-        (["trainer.learning_rate=0"], "trainer.learning_rate"),
-        (["trainer.per_device_train_batch_size=0"], "trainer.per_device_train_batch_size"),
-        (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"),
-        (["trainer.max_steps=0"], "trainer.max_steps"),
-        (["trainer.fp16=true", "trainer.bf16=true"], "trainer.fp16"),
-        (["loss.min_weight=-1"], "loss.min_weight"),
-        (["loss.min_weight=5", "loss.max_weight=2"], "loss.min_weight"),
-        (["loss.alpha=inf"], "loss.alpha"),
-        (["data.max_length=2"], "data.max_length"),
-        (["data.train_file=/does/not/exist.jsonl"], "data.train_file"),
-        (["data.default_score=-1"], "data.default_score"),
-        (["clip.max_norm=-1"], "clip.max_norm"),
-        (["lora=default", "lora.r=0"], "lora.r"),
-        (["resume=/no/such/checkpoint"], "resume"),
-        (["lora=qlora"], "model.quantization"),
-        (["model.quantization=nf4"], "model.quantization"),
-        (["deepspeed=zero3", "deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save=false"],
-         "deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save"),
-        (["deepspeed=zero2", "+deepspeed.zero_optimization.offload_param={device: cpu}"],
-         "deepspeed.zero_optimization.offload_param"),
-        (["deepspeed=zero2", "deepspeed.zero_optimization.stage=4"], "deepspeed.zero_optimization.stage"),
-        (["fsdp=full_shard", "deepspeed=zero3"], "fsdp"),
-        (["fsdp=full_shard", "deepspeed=zero2"], "fsdp"),
-        (["fsdp=full_shard", "fsdp.layers=[]"], "fsdp.layers"),
-        (["clip=autoclip", "clip.percentile=0"], "clip.percentile"),
-        (["clip=zclip", "clip.alpha=1.5"], "clip.alpha"),
-        (["clip=zclip", "clip.warmup_steps=0"], "clip.warmup_steps"),
-        (["+controllers=early_stopping", "controllers.early_stopping.patience=0"], "controllers.early_stopping.patience"),
-        (["+controllers=lr_plateau", "controllers.lr_plateau.factor=2"], "controllers.lr_plateau.factor"),
-        (["+controllers=curriculum", "controllers.curriculum.min_temperature=5"], "controllers.curriculum.min_temperature"),
-        (["+controllers=curriculum", "controllers.curriculum.factor=1"], "controllers.curriculum.factor"),
-        (["+controllers=adaptive_eval", "controllers.adaptive_eval.min_steps=900"], "controllers.adaptive_eval.min_steps"),
-        (["+controllers=adaptive_eval", "controllers.adaptive_eval.slow=0.5"], "controllers.adaptive_eval.slow"),
-        (["+controllers=curriculum", "data=jsonl", "data.train_file=sft/sample_data/train.jsonl"], "controllers.curriculum"),
-        (["+controllers=early_stopping", "trainer.eval_strategy=no"], "controllers.early_stopping"),
-        (["controllers.guard.max_consecutive=0"], "controllers.guard.max_consecutive"),
-        (["controllers.guard.spike_factor=0.5"], "controllers.guard.spike_factor"),
-        (["controllers.watchdog.timeout_s=0"], "controllers.watchdog.timeout_s"),
-        (["controllers.watchdog.timeout_s=3600"], "controllers.watchdog.timeout_s"),
-        (["eval_buckets=[3.0,1.0]"], "eval_buckets"),
-        (["loss=ce", "loss.chunk_tokens=0"], "loss.chunk_tokens"),
-        (["throughput.peak_tflops=0"], "throughput.peak_tflops"),
-    ],
-)
+BAD_VALUES = [
+    (["trainer.learning_rate=0"], "trainer.learning_rate"),
+    (["trainer.per_device_train_batch_size=0"], "trainer.per_device_train_batch_size"),
+    (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps"),
+    (["trainer.max_steps=0"], "trainer.max_steps"),
+    (["trainer.fp16=true", "trainer.bf16=true"], "trainer.fp16"),
+    (["loss.min_weight=-1"], "loss.min_weight"),
+    (["loss.min_weight=5", "loss.max_weight=2"], "loss.min_weight"),
+    (["loss.alpha=inf"], "loss.alpha"),
+    (["data.max_length=2"], "data.max_length"),
+    (["data.train_file=/does/not/exist.jsonl"], "data.train_file"),
+    (["data.default_score=-1"], "data.default_score"),
+    (["clip.max_norm=-1"], "clip.max_norm"),
+    (["lora=default", "lora.r=0"], "lora.r"),
+    (["resume=/no/such/checkpoint"], "resume"),
+    (["lora=qlora"], "model.quantization"),
+    (["model.quantization=nf4"], "model.quantization"),
+    (["deepspeed=zero3", "deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save=false"],
+     "deepspeed.zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+    (["deepspeed=zero2", "+deepspeed.zero_optimization.offload_param={device: cpu}"],
+     "deepspeed.zero_optimization.offload_param"),
+    (["deepspeed=zero2", "deepspeed.zero_optimization.stage=4"], "deepspeed.zero_optimization.stage"),
+    (["fsdp=full_shard", "deepspeed=zero3"], "fsdp"),
+    (["fsdp=full_shard", "deepspeed=zero2"], "fsdp"),
+    (["fsdp=full_shard", "fsdp.layers=[]"], "fsdp.layers"),
+    (["clip=autoclip", "clip.percentile=0"], "clip.percentile"),
+    (["clip=zclip", "clip.alpha=1.5"], "clip.alpha"),
+    (["clip=zclip", "clip.warmup_steps=0"], "clip.warmup_steps"),
+    (["+controllers=early_stopping", "controllers.early_stopping.patience=0"], "controllers.early_stopping.patience"),
+    (["+controllers=lr_plateau", "controllers.lr_plateau.factor=2"], "controllers.lr_plateau.factor"),
+    (["+controllers=curriculum", "controllers.curriculum.min_temperature=5"], "controllers.curriculum.min_temperature"),
+    (["+controllers=curriculum", "controllers.curriculum.factor=1"], "controllers.curriculum.factor"),
+    (["+controllers=adaptive_eval", "controllers.adaptive_eval.min_steps=900"], "controllers.adaptive_eval.min_steps"),
+    (["+controllers=adaptive_eval", "controllers.adaptive_eval.slow=0.5"], "controllers.adaptive_eval.slow"),
+    (["+controllers=curriculum", "data=jsonl", "data.train_file=sft/sample_data/train.jsonl"], "controllers.curriculum"),
+    (["+controllers=early_stopping", "trainer.eval_strategy=no"], "controllers.early_stopping"),
+    (["controllers.guard.max_consecutive=0"], "controllers.guard.max_consecutive"),
+    (["controllers.guard.spike_factor=0.5"], "controllers.guard.spike_factor"),
+    (["controllers.watchdog.timeout_s=0"], "controllers.watchdog.timeout_s"),
+    (["controllers.watchdog.timeout_s=3600"], "controllers.watchdog.timeout_s"),
+    (["eval_buckets=[3.0,1.0]"], "eval_buckets"),
+    (["loss=ce", "loss.chunk_tokens=0"], "loss.chunk_tokens"),
+    (["throughput.peak_tflops=0"], "throughput.peak_tflops"),
+]
+# One of each kind of node in the fast loop; every one in the whole suite.
+FAST_BAD_VALUES = {"trainer.learning_rate=0", "trainer.fp16=true trainer.bf16=true",
+                   "loss.min_weight=5 loss.max_weight=2", "data.train_file=/does/not/exist.jsonl", "lora=qlora",
+                   "deepspeed=zero2 deepspeed.zero_optimization.stage=4", "fsdp=full_shard deepspeed=zero3",
+                   "clip=zclip clip.alpha=1.5",
+                   "+controllers=early_stopping trainer.eval_strategy=no", "controllers.watchdog.timeout_s=0",
+                   "eval_buckets=[3.0,1.0]"}
+
+
+@pytest.mark.parametrize("overrides, key", fast_loop(BAD_VALUES, FAST_BAD_VALUES,
+                                                     ids=[" ".join(overrides) for overrides, _ in BAD_VALUES]))
 def test_bad_values_are_rejected_naming_the_field(overrides, key):
     with pytest.raises(ConfigError) as e:
         check(composed(*overrides))
@@ -132,7 +140,7 @@ def test_a_refused_target_is_not_imported(tmp_path, monkeypatch):
     assert not (tmp_path / "ran").exists()
 
 
-@pytest.mark.parametrize("override, message", [
+LATE_FAILURES = [
     ("trainer.adam_beta1=1.5", "trainer.adam_beta1=1.5: must be in [0, 1)"),
     ("trainer.adam_beta2=2", "trainer.adam_beta2=2.0: must be in [0, 1)"),
     ("trainer.adam_epsilon=-1", "trainer.adam_epsilon=-1.0: must be >= 0"),
@@ -148,7 +156,13 @@ def test_a_refused_target_is_not_imported(tmp_path, monkeypatch):
     ("exact_match=default exact_match.max_rows=-1", "exact_match.max_rows=-1: must be >= 1"),
     ("+controllers=early_stopping controllers.early_stopping.metric=eval_los",
      "controllers.early_stopping.metric='eval_los': not a metric an evaluation reports"),
-])
+]
+
+
+@pytest.mark.parametrize("override, message", fast_loop(
+    LATE_FAILURES, {"trainer.adam_beta1=1.5", "trainer.lr_scheduler_kwargs={bogus:1}", "data.num_proc=-2",
+                    "+controllers=early_stopping controllers.early_stopping.metric=eval_los"},
+    ids=[override for override, _ in LATE_FAILURES]))
 def test_values_that_would_fail_late_or_never_act_are_one_config_error_first(override, message):
     """Each of these failed with a traceback when the optimizer, scheduler or loader was built, after the model and
     data (or, a misspelt metric, never acted at all)."""

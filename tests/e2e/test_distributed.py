@@ -117,6 +117,7 @@ def test_a_distillation_on_two_processes_equals_one_process(tmp_path):
     double = launch("--nproc", "2", *distill, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}")
     assert double.returncode == 0, double.stderr[-3000:]
     assert_same_run(one, two)
+    assert "teacher: tiny (Qwen2ForCausalLM, " in (two / "train.log").read_text()
 
 
 @pytest.mark.slow

@@ -127,6 +127,7 @@ def test_a_null_optimizer_is_adamw_fused_on_a_gpu_and_the_multi_tensor_one_on_a_
     assert args.optim == "adamw_torch"  # this machine has no GPU
 
 
+@pytest.mark.slow  # two short runs
 def test_fused_adamw_trains_to_the_losses_and_weights_of_the_multi_tensor_one(tmp_path):
     """The GPU's default optimizer is the same update: checked on this CPU, where PyTorch fuses AdamW too."""
     import torch

@@ -102,7 +102,7 @@ def test_logged_ce_and_weight_mean_describe_the_step(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("name", fast_loop(["hard_sample", "hard_sample-sample", "hard_sample-token", "keywords",
-                                            "focal", "dft", "eaft"], {"hard_sample", "focal", "eaft"}))
+                                            "focal", "dft", "eaft"], {"hard_sample", "focal"}))
 def test_chunked_loss_trains_exactly_as_the_naive_one(tmp_path, tokenizer, name):
     naive = dataclasses.replace(BUILT_IN[name], impl="naive")
     chunked = dataclasses.replace(BUILT_IN[name], impl="chunked", chunk_tokens=7)
@@ -260,7 +260,8 @@ def a_teacher(seed: int = 1, scale: float = 0.05):
     return teacher
 
 
-@pytest.mark.parametrize("divergence", fast_loop(["forward", "reverse", "jsd"], {"jsd"}))
+@pytest.mark.parametrize("divergence", ["forward", "reverse", "jsd"])
+@pytest.mark.slow  # three short runs each (the fast loop has the step's loss computed apart, below)
 def test_distillation_is_exact_under_accumulation_the_lean_loss_and_packing(tmp_path, tokenizer, divergence):
     loss = DistillLoss(divergence=divergence, kd_ratio=0.7, temperature=2.0, alpha=1.0, impl="naive")
     lean = dataclasses.replace(loss, impl="chunked", chunk_tokens=7)

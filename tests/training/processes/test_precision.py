@@ -30,6 +30,7 @@ def test_a_cpu_without_bf16_instructions_is_refused_naming_the_knob(monkeypatch)
         check(composed("trainer.bf16=true"))
 
 
+@pytest.mark.slow  # two short runs
 @pytest.mark.skipif(not HAS_BF16, reason="needs a CPU with bf16 instructions and no GPU")
 def test_bf16_on_this_cpu_runs_the_products_in_bf16_over_fp32_master_weights(tmp_path):
     from sft.run.build import build

@@ -175,6 +175,7 @@ def test_pure_bf16_resumes_from_the_fp32_copies_exactly(tmp_path):
     assert all(torch.equal(a[key], b[key]) for key in a)
 
 
+@pytest.mark.slow  # two short runs
 @pytest.mark.skipif(not HAS_BF16, reason="needs a CPU with bf16 instructions and no GPU")
 def test_pure_bf16_with_lora_holds_the_frozen_base_in_bf16_without_fp32_copies(tmp_path):
     from sft.run.build import build
