@@ -217,8 +217,8 @@ class DistillLoss(WeightedTokenLoss):
         one token, student logits [0, 0], teacher [log 3, 0], label 0, kd_ratio=0.5, forward
           ->  0.5 * ce (log 2 = 0.6931) + 0.5 * KL(teacher || student) (0.1308)  =  0.4120
 
-    Where the two models' output layers differ in width (Qwen2.5-7B's 152,064 rows beside 0.5B's 151,936, both
-    padding the same 151,665-token vocabulary), the divergence is over the shared first columns.
+    Where the two models' output layers differ in width over one vocabulary, the divergence is over their shared
+    columns (`sft.loss.divergence`).
     """
 
     _target_: str = "sft.loss.builtin.DistillLoss"
@@ -248,9 +248,7 @@ class DistillLoss(WeightedTokenLoss):
         ce = F.cross_entropy(logits, labels, reduction="none")
         if self.kd_ratio == 0:
             return ce, ce
-        width = min(logits.size(-1), second_logits.size(-1))
-        divergence = token_divergence(logits[:, :width], second_logits[:, :width], str(self.divergence), self.beta,
-                                      self.temperature)
+        divergence = token_divergence(logits, second_logits, str(self.divergence), self.beta, self.temperature)
         return (1 - self.kd_ratio) * ce + self.kd_ratio * divergence, ce
 
 
@@ -282,6 +280,5 @@ class ASFTLoss(WeightedTokenLoss):
         from sft.loss.divergence import token_divergence
 
         ce = F.cross_entropy(logits, labels, reduction="none")
-        width = min(logits.size(-1), second_logits.size(-1))
-        anchor = token_divergence(logits[:, :width], second_logits[:, :width], "forward")
+        anchor = token_divergence(logits, second_logits, "forward")
         return (-ce.detach()).exp() * ce + self.kl_weight * anchor, ce

@@ -23,9 +23,12 @@ def token_divergence(student: torch.Tensor, teacher: torch.Tensor, kind: str = "
     differentiable in `student` (the teacher's are constants), of `kind` (`sft.loss.builtin.Divergence`): `forward`
     KL(teacher || student), mass-covering, the classic distillation term; `reverse` KL(student || teacher),
     mode-seeking (MiniLLM's); `jsd` beta KL(teacher || m) + (1 - beta) KL(student || m), m = beta teacher + (1 - beta)
-    student (GKD's generalised Jensen-Shannon), `beta` in (0, 1)."""
-    s = torch.log_softmax(student / temperature, dim=-1)
-    t = torch.log_softmax(teacher / temperature, dim=-1)
+    student (GKD's generalised Jensen-Shannon), `beta` in (0, 1). Output layers of other widths over one vocabulary
+    (Qwen2.5-7B's 152,064 rows beside 0.5B's 151,936, both padding the same 151,665 tokens) are compared over their
+    shared first columns."""
+    width = min(student.size(-1), teacher.size(-1))
+    s = torch.log_softmax(student[:, :width] / temperature, dim=-1)
+    t = torch.log_softmax(teacher[:, :width] / temperature, dim=-1)
     if kind == "forward":
         value = _kl(t, s)
     elif kind == "reverse":

@@ -157,16 +157,23 @@ def lean_logits_error(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     return None if error <= relative * max(1.0, theirs.abs().max().item()) else f"they differ by up to {error:.3g}"
 
 
-def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainable_head: bool = False) -> str:
+def choose_impl(requested: str, *, vocab_size: int, on_gpu: bool, zero3_trainable_head: bool = False,
+                reads_logits: bool = False) -> str:
     """The implementation to run for `loss.impl=requested`, logging why a requested one is not used.
 
     `auto` on a GPU is Liger's kernel where usable: measured on an H200 at Qwen2.5-7B's output layer (bf16, 8k
     tokens), it is as fast as the chunked loss and as close to fp32, in a third of its memory; cut-cross-entropy
     takes the least memory but twice the time, and its hidden states' gradient is 5-12x further from fp32
-    (docs/losses.md), so it runs only when asked for."""
+    (docs/losses.md), so it runs only when asked for. A loss that reads the logits beyond each target's cross entropy
+    (`reads_logits`: `WeightedTokenLoss.token_loss`) runs neither: both kernels return cross entropies only."""
     # DeepSpeed ZeRO-3 updates a sharded lm_head only through its module's own forward and backward.
     lean = "naive" if zero3_trainable_head else "chunked"
-    for kernel, why_not in (("cce", _cce_problem), ("liger", _liger_problem)):
+    if reads_logits and requested in ("cce", "liger"):
+        log.warning("loss.impl=%s: its kernel computes the cross entropy only, and this loss reads the logits; "
+                    "using %s", requested, lean)
+        return lean
+    kernels = () if reads_logits else (("cce", _cce_problem), ("liger", _liger_problem))
+    for kernel, why_not in kernels:
         if requested == kernel or (requested == "auto" and kernel == "liger" and on_gpu):
             problem = ("needs a CUDA GPU" if not on_gpu else "the lm_head is trainable and sharded by ZeRO-3"
                        if zero3_trainable_head else why_not())

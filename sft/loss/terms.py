@@ -66,18 +66,18 @@ class SecondOutputs:
     transform: LogitTransform | None = None
 
     def at(self, t: Targets) -> "SecondOutputs":
-        """Only the rows of the positions predicting the targets `t`, in their order."""
+        """Only the rows of the positions predicting the targets `t`, in their order; the output projection's weight in
+        the hidden states' dtype (cast once here, not at every chunk and again in its backward's recomputation)."""
         if self.logits is not None:
             return SecondOutputs(logits=self.logits[t.rows, t.cols])
-        return SecondOutputs(hidden=self.hidden[t.rows, t.cols], lm_head=self.lm_head, transform=self.transform)
+        hidden = self.hidden[t.rows, t.cols]
+        return SecondOutputs(hidden=hidden, lm_head=self.lm_head.to(hidden.dtype), transform=self.transform)
 
     def logits_of(self, start: int, end: int) -> torch.Tensor:
         """The float32 logits of selected rows `start:end` (after `at`)."""
         if self.logits is not None:
             return self.logits[start:end].float()
-        h = self.hidden[start:end]
-        weight = self.lm_head if self.lm_head.dtype == h.dtype else self.lm_head.to(h.dtype)
-        return (self.transform or LogitTransform())((h @ weight.T).float())
+        return (self.transform or LogitTransform())((self.hidden[start:end] @ self.lm_head.T).float())
 
 
 @dataclass
@@ -204,12 +204,10 @@ def _token_loss_terms(t: Targets, coef, token_loss: Callable, second: SecondOutp
                       lm_head, impl, accuracy, transform, chunk_tokens):
     """`(sum_t c_t l_t, ce, l, correct or None)`: each target's loss `l_t` from its position's logits (and the second
     model's), all at once from the logits (`naive`), else a chunk of tokens at a time
-    (`sft.loss.kernels.token_loss_chunked`: the fused kernels compute cross entropies only)."""
-    from sft.loss.kernels import token_loss_chunked, warn_once
+    (`sft.loss.kernels.token_loss_chunked`; the fused kernels compute cross entropies only, and `choose_impl` picks
+    neither for such a loss)."""
+    from sft.loss.kernels import token_loss_chunked
 
-    if impl in ("cce", "liger"):
-        warn_once(f"loss.impl={impl}: its kernel computes the cross entropy only, and this loss reads the logits; "
-                  "using chunked (exact)")
     second = second.at(t) if second is not None else None
     if impl != "naive":
         return token_loss_chunked(hidden[t.rows, t.cols], lm_head, t.labels, coef, token_loss, second, chunk_tokens,

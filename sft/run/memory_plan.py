@@ -189,7 +189,8 @@ def fit_step_in_memory(trainer: DictConfig, data, args, model, loss, train, pad_
     on_gpu = args.device.type == "cuda"
     if on_gpu and next(model.parameters()).device.type == "cpu":
         model.to(args.device)
-    impl = choose_impl(loss.impl, vocab_size=model.config.vocab_size, on_gpu=on_gpu, zero3_trainable_head=False)
+    impl = choose_impl(loss.impl, vocab_size=model.config.vocab_size, on_gpu=on_gpu, zero3_trainable_head=False,
+                       reads_logits=loss.reads_logits)
     device = torch.cuda.get_device_properties(args.device).total_memory if on_gpu else None
     limit_gib = trainer.memory_limit_gib
     limit = limit_gib * GIB if limit_gib is not None else DEVICE_SHARE * device if device else None

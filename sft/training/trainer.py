@@ -119,7 +119,8 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         self._zero3_head = self.is_zero3 and hasattr(self._lm_head.weight, "ds_id")
         self.loss_impl = choose_impl(loss.impl, vocab_size=self.model.config.vocab_size,
                                      on_gpu=self.args.device.type == "cuda",
-                                     zero3_trainable_head=self._zero3_head and self._lm_head.weight.requires_grad)
+                                     zero3_trainable_head=self._zero3_head and self._lm_head.weight.requires_grad,
+                                     reads_logits=loss.reads_logits)
         self.logit_transform = LogitTransform.of(self.model.config)
         self.router_aux_coef = router_aux_loss_coef(self.model.config)
         self._step_tokens = None  # input tokens of the optimizer step over all ranks (weights the aux loss)
@@ -301,7 +302,7 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         """Trainer's, stepping fp32 copies of the bf16 weights it trains under `trainer.precision=pure`; Muon on the
         layers' matrices and AdamW on the rest under `trainer.optim=muon` (`sft.training.step.muon`)."""
         if self.muon and self.optimizer is None:
-            self.optimizer = MuonWithAdamW.of(self.model, self.args)
+            self.optimizer = MuonWithAdamW.of(self.model, self.args, self.get_decay_parameter_names(self.model))
         optimizer = super().create_optimizer(model)
         if self.pure_bf16 and self.master_weights is None:
             self.master_weights = MasterWeights.attach(optimizer, processes=self.accelerator.num_processes)

@@ -66,6 +66,11 @@ def test_auto_on_a_gpu_is_liger_where_usable_and_never_cut_cross_entropy(monkeyp
     assert kernels.choose_impl("auto", vocab_size=151936, on_gpu=True) == expected
     assert kernels.choose_impl("auto", vocab_size=151936, on_gpu=True, zero3_trainable_head=True) == "naive"
     assert kernels.choose_impl("cce", vocab_size=151936, on_gpu=True) == ("cce" if cce is None else "chunked")
+    # a loss that reads the logits (distill, asft, eaft): neither kernel, whose outputs are cross entropies only
+    assert kernels.choose_impl("auto", vocab_size=151936, on_gpu=True, reads_logits=True) == "chunked"
+    assert kernels.choose_impl("liger", vocab_size=151936, on_gpu=True, reads_logits=True) == "chunked"
+    assert kernels.choose_impl("cce", vocab_size=320, on_gpu=True, reads_logits=True,
+                               zero3_trainable_head=True) == "naive"
 
 
 @pytest.mark.parametrize("installed, reason", [

@@ -5,7 +5,7 @@ map to orthogonalise), norms and biases stay on AdamW. One learning rate serves 
 AdamW's RMS (`adjust_lr_fn="match_rms_adamw"`, Moonlight's), so the schedule and `trainer.learning_rate` mean what
 they mean for AdamW.
 
-    optimizer = MuonWithAdamW.of(model, args)   # what WeightedLossTrainer.create_optimizer makes of trainer.optim=muon
+    optimizer = MuonWithAdamW.of(model, args, trainer.get_decay_parameter_names(model))  # WeightedLossTrainer's
       Qwen2's q/k/v/o, gate/up/down weights (and LoRA's A and B)  ->  Muon
       embed_tokens, lm_head, the norms, the biases                ->  AdamW (Trainer's betas, epsilon, weight decay)
 
@@ -44,14 +44,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.state = ChainMap(self.muon.state, self.adamw.state)
 
     @classmethod
-    def of(cls, model: torch.nn.Module, args) -> MuonWithAdamW:
+    def of(cls, model: torch.nn.Module, args, decayed: list[str]) -> MuonWithAdamW:
         """The optimizer of `model`'s trained parameters with `TrainingArguments` `args`' learning rate, AdamW betas,
-        epsilon and weight decay (none on biases and norms, as Trainer's own AdamW)."""
-        from transformers.trainer_pt_utils import get_parameter_names
-
+        epsilon and weight decay, decayed on the parameters named in `decayed` (Trainer's
+        `get_decay_parameter_names`: none on biases and norms, as its own AdamW)."""
         aside = {id(layer.weight) for layer in (model.get_input_embeddings(), model.get_output_embeddings())
                  if layer is not None}
-        decayed = set(get_parameter_names(model, [torch.nn.LayerNorm], ["bias", "layernorm", "rmsnorm", "norm"]))
+        decayed = set(decayed)
         matrices, decay, no_decay = [], [], []
         for name, p in model.named_parameters():
             if not p.requires_grad:

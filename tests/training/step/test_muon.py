@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import composed, run_train, step_losses
 from safetensors.torch import load_file
-from transformers import TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from sft.config.schema import ConfigError
 from sft.config.validate import check
@@ -14,14 +14,16 @@ from sft.model.loading import load_model
 from sft.training.step.muon import MuonWithAdamW
 
 
-def args(tmp_path, **fields) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8,
-                             adam_beta2=0.95, adam_epsilon=1e-6, use_cpu=True, report_to=[], **fields)
+def muon_of(model, tmp_path) -> MuonWithAdamW:
+    """The optimizer WeightedLossTrainer.create_optimizer makes of `model` under trainer.optim=muon."""
+    args = TrainingArguments(output_dir=str(tmp_path), learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.8,
+                             adam_beta2=0.95, adam_epsilon=1e-6, use_cpu=True, report_to=[])
+    return MuonWithAdamW.of(model, args, Trainer(model=model, args=args).get_decay_parameter_names(model))
 
 
 def test_the_layers_matrices_go_to_muon_and_embeddings_output_norms_and_biases_to_adamw(tmp_path):
     model = load_model("tiny")
-    optimizer = MuonWithAdamW.of(model, args(tmp_path))
+    optimizer = muon_of(model, tmp_path)
     names = {id(p): name for name, p in model.named_parameters()}
     muon = sorted(names[id(p)] for g in optimizer.muon.param_groups for p in g["params"])
     adamw = [sorted(names[id(p)] for p in g["params"]) for g in optimizer.adamw.param_groups]
@@ -37,7 +39,7 @@ def test_the_layers_matrices_go_to_muon_and_embeddings_output_norms_and_biases_t
 def test_it_steps_as_pytorchs_muon_and_adamw_do_through_a_save_and_a_load(tmp_path):
     torch.manual_seed(0)
     ours_model, theirs_model = load_model("tiny"), load_model("tiny")
-    ours = MuonWithAdamW.of(ours_model, args(tmp_path))
+    ours = muon_of(ours_model, tmp_path)
     by_id = dict(zip(map(id, ours_model.parameters()), theirs_model.parameters()))
     muon = torch.optim.Muon([by_id[id(p)] for p in ours.muon.param_groups[0]["params"]], lr=1e-2, weight_decay=0.1,
                             adjust_lr_fn="match_rms_adamw")
@@ -53,7 +55,7 @@ def test_it_steps_as_pytorchs_muon_and_adamw_do_through_a_save_and_a_load(tmp_pa
         adamw.step()
         if step == 1:  # a checkpoint and a resume: a fresh optimizer given the saved state
             saved = ours.state_dict()
-            ours = MuonWithAdamW.of(ours_model, args(tmp_path))
+            ours = muon_of(ours_model, tmp_path)
             ours.load_state_dict(saved)
     for mine, theirs in zip(ours_model.parameters(), theirs_model.parameters()):
         torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
