@@ -451,3 +451,25 @@ def processes() -> str:
     """Every running process's command line, one a line (ps; the dead, not yet reaped, left out)."""
     out = subprocess.run(["ps", "-eo", "stat=,pid=,args="], capture_output=True, text=True, check=True).stdout
     return "\n".join(line.split(None, 1)[1] for line in out.splitlines() if not line.lstrip().startswith("Z"))
+
+
+def moved_tiny(seed: int = 1, scale: float = 0.05):
+    """The tiny model with its weights moved by Gaussian noise: another model of the same vocabulary (a teacher or a
+    reference that disagrees with it)."""
+    from sft.model.loading import load_model
+
+    model = load_model("tiny")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale)
+    return model
+
+
+def moved_tiny_dir(path: Path, seed: int = 1) -> Path:
+    """`moved_tiny` saved as a model dir with the tiny model's tokenizer, for `+teacher=path`/`+reference=path`."""
+    from sft.model.loading import tiny_model_dir
+
+    shutil.copytree(tiny_model_dir(), path)
+    moved_tiny(seed).save_pretrained(path)
+    return path

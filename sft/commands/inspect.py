@@ -2,7 +2,8 @@
 
 The config and overrides are `sft.train`'s (`model=...`, `data.train_file=...`, `tokenizer.chat_template=...`);
 the tokenizer and the data are built as training builds them (validation, chat template, labels,
-truncation, the preprocessing cache) and the model never is. For the first N sequences of the split it
+truncation, the preprocessing cache) and the model is not (except to score the tokens of `loss=reference_weighted`
+where its cache has no scores yet, as a run would: `sft.model.reference_scores`). For the first N sequences of the split it
 prints the text as the model reads it, the trained tokens highlighted (green on a terminal, in ⟦brackets⟧
 otherwise) with the weight of each trained stretch (a loss's token weights, e.g. `loss=keywords`, split a
 turn into stretches), and then the split's totals:
@@ -106,6 +107,8 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
         data = load_sft_datasets(spec, tokenizer, None)
         refusal = (f"\nnote: loss={type(loss).__name__} reads each row's difficulty_score, so training will refuse "
                    f"rows of this data: {' '.join(line.strip() for line in str(e).strip().splitlines()[:2])}")
+    if loss.scores_before_training and refusal == "":  # its weights from a second model: scored (or cached) as a run's
+        data, scores = reference_weights(cfg, data, loss, tokenizer)
     dataset = data.train if split == "train" else data.eval
     if split == "train" and spec.streaming:  # a stream's first sequences; its totals are not known before training
         from itertools import islice
@@ -115,10 +118,29 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     else:
         firsts = [dataset[i] for i in range(min(rows, len(dataset)))]
         counted = totals(split, data.summary[split])
+        if loss.scores_before_training and split == "train":
+            counted += f"\n{loss.describe_weights(scores)}"
     shown = [show(tokenizer, row, data.source_name(split, row.get("source", 0)), color) for row in firsts]
     ids = (f"tokenizer: {type(tokenizer).__name__}, tokenizer.ids_from={cfg.tokenizer.ids_from} (its ids checked against "
            "the tokenizer.json it came from: sft.model.tokenizer_ids)")
     return "\n\n".join(shown + [counted + refusal, template(tokenizer, cfg.data.prefill) + "\n" + ids]) + "\n"
+
+
+def reference_weights(cfg, data, loss, tokenizer):
+    """The data with the token weights a run of `loss=reference_weighted` would train with, and the excess losses they
+    come from: from the cache, or scored now by the model as it starts (built as a run builds it, seeded alike) and the
+    reference."""
+    from hydra.utils import instantiate
+    from transformers import set_seed
+
+    from sft.model.reference_scores import weigh_by_reference
+
+    def the_model():
+        set_seed(cfg.trainer.seed)
+        return instantiate(cfg.model)
+
+    return weigh_by_reference(data, loss, the_model, cfg.model, cfg[loss.second_model], tokenizer, False,
+                              cfg.trainer.seed)
 
 
 def template(tokenizer, prefill: str) -> str:

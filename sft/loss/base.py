@@ -99,13 +99,17 @@ class WeightedTokenLoss(Schema):
 
     # The second model whose logits `token_loss` reads, by its config section ("teacher"); None: none.
     second_model: ClassVar[Optional[str]] = None
+    # True: the second model is read once, before training, to score the training split's tokens (`weights_of`,
+    # `sft.model.reference_scores`), not at each micro-batch.
+    scores_before_training: ClassVar[bool] = False
 
     def __post_init__(self):
         self.check()
 
     def check(self, cfg=None):
-        if self.second_model is not None and not self.reads_logits:
-            raise TypeError(f"{type(self).__name__} names a second model and must define token_loss")
+        if self.second_model is not None and not (self.reads_logits or self.scores_before_training):
+            raise TypeError(f"{type(self).__name__} names a second model and must define token_loss or score the "
+                            "data before training")
         if cfg is not None and self.second_model is not None and cfg.get(self.second_model) is None:
             raise ConfigError("", None, f"{type(self).__name__} reads a {self.second_model}'s logits and the config "
                               f"has none: add +{self.second_model}=<option> (sft/conf/{self.second_model}/), e.g. "
@@ -194,6 +198,16 @@ class WeightedTokenLoss(Schema):
         None without one). Not overridden: each token's cross entropy (times `token_factor`), by any `impl`."""
         raise NotImplementedError
 
+    def weights_of(self, excess):
+        """The static token weights a loss that scores the data before training (`scores_before_training`) makes of
+        each trained token's score (a numpy array over the whole training split)."""
+        raise NotImplementedError
+
+    @property
+    def reads_second_model_each_step(self) -> bool:
+        """Whether the trainer holds the second model and runs it on every micro-batch."""
+        return self.second_model is not None and not self.scores_before_training
+
     @property
     def reads_logits(self) -> bool:
         """Whether the per-token loss is `token_loss`'s (from the logits) rather than the cross entropy."""
@@ -218,7 +232,7 @@ class WeightedTokenLoss(Schema):
         from sft.loss.terms import compute_terms, select_targets
 
         factor = None if type(self).token_factor is WeightedTokenLoss.token_factor else self.token_factor
-        if self.second_model is not None and second is None:
+        if self.reads_second_model_each_step and second is None:
             raise ValueError(f"{type(self).__name__} reads the {self.second_model}'s outputs: pass second=")
         return compute_terms(select_targets(labels, weights, position_ids, given), self.normalize, factor, logits=logits,
                              hidden=hidden, lm_head=lm_head, impl=impl, accuracy=accuracy, transform=transform,

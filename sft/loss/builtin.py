@@ -282,3 +282,72 @@ class ASFTLoss(WeightedTokenLoss):
         ce = F.cross_entropy(logits, labels, reduction="none")
         anchor = token_divergence(logits, second_logits, "forward")
         return (-ce.detach()).exp() * ce + self.kl_weight * anchor, ce
+
+
+class Selection(Choice):
+    """`loss.select` of `ReferenceWeightedLoss`."""
+
+    top = "top"
+    soft = "soft"
+
+
+@config_schema("loss", "reference_weighted")
+@dataclass(eq=False, kw_only=True)
+class ReferenceWeightedLoss(WeightedTokenLoss):
+    """Reference-weighted tokens (RHO-1's selective language modelling, Lin et al., 2024, arXiv 2404.07965): each
+    trained token's excess loss, its cross entropy under the model as training starts minus under a reference
+    (`+reference=path`, a model fine-tuned on data you trust), scored once before training, without gradients
+    (`sft.model.reference_scores`), makes its static weight: `select=top` trains the `top_ratio` of the split's
+    tokens with the highest excess (weight 1, the rest 0), `select=soft` weighs each `exp(excess / temperature)`,
+    normalised to a mean of 1 over the split. Static weights, so exact under accumulation and data parallelism as every
+    token weight is, and shown by `sft inspect`.
+
+        excess [2.0, -1.0, 0.5, 0.0], select=top, top_ratio=0.5  ->  weights [1, 0, 1, 0]
+        excess [1.0, 0.0], select=soft, temperature=1             ->  weights [1.4621, 0.5379]   (e : 1, mean 1)
+
+    RHO-1 compares the reference with the model as it trains and selects a batch's top tokens; here the model as it
+    starts and the split's top tokens, so that the weights are exact, cached and visible (see docs/losses.md).
+    """
+
+    _target_: str = "sft.loss.builtin.ReferenceWeightedLoss"
+    second_model: ClassVar[Optional[str]] = "reference"
+    scores_before_training: ClassVar[bool] = True
+    select: Selection = knob(Selection.top, "top: train the top_ratio of the tokens by excess loss (weight 1, the "
+                             "rest 0) | soft: weight exp(excess / temperature), mean 1")
+    top_ratio: float = knob(0.6, "select=top: the share of the training split's tokens trained (RHO-1's 60%)")
+    temperature: float = knob(1.0, "select=soft: the weights' temperature in nats (large: all near 1)")
+
+    def check(self, cfg=None):
+        super().check(cfg)
+        self.require("select", self.select in Selection.values(), f"must be one of {', '.join(Selection.values())}")
+        self.require("top_ratio", 0 < self.top_ratio <= 1, "must be in (0, 1]")
+        self.require("temperature", math.isfinite(self.temperature) and self.temperature > 0,
+                     "must be a finite number > 0")
+        if cfg is not None and cfg.data.get("streaming"):
+            raise ConfigError("", None, "ReferenceWeightedLoss scores the whole training split before training: not "
+                              "with a stream (data.streaming=false)")
+
+    def weights_of(self, excess):
+        excess = np.asarray(excess, dtype=np.float64)
+        if self.select == "top":
+            weights = np.zeros(len(excess))
+            kept = int(round(self.top_ratio * len(excess)))
+            weights[np.argsort(-excess, kind="stable")[:kept]] = 1.0
+            return weights
+        z = np.exp((excess - excess.max(initial=0.0)) / self.temperature)
+        return z / z.mean() if len(z) else z
+
+    def describe_weights(self, excess) -> str:
+        """What the weights made of `excess` are, in one line for the log."""
+        excess = np.asarray(excess, dtype=np.float64)
+        if not len(excess):
+            return "reference weights: no trained token"
+        weights = self.weights_of(excess)
+        spread = f"excess loss mean {excess.mean():.3f} nats (5%: {np.quantile(excess, 0.05):.3f}, 95%: " \
+                 f"{np.quantile(excess, 0.95):.3f})"
+        if self.select == "top":
+            kept = weights > 0
+            return (f"reference weights: {int(kept.sum()):,} of {len(excess):,} trained tokens kept (top "
+                    f"{self.top_ratio:.0%}: excess >= {excess[kept].min():.3f} nats); {spread}")
+        return (f"reference weights: exp(excess / {self.temperature:g}), mean 1, from {weights.min():.3g} to "
+                f"{weights.max():.3g} over {len(excess):,} trained tokens; {spread}")

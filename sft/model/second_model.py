@@ -1,5 +1,6 @@
 """The frozen second model a loss reads: a teacher (`+teacher=...`, `loss=distill`'s) or a reference (`+reference=...`,
-`loss=asft`'s: the model fine-tuning started from). Its config (`TeacherConfig`, `ReferenceConfig`), its loading as
+`loss=asft`'s: the model fine-tuning started from; `loss=reference_weighted`'s: a model trained apart, read once before
+training, `sft.model.reference_scores`). Its config (`TeacherConfig`, `ReferenceConfig`), its loading as
 the trained model's (`load_second_model`) after its vocabulary is checked to be the trained model's (the loss compares
 the two models' distributions id by id: a teacher whose id 17 is another token would teach noise), and its outputs on
 each micro-batch (`FrozenModel`). Imports no torch when imported (its schemas are part of the config's composition).
@@ -57,17 +58,24 @@ class TeacherConfig(ModelConfig):
 @config_schema("reference", "reference")
 @dataclass
 class ReferenceConfig(TeacherConfig):
-    """A frozen model a loss stays near (`loss=asft`'s anchor): usually the model fine-tuning started from
-    (`+reference=model`)."""
+    """A frozen model a loss compares the model with: `loss=asft`'s anchor, usually the model fine-tuning started from
+    (`+reference=model`); `loss=reference_weighted`'s scorer, a model trained apart (`+reference=path`)."""
 
     role: ClassVar[str] = "reference"
-    read_by: ClassVar[str] = "loss=asft"
+    read_by: ClassVar[str] = "loss=asft or loss=reference_weighted"
 
     def check(self, cfg=None):
         super().check(cfg)
-        if cfg is not None and cfg.model.random_init and self.name_or_path == cfg.model.name_or_path:
+        if cfg is None:
+            return
+        the_model = (self.name_or_path, self.gguf_file) == (cfg.model.name_or_path, cfg.model.gguf_file)
+        if cfg.model.random_init and the_model:
             raise ConfigError("", self.name_or_path, "the model's weights are random (model.random_init): a reference "
                               "read from name_or_path is not the model as it starts")
+        if the_model and getattr(import_target(cfg.loss._target_), "scores_before_training", False):
+            raise ConfigError("name_or_path", self.name_or_path, "is the model itself: every token's excess loss "
+                              "would be 0; loss=reference_weighted needs a reference trained apart (+reference=path "
+                              "reference.name_or_path=<its dir>)")
 
 
 def load_second_model(node, role: str, tokenizer, packing: bool):

@@ -50,6 +50,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
 
     from sft.loss.base import build_loss
     from sft.model.compile import compile_layers
+    from sft.model.reference_scores import weigh_by_reference
     from sft.model.second_model import load_second_model
     from sft.run.memory_plan import fit_step_in_memory
     from sft.training.parts import Display, EvaluationParts, StepParts
@@ -71,11 +72,15 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     set_seed(args.seed)
     model = build_model(cfg, args.activation_checkpointing, sequence_parallel)
     check_model_levers(cfg, args, model)
-    # the frozen teacher or reference the loss reads (the config allows one only where the loss reads it)
+    # the frozen teacher or reference the loss reads at each step (the config allows one only where the loss reads it)
     second_model = (load_second_model(cfg[loss.second_model], loss.second_model, tokenizer, bool(cfg.data.packing))
-                    if loss.second_model is not None else None)
+                    if loss.reads_second_model_each_step else None)
     spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
     data = load_data(spec, tokenizer, loss, controllers, args, run_dir)
+    if loss.scores_before_training:  # static token weights from the reference, scored by the main process first
+        with args.main_process_first(desc="reference scores"):
+            data, _ = weigh_by_reference(data, loss, lambda: model, cfg.model, cfg[loss.second_model], tokenizer,
+                                      bool(cfg.data.packing), args.seed, args.device)
     controllers["preemption"] = preemption or Preemption(grace_s=cfg.signal_grace_s)
     collator = instantiate(cfg.collator, tokenizer=tokenizer, sequence_parallel=sequence_parallel)
     # the micro-batch's rows and the activation checkpointing, into args before the trainer takes them; a packed

@@ -103,8 +103,9 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         super().__init__(*args, callbacks=callbacks, **kwargs)
         use_step_log(self, shows.console)  # short lines (or JSON ones), not transformers' dicts of strings
         self.loss = loss
-        if (second_model is None) != (loss.second_model is None):
-            raise ValueError(f"{type(loss).__name__} reads {loss.second_model or 'no second model'}, and the trainer "
+        if (second_model is None) == loss.reads_second_model_each_step:
+            each_step = loss.second_model if loss.reads_second_model_each_step else "no second model"
+            raise ValueError(f"{type(loss).__name__} reads {each_step} at each step, and the trainer "
                              f"was given {'none' if second_model is None else 'one'}")
         # not an attribute Trainer knows: never wrapped, stepped or saved
         self.second_model = FrozenModel(second_model, self.args.device) if second_model is not None else None

@@ -58,9 +58,9 @@ def test_an_option_of_your_search_path_is_not_refused_before_hydra_reads_the_sea
     ("nosuchgroup=x", "nosuchgroup: not a group or knob of the config"),
     ("trainer.learnin_rate=1", "trainer.learnin_rate: not a knob of trainer (did you mean trainer.learning_rate?)"),
     ("loss=nonexistent", "loss='nonexistent': no such option (options: asft, ce, dft, distill, eaft, focal, "
-                         "hard_sample, keywords, length)"),
+                         "hard_sample, keywords, length, reference_weighted)"),
     ("loss=focall", "loss='focall': no such option (options: asft, ce, dft, distill, eaft, focal, hard_sample, "
-                    "keywords, length) (did you mean focal?)"),
+                    "keywords, length, reference_weighted) (did you mean focal?)"),
     ("exact_match.max_rows=5", "exact_match.max_rows: exact_match is off (exact_match: null in this config): turn it "
                                "on with exact_match=default, then set its keys"),
     ("model.random_init.hidden_size=64", "model.random_init.hidden_size: a new key of model.random_init (a free-form "

@@ -18,13 +18,13 @@ def test_help_lists_the_choices_and_the_composed_config_and_falls_back_to_hydra(
     fast = help_of("loss=ce")
     assert fast.returncode == 0, fast.stderr
     # no *_schema entries
-    assert "\nloss: asft, ce, dft, distill, eaft, focal, hard_sample, keywords, length\n" in fast.stdout
+    assert "\nloss: asft, ce, dft, distill, eaft, focal, hard_sample, keywords, length, reference_weighted\n" in fast.stdout
     assert "  _target_: sft.loss.builtin.CrossEntropyLoss\n" in fast.stdout  # the config as composed
     (tmp_path / "loss").mkdir()
     (tmp_path / "loss" / "mine.yaml").write_text("defaults:\n  - ce\n")
     own = help_of(f"hydra.searchpath=[file://{tmp_path}]", "loss=mine")  # a config dir of the user's
     assert own.returncode == 0, own.stderr
-    assert "\nloss: asft, ce, dft, distill, eaft, focal, hard_sample, keywords, length, mine\n" in own.stdout
+    assert "\nloss: asft, ce, dft, distill, eaft, focal, hard_sample, keywords, length, mine, reference_weighted\n" in own.stdout
     bad = help_of("loss=nope")
     assert bad.returncode != 0 and "nope" in bad.stderr
 
@@ -36,7 +36,7 @@ def test_help_group_prints_every_knob_of_the_chosen_option_with_type_default_and
     from sft.loss.builtin import FocalLoss
 
     text = group_help("loss", ["loss=focal", "loss.alpha=0.5"])
-    assert text.startswith("loss: options asft, ce, dft, distill, eaft, focal, hard_sample, keywords, length\n"
+    assert text.startswith("loss: options asft, ce, dft, distill, eaft, focal, hard_sample, keywords, length, reference_weighted\n"
                            "loss=focal "
                            "(sft.loss.builtin.FocalLoss):\n")
     knobs = [f for f in fields(FocalLoss) if f.init and not f.name.startswith("_")]

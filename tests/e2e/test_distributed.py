@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMALL_EVAL, free_port, launch, run_train, step_losses
+from conftest import REPO, SMALL_EVAL, free_port, launch, moved_tiny_dir, run_train, step_losses
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -118,6 +118,23 @@ def test_a_distillation_on_two_processes_equals_one_process(tmp_path):
     assert double.returncode == 0, double.stderr[-3000:]
     assert_same_run(one, two)
     assert "teacher: tiny (Qwen2ForCausalLM, " in (two / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_reference_weights_on_two_processes_equal_one_process(tmp_path):
+    """The main process scores the tokens (the model as it starts against a reference of its own), the other reads its
+    scores from the cache: both ranks train on the one process's weights."""
+    reference = moved_tiny_dir(tmp_path / "reference")
+    weighed = [*EXACT, *WEIGHTED[1:], "loss=reference_weighted", "loss.top_ratio=0.5", "+reference=path",
+               f"reference.name_or_path={reference}"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    double = launch("--nproc", "2", *weighed, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}")
+    assert double.returncode == 0, double.stderr[-3000:]
+    single = run_train(*weighed, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={one}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert_same_run(one, two)
+    assert "loss: scoring " in (two / "train.log").read_text()  # scored by the two-process run, once
+    assert "from the cache" in (one / "train.log").read_text()
 
 
 @pytest.mark.slow

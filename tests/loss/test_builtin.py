@@ -13,7 +13,7 @@ from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
 from sft.config.schema import ConfigError
 from sft.loss.builtin import (ASFTLoss, CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss,
-                              KeywordLoss, LengthLoss)
+                              KeywordLoss, LengthLoss, ReferenceWeightedLoss)
 
 
 def weighted_text(tokenizer, data, row: int, weight: float) -> str:
@@ -213,3 +213,29 @@ def test_asft_is_dft_plus_the_kl_anchor_in_value_and_gradient():
     # kl_weight 0 is dft
     assert ASFTLoss(kl_weight=0.0)(LOGITS, LABELS, (LABELS != -100).float(), second_logits=reference).item() == \
         pytest.approx(DFTLoss()(LOGITS, LABELS, (LABELS != -100).float()).item(), rel=1e-6)
+
+
+def test_reference_weights_are_their_docstring_examples():
+    assert ReferenceWeightedLoss(top_ratio=0.5).weights_of([2.0, -1.0, 0.5, 0.0]).tolist() == [1, 0, 1, 0]
+    assert ReferenceWeightedLoss(select="soft").weights_of([1.0, 0.0]) == pytest.approx([1.4621, 0.5379], abs=1e-4)
+
+
+def test_reference_weights_keep_the_top_share_by_excess_or_weigh_by_its_exponential():
+    import numpy as np
+
+    excess = np.random.default_rng(0).normal(size=1000)
+    kept = ReferenceWeightedLoss(top_ratio=0.3).weights_of(excess)
+    assert set(kept.tolist()) == {0.0, 1.0} and kept.sum() == 300
+    assert excess[kept == 1].min() > excess[kept == 0].max()  # the highest 300, whatever the order
+    soft = ReferenceWeightedLoss(select="soft", temperature=0.5).weights_of(excess)
+    assert soft.mean() == pytest.approx(1.0)
+    i, j = 3, 7  # each weight proportional to exp(excess / T)
+    assert soft[i] / soft[j] == pytest.approx(math.exp((excess[i] - excess[j]) / 0.5), rel=1e-9)
+    assert "300 of 1,000 trained tokens kept (top 30%" in ReferenceWeightedLoss(top_ratio=0.3).describe_weights(excess)
+
+
+@pytest.mark.parametrize("knobs, field", [({"top_ratio": 0.0}, "top_ratio"), ({"top_ratio": 1.5}, "top_ratio"),
+                                          ({"temperature": 0.0}, "temperature"), ({"select": "median"}, "select")])
+def test_reference_weighted_refuses_a_bad_knob_naming_it(knobs, field):
+    with pytest.raises(ConfigError, match=f"^{field}="):
+        ReferenceWeightedLoss(**knobs)

@@ -7,12 +7,12 @@ import inspect
 
 import pytest
 import torch
-from conftest import ROWS, chat, fast_loop, train_steps, write_jsonl
+from conftest import ROWS, chat, fast_loop, moved_tiny, train_steps, write_jsonl
 
 from sft.data.load import load_sft_datasets
 from sft.data.spec import DataSpec
 from sft.loss.builtin import (ASFTLoss, CrossEntropyLoss, DFTLoss, DistillLoss, EAFTLoss, FocalLoss, HardSampleLoss,
-                              KeywordLoss, LengthLoss)
+                              KeywordLoss, LengthLoss, ReferenceWeightedLoss)
 from sft.training.trainer import WeightedLossTrainer
 
 
@@ -248,27 +248,15 @@ def test_a_packed_step_reads_the_device_once_whatever_its_accumulation(tmp_path)
     assert sum(padded.values()) - sum(from_the_model.values()) <= 2 * 2, padded
 
 
-def a_teacher(seed: int = 1, scale: float = 0.05):
-    """The tiny model with its weights moved by Gaussian noise: a teacher of the same vocabulary that disagrees."""
-    from sft.model.loading import load_model
-
-    teacher = load_model("tiny")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in teacher.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * scale)
-    return teacher
-
-
 @pytest.mark.parametrize("divergence", ["forward", "reverse", "jsd"])
 @pytest.mark.slow  # three short runs each (the fast loop has the step's loss computed apart, below)
 def test_distillation_is_exact_under_accumulation_the_lean_loss_and_packing(tmp_path, tokenizer, divergence):
     loss = DistillLoss(divergence=divergence, kd_ratio=0.7, temperature=2.0, alpha=1.0, impl="naive")
     lean = dataclasses.replace(loss, impl="chunked", chunk_tokens=7)
-    losses_a, params_a, _ = train_steps(tmp_path / "a", tokenizer, loss, 4, 1, second_model=a_teacher())
-    losses_b, params_b, trainer = train_steps(tmp_path / "b", tokenizer, lean, 1, 4, second_model=a_teacher())
+    losses_a, params_a, _ = train_steps(tmp_path / "a", tokenizer, loss, 4, 1, second_model=moved_tiny())
+    losses_b, params_b, trainer = train_steps(tmp_path / "b", tokenizer, lean, 1, 4, second_model=moved_tiny())
     losses_c, params_c, _ = train_steps(tmp_path / "c", tokenizer, lean, 4, 1, packing=True,
-                                        second_model=a_teacher())
+                                        second_model=moved_tiny())
     assert trainer.loss_impl == "chunked"
     assert losses_b == pytest.approx(losses_a, abs=1e-5) and losses_c == pytest.approx(losses_a, abs=1e-5)
     torch.testing.assert_close(params_b, params_a, atol=1e-5, rtol=0)
@@ -284,7 +272,7 @@ def test_a_distillation_steps_loss_is_the_per_token_mix_computed_apart(tmp_path,
     from sft.data.tokens.collator import WeightedDataCollator
     from sft.model.loading import load_model
 
-    teacher = a_teacher(scale=0.2)
+    teacher = moved_tiny(scale=0.2)
     losses, _, trainer = train_steps(tmp_path, tokenizer, DistillLoss(kd_ratio=0.4, alpha=1.0), 4, 1, steps=1,
                                      second_model=teacher)
     batch = WeightedDataCollator(tokenizer)([trainer.train_dataset[i] for i in range(4)])
@@ -305,10 +293,10 @@ def test_a_distillation_steps_loss_is_the_per_token_mix_computed_apart(tmp_path,
 def test_asft_is_exact_under_accumulation_the_lean_loss_and_packing(tmp_path, tokenizer):
     loss = ASFTLoss(kl_weight=0.3, alpha=1.0, impl="naive")
     lean = dataclasses.replace(loss, impl="chunked", chunk_tokens=7)
-    losses_a, params_a, _ = train_steps(tmp_path / "a", tokenizer, loss, 4, 1, second_model=a_teacher())
-    losses_b, params_b, _ = train_steps(tmp_path / "b", tokenizer, lean, 1, 4, second_model=a_teacher())
+    losses_a, params_a, _ = train_steps(tmp_path / "a", tokenizer, loss, 4, 1, second_model=moved_tiny())
+    losses_b, params_b, _ = train_steps(tmp_path / "b", tokenizer, lean, 1, 4, second_model=moved_tiny())
     losses_c, params_c, _ = train_steps(tmp_path / "c", tokenizer, lean, 4, 1, packing=True,
-                                        second_model=a_teacher())
+                                        second_model=moved_tiny())
     assert losses_b == pytest.approx(losses_a, abs=1e-5) and losses_c == pytest.approx(losses_a, abs=1e-5)
     torch.testing.assert_close(params_b, params_a, atol=1e-5, rtol=0)
     torch.testing.assert_close(params_c, params_a, atol=1e-5, rtol=0)
@@ -326,7 +314,10 @@ def test_a_teacher_that_is_the_student_teaches_nothing(tmp_path, tokenizer):
 
 
 def test_a_loss_and_a_teacher_go_together(tmp_path, tokenizer):
-    with pytest.raises(ValueError, match="DistillLoss reads teacher, and the trainer was given none"):
+    with pytest.raises(ValueError, match="DistillLoss reads teacher at each step, and the trainer was given none"):
         train_steps(tmp_path, tokenizer, DistillLoss(), 4, 1)
-    with pytest.raises(ValueError, match="reads no second model, and the trainer was given one"):
-        train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1, second_model=a_teacher())
+    with pytest.raises(ValueError, match="reads no second model at each step, and the trainer was given one"):
+        train_steps(tmp_path, tokenizer, CrossEntropyLoss(), 4, 1, second_model=moved_tiny())
+    # its reference scored the data before training: the trainer holds none
+    with pytest.raises(ValueError, match="ReferenceWeightedLoss reads no second model at each step, and the trainer"):
+        train_steps(tmp_path, tokenizer, ReferenceWeightedLoss(), 4, 1, second_model=moved_tiny())
