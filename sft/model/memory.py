@@ -17,7 +17,9 @@
   (hidden size x the activations' bytes a token) and one layer is recomputed at a time (the per-token figure over
   the layers);
 - loss: the lean loss's one chunk of logits (`loss.chunk_tokens` x vocabulary x 4 bytes, its softmax and gradient:
-  x 3), or the naive loss's logits for every position of the micro-batch (x 2).
+  x 3), or the naive loss's logits for every position of the micro-batch (x 2);
+- second model (a teacher, or ASFT's reference, read at each step): its weights, its no-grad forward's peak and its
+  logits (`SecondFootprint`; said only where there is one).
 
 Left out: CUDA's allocator (its cache and fragmentation), kernels' workspaces, an optimizer step's transient peak,
 and everything of DeepSpeed and FSDP2 (sharded weights; no line is logged under either).
@@ -43,10 +45,11 @@ class MemoryEstimate:
     tokens: int  # a micro-batch's, at most
     checkpointing: bool
     other_activations: int  # with checkpointing the other way round
+    second_model: int = 0  # a teacher's or reference's weights and no-grad forward (`SecondFootprint`)
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.loss
+        return self.weights + self.gradients + self.optimizer + self.activations + self.loss + self.second_model
 
     @property
     def total_other_way(self) -> int:
@@ -60,7 +63,8 @@ class MemoryEstimate:
         digits = 1 if unit == "GiB" else 0
         parts = ", ".join(f"{name} {value / size:.{digits}f}" for name, value in (
             ("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
-            ("activations", self.activations), ("loss", self.loss)))
+            ("activations", self.activations), ("loss", self.loss))
+            + ((("second model", self.second_model),) if self.second_model else ()))
         of = f" of {limit}" if limit else ""
         return (f"memory: about {self.total / size:.{digits}f} {unit}{of} for up to {self.tokens:,} tokens a "
                 f"micro-batch: {parts} {unit} (activation checkpointing {'on' if self.checkpointing else 'off'}; "
@@ -134,6 +138,33 @@ def parameter_bytes(model, pure: bool = False) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
+class SecondFootprint:
+    """What the frozen second model a loss reads at each step holds (a teacher, `sft.model.second_model`): its weights,
+    and, a token of the micro-batch, its no-grad forward's peak (modelled, not measured: nothing is kept for a
+    backward, so autograd has nothing to count): the final hidden states kept for the loss and the largest layer's
+    working set, its MLP's (the residual and its norm, the gate, up and product projections: 3 x hidden + 3 x
+    intermediate, in its dtype); and its logits, every position's at once (`naive`) or a chunk's (x 2: projected again
+    in the backward)."""
+
+    weights: int
+    per_token: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model) -> SecondFootprint:
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        hidden = config.hidden_size
+        intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+        element = next(model.parameters()).element_size()
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        return cls(weights=weights, per_token=(3 * hidden + 3 * intermediate) * element, vocab=config.vocab_size)
+
+    def bytes(self, tokens: int, lean_loss: bool, chunk_tokens: int) -> int:
+        logits = min(chunk_tokens, tokens) * self.vocab * 4 * 2 if lean_loss else tokens * self.vocab * 4
+        return self.weights + tokens * self.per_token + logits
+
+
+@dataclass(frozen=True)
 class Footprint:
     """What a model's training step holds, measured once (`footprint`): the estimate of any micro-batch from it."""
 
@@ -148,6 +179,7 @@ class Footprint:
     vocab: int
     lean_loss: bool
     chunk_tokens: int
+    second: SecondFootprint | None = None
 
     def estimate(self, rows: int, length: int, checkpointing: bool) -> MemoryEstimate:
         """The step's memory for micro-batches of up to `rows` rows of up to `length` tokens (see the module's
@@ -164,13 +196,16 @@ class Footprint:
         return MemoryEstimate(weights=self.weights, gradients=self.gradients, optimizer=self.optimizer,
                               activations=int(checkpointed if checkpointing else whole), loss=loss, tokens=tokens,
                               checkpointing=checkpointing,
-                              other_activations=int(whole if checkpointing else checkpointed))
+                              other_activations=int(whole if checkpointing else checkpointed),
+                              second_model=self.second.bytes(tokens, self.lean_loss, self.chunk_tokens)
+                              if self.second is not None else 0)
 
 
 def footprint(model, *, optim: str, optim_args: str | None = None, pure: bool = False,
               autocast_dtype: torch.dtype | None = None, lean_loss: bool = True,
-              chunk_tokens: int = 1024) -> Footprint:
-    """The model's parameters counted and its activations measured (three short forwards, `activation_bytes`)."""
+              chunk_tokens: int = 1024, second_model=None) -> Footprint:
+    """The model's parameters counted and its activations measured (three short forwards, `activation_bytes`); the
+    `second_model` a loss reads at each step beside it, where it has one (`SecondFootprint`)."""
     weights, gradients, trained = parameter_bytes(model, pure)
     per_token, per_square = activation_bytes(model, autocast_dtype)
     config = model.config
@@ -179,7 +214,8 @@ def footprint(model, *, optim: str, optim_args: str | None = None, pure: bool = 
                      per_token=per_token, per_square=per_square, layers=config.num_hidden_layers,
                      hidden=config.hidden_size,
                      activation_size=2 if autocast_dtype is not None else next(model.parameters()).element_size(),
-                     vocab=config.vocab_size, lean_loss=lean_loss, chunk_tokens=chunk_tokens)
+                     vocab=config.vocab_size, lean_loss=lean_loss, chunk_tokens=chunk_tokens,
+                     second=SecondFootprint.of(second_model) if second_model is not None else None)
 
 
 def estimate(model, rows: int, length: int, *, optim: str, optim_args: str | None = None, pure: bool = False,

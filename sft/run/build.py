@@ -86,7 +86,8 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     # the micro-batch's rows and the activation checkpointing, into args before the trainer takes them; a packed
     # micro-batch's pieces
     micro_batch_tokens = fit_step_in_memory(cfg.trainer, spec, args, model, loss, data.train,
-                                            collator.pad_to_multiple_of, engine=sharding_engine(cfg))
+                                            collator.pad_to_multiple_of, engine=sharding_engine(cfg),
+                                            second_model=second_model)
     trainer = WeightedLossTrainer(
         model=model, args=args, train_dataset=data.train, eval_dataset=data.eval, data_collator=collator,
         processing_class=tokenizer,

@@ -166,13 +166,14 @@ def largest_budget(fits, least: int, whole: int) -> int | None:
 
 
 def fit_step_in_memory(trainer: DictConfig, data, args, model, loss, train, pad_to_multiple_of: int | None,
-                       engine: str | None = None) -> int | None:
+                       engine: str | None = None, second_model=None) -> int | None:
     """The plan of the `trainer` section (its activation checkpointing, memory limit and micro-batch knobs) for
     `model` and the training split `train` of the `data` section (`packing`, `max_length`), logged and put into `args`
     (the micro-batch's rows, the accumulation, the checkpointing), before the trainer is built from them; returns the
     tokens of a packed micro-batch's pieces for the trainer (None: whole). None planned under an `engine` that shards
     the step (DeepSpeed, FSDP2, sequence parallelism: `sft.run.build.sharding_engine`). On a GPU the model is moved
-    there first (the plain Trainer would), as the activations are measured where they will be held."""
+    there first (the plain Trainer would), as the activations are measured where they will be held. The
+    `second_model` the loss reads at each step (a teacher) is counted beside the model (`sft.model.memory`)."""
     import torch
 
     from sft.loss.kernels import choose_impl
@@ -201,7 +202,8 @@ def fit_step_in_memory(trainer: DictConfig, data, args, model, loss, train, pad_
     try:
         found = footprint(model, optim=args.optim, optim_args=args.optim_args, pure=trainer.precision == "pure",
                           autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
-                          lean_loss=impl != "naive", chunk_tokens=getattr(loss, "chunk_tokens", 1024))
+                          lean_loss=impl != "naive", chunk_tokens=getattr(loss, "chunk_tokens", 1024),
+                          second_model=second_model)
     except Exception as e:  # noqa: BLE001 - a model the probe's plain forward does not fit: the run goes on as set
         chosen = f"the probe's forward of {type(model).__name__} failed: " + (str(e).splitlines()[0] if str(e) else
                                                                             type(e).__name__)

@@ -1,13 +1,13 @@
 """A training step's memory, known before it runs (`sft.model.memory`): the parameters of known shapes counted as
 published (Qwen2.5-7B: 7,615,616,512; LoRA r=16 on every linear layer: 40,370,176 trained), and the activations of
-a micro-batch as autograd keeps them, from two short rows; the one line a run logs."""
+a micro-batch as autograd keeps them, from two short rows; a teacher beside the model; the one line a run logs."""
 
 import pytest
 import torch
-from conftest import composed, fast_loop
+from conftest import composed, fast_loop, moved_tiny
 
-from sft.model.memory import (GIB, MemoryEstimate, estimate, optimizer_bytes_per_parameter, parameter_bytes,
-                              saved_bytes)
+from sft.model.memory import (GIB, MemoryEstimate, estimate, footprint, optimizer_bytes_per_parameter,
+                              parameter_bytes, saved_bytes)
 from sft.training.processes.precision import cpu_bf16_instructions
 
 QWEN2_5_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -111,3 +111,25 @@ def test_the_line_says_the_device_memory_and_the_other_way_of_checkpointing():
     assert found.line("80.0 GiB") == (
         "memory: about 55.8 GiB of 80.0 GiB for up to 32,768 tokens a micro-batch: weights 15.0, gradients 0.1, "
         "optimizer 0.2, activations 40.0, loss 0.5 GiB (activation checkpointing off; on, about 19.8 GiB)")
+
+
+def test_a_teacher_is_counted_beside_the_model_and_the_plan_fits_fewer_rows_with_it():
+    from sft.model.loading import load_model
+    from sft.run.memory_plan import MicroBatchBound, plan
+
+    model, teacher = load_model("tiny"), moved_tiny()
+    alone = footprint(model, optim="adamw_torch", chunk_tokens=256)
+    both = footprint(model, optim="adamw_torch", chunk_tokens=256, second_model=teacher)
+    config = teacher.config
+    tokens = 4 * 100
+    # its fp32 weights, its MLP's working set a token, a chunk of its logits projected twice
+    expected = (sum(p.numel() for p in teacher.parameters()) * 4
+                + tokens * (3 * config.hidden_size + 3 * config.intermediate_size) * 4 + 256 * config.vocab_size * 8)
+    with_teacher, without = both.estimate(4, 100, False), alone.estimate(4, 100, False)
+    assert with_teacher.second_model == expected and with_teacher.total - without.total == expected
+    assert ", loss " in with_teacher.line() and f", second model {expected / 2**20:.0f} MiB (" in with_teacher.line()
+    assert "second model" not in without.line()
+    bound = MicroBatchBound(longest=(100,) * 8, packed=False)
+    limit = alone.estimate(8, 100, False).total  # the step's 8 rows fit at once without the teacher
+    assert plan(alone, bound, 8, 1, limit, False, True).rows == 8
+    assert plan(both, bound, 8, 1, limit, False, True).rows < 8
