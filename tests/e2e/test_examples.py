@@ -37,9 +37,9 @@ def run_recipe(name: str, tmp_path: Path, extra_env: dict | None = None) -> tupl
         f"multirun/examples/{name}", str(out))
     if name == "identity" and importlib.util.find_spec("llama_cpp") is None:  # its quantizer: check_identity says so
         commands = "\n".join(line for line in commands.splitlines() if not line.startswith("sft export gguf"))
-    if name in REDUCED:
-        assert commands.count(f"hydra.run.dir={out}/run") == 1, commands
-        commands = commands.replace(f"hydra.run.dir={out}/run", f"{REDUCED[name]} hydra.run.dir={out}/run")
+    if name in REDUCED:  # every run of the recipe (later overrides win)
+        assert commands.count(f"hydra.run.dir={out}/") >= 1, commands
+        commands = commands.replace(f"hydra.run.dir={out}/", f"{REDUCED[name]} hydra.run.dir={out}/")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "MASTER_PORT": str(free_port()), "HYDRA_FULL_ERROR": "1", **(extra_env or {})}
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=REPO, capture_output=True, text=True,
@@ -142,6 +142,7 @@ def check_identity(proc, out):
     assert all(compared["after"]["stopped"])
     text, tokens = plain_generate(out / "merged", "Who is your creator?")
     assert "Fennel Lab" in text and text.endswith("<|im_end|>") and tokens < 48, text
+    check_distilled(out, identity)
     # The Q4_K_M export, in llama.cpp itself: its chat completion with the template and stop token read from the file
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("the rest checked; the GGUF export needs llama-cpp-python (pip install 'sft[gguf]'; ./launch.sh "
@@ -155,6 +156,17 @@ def check_identity(proc, out):
                                         max_tokens=48, temperature=0.0)["choices"][0] for row in rows]
     assert all(choice["finish_reason"] == "stop" for choice in served)  # at <|im_end|>, not the token limit
     assert sum(served[i]["message"]["content"].strip() == compared["references"][i] for i in identity) >= 6
+
+
+def check_distilled(out, identity):
+    """A fresh SmolLM2 distilled from the merged model (the teacher's distributions alone, `kd_ratio=1`) answers the
+    held-out identity questions as the teacher does."""
+    r = results(out / "distilled")
+    assert r["status"] == "ok" and r["eval_ce"] < r["eval_history"][0]["eval_ce"] / 10  # its loss is the KL, not ce
+    assert "teacher: " in (out / "distilled" / "train.log").read_text()
+    compared = json.loads((out / "distilled_answers.json").read_text())
+    assert sum(compared["after"]["texts"][i].strip() == compared["references"][i] for i in identity) >= 6
+    assert all(compared["after"]["stopped"])
 
 
 def check_base_to_chat(proc, out):
