@@ -2,11 +2,11 @@
 
 The config and overrides are `sft.train`'s (`model=...`, `data.train_file=...`, `tokenizer.chat_template=...`);
 the tokenizer and the data are built as training builds them (validation, chat template, labels,
-truncation, the preprocessing cache) and the model is not (except to score the tokens of `loss=reference_weighted`
-where its cache has no scores yet, as a run would: `sft.model.reference_scores`). For the first N sequences of the split it
-prints the text as the model reads it, the trained tokens highlighted (green on a terminal, in ⟦brackets⟧
-otherwise) with the weight of each trained stretch (a loss's token weights, e.g. `loss=keywords`, split a
-turn into stretches), and then the split's totals:
+truncation, the preprocessing cache) and the model is not (except to score the tokens of
+`loss=reference_weighted` where its cache has no scores yet, as a run would: `sft.model.reference_scores`).
+For the first N sequences of the split it prints the text as the model reads it, the trained tokens
+highlighted (green on a terminal, in ⟦brackets⟧ otherwise) with the weight of each trained stretch (a loss's
+token weights, e.g. `loss=keywords`, split a turn into stretches), and then the split's totals:
 
     -- train.jsonl:1 · 52 tokens, 13 trained · sample weight 1
     <|im_start|>system

@@ -80,7 +80,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     if loss.scores_before_training:  # static token weights from the reference, scored by the main process first
         with args.main_process_first(desc="reference scores"):
             data, _ = weigh_by_reference(data, loss, lambda: model, cfg.model, cfg[loss.second_model], tokenizer,
-                                      bool(cfg.data.packing), args.seed, args.device)
+                                         bool(cfg.data.packing), args.seed, args.device)
     controllers["preemption"] = preemption or Preemption(grace_s=cfg.signal_grace_s)
     collator = instantiate(cfg.collator, tokenizer=tokenizer, sequence_parallel=sequence_parallel)
     # the micro-batch's rows and the activation checkpointing, into args before the trainer takes them; a packed
