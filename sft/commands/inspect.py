@@ -107,6 +107,7 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
         data = load_sft_datasets(spec, tokenizer, None)
         refusal = (f"\nnote: loss={type(loss).__name__} reads each row's difficulty_score, so training will refuse "
                    f"rows of this data: {' '.join(line.strip() for line in str(e).strip().splitlines()[:2])}")
+    scores = None  # the excess losses a loss's static weights come from (loss=reference_weighted)
     if loss.scores_before_training and refusal == "":  # its weights from a second model: scored (or cached) as a run's
         data, scores = reference_weights(cfg, data, loss, tokenizer)
     dataset = data.train if split == "train" else data.eval
@@ -118,7 +119,7 @@ def inspect(overrides: list[str], rows: int = 3, split: str = "train", color: bo
     else:
         firsts = [dataset[i] for i in range(min(rows, len(dataset)))]
         counted = totals(split, data.summary[split])
-        if loss.scores_before_training and split == "train":
+        if scores is not None and split == "train":
             counted += f"\n{loss.describe_weights(scores)}"
     shown = [show(tokenizer, row, data.source_name(split, row.get("source", 0)), color) for row in firsts]
     ids = (f"tokenizer: {type(tokenizer).__name__}, tokenizer.ids_from={cfg.tokenizer.ids_from} (its ids checked against "

@@ -156,8 +156,8 @@ class SecondFootprint:
         hidden = config.hidden_size
         intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
         element = next(model.parameters()).element_size()
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        return cls(weights=weights, per_token=(3 * hidden + 3 * intermediate) * element, vocab=config.vocab_size)
+        return cls(weights=parameter_bytes(model)[0], per_token=(3 * hidden + 3 * intermediate) * element,
+                   vocab=config.vocab_size)
 
     def bytes(self, tokens: int, lean_loss: bool, chunk_tokens: int) -> int:
         logits = min(chunk_tokens, tokens) * self.vocab * 4 * 2 if lean_loss else tokens * self.vocab * 4

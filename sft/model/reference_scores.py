@@ -50,28 +50,28 @@ def trained_tokens(labels) -> np.ndarray:
 def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> torch.Tensor:
     """Each trained token's cross entropy under `model` on a collated `batch` (its `labels`; a packed row's samples
     apart by their `position_ids`), in the batch's order, float32, without gradients; the logits a chunk of tokens at a
-    time (the model's own post-projection step included, `LogitTransform`)."""
+    time, as the lean loss projects them (`sft.loss.kernels.chunked_linear_cross_entropy`, the model's own
+    post-projection step included)."""
     import torch
-    import torch.nn.functional as F
 
+    from sft.loss.kernels import chunked_linear_cross_entropy
+    from sft.model.packing import PACKING_KWARGS
     from sft.model.second_model import forward_keeping_hidden
 
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")
-              or k.startswith(("cu_seq_lens", "max_length"))}
     device = next(model.parameters()).device
-    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()
+              if k in ("input_ids", "attention_mask", "position_ids", *PACKING_KWARGS)}
     labels = batch["labels"].to(device)
     rows, cols = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+    targets = labels[:, 1:][rows, cols]
     no_logits = torch.empty(0, dtype=torch.long, device=device)
     with torch.no_grad():
         _, hidden = forward_keeping_hidden(model, model.get_decoder(), **inputs, logits_to_keep=no_logits)
-        hidden = hidden[rows, cols]
-        weight = model.get_output_embeddings().weight.to(hidden.dtype)
-        transform = LogitTransform.of(model.config)
-        targets = labels[:, 1:][rows, cols]
-        return torch.cat([F.cross_entropy(transform((hidden[i:i + chunk_tokens] @ weight.T).float()),
-                                          targets[i:i + chunk_tokens], reduction="none")
-                          for i in range(0, len(targets), chunk_tokens)] or [hidden.new_zeros(0).float()])
+        # the weight detached: a trained model's output layer would otherwise get its gradient computed
+        _, ce, _, _ = chunked_linear_cross_entropy(hidden[rows, cols], model.get_output_embeddings().weight.detach(),
+                                                   targets, torch.ones(len(targets), device=device), chunk_tokens,
+                                                   transform=LogitTransform.of(model.config))
+    return ce
 
 
 def scoring_batches(dataset, collator, packed: bool):
@@ -135,11 +135,17 @@ def cached_scores(key: str, count: int, compute) -> np.ndarray:
     return scores
 
 
-def reference_weighted(dataset, loss, excess: np.ndarray):
+def trained_counts(dataset) -> list[int]:
+    """Each row's number of trained tokens (`trained_tokens`)."""
+    return [len(trained_tokens(labels)) for labels in dataset["labels"]]
+
+
+def reference_weighted(dataset, loss, excess: np.ndarray, counts: list[int] | None = None):
     """`dataset` with each trained token's `token_weights` times the loss's weight of its excess loss
-    (`loss.weights_of(excess)`; `excess` in the order of `trained_tokens` row by row), other tokens' unchanged."""
+    (`loss.weights_of(excess)`; `excess` in the order of `trained_tokens` row by row), other tokens' unchanged;
+    `counts`: the rows' `trained_counts`, where the caller has them."""
     weights = loss.weights_of(excess).astype(np.float32)
-    counts = [len(trained_tokens(labels)) for labels in dataset["labels"]]
+    counts = trained_counts(dataset) if counts is None else counts
     if sum(counts) != len(weights):
         raise ValueError(f"{len(weights)} reference scores for {sum(counts)} trained tokens")
     starts = np.concatenate([[0], np.cumsum(counts)])
@@ -176,7 +182,8 @@ def weigh_by_reference(data, loss, the_model, model_node, reference_node, tokeni
     identity = {"data": data.data_hash, "model": described(model_node), "reference": described(reference_node),
                 "seed": seed if model_node.random_init else None}
     key = scores_key(identity)
-    count = sum(len(trained_tokens(labels)) for labels in data.train["labels"])
+    counts = trained_counts(data.train)
+    count = sum(counts)
 
     def score() -> np.ndarray:
         model = the_model()
@@ -192,6 +199,6 @@ def weigh_by_reference(data, loss, the_model, model_node, reference_node, tokeni
 
     excess = cached_scores(key, count, score)
     log.info("loss: %s", loss.describe_weights(excess))
-    weighed = dataclasses.replace(data, train=reference_weighted(data.train, loss, excess),
+    weighed = dataclasses.replace(data, train=reference_weighted(data.train, loss, excess, counts),
                                   identity={**data.identity, "reference_scores": key})
     return weighed, excess

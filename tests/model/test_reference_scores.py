@@ -122,3 +122,8 @@ def test_inspect_shows_the_kept_tokens_and_a_run_trains_on_them_from_the_cache(t
     assert f"of {tokens:,} trained tokens kept (top 50%" in log
     identity = json.loads((tmp_path / "run" / "checkpoint-2" / "sft_state.json").read_text())["data"]
     assert len(identity["reference_scores"]) == 20
+    # rows without the difficulty score a hard-sample weighting reads: shown as they are, with what training refuses
+    unscored = write_jsonl(tmp_path / "unscored.jsonl", [{"messages": row["messages"]} for row in ROWS])
+    shown = sft("inspect", *common[:-1], f"data.train_file={unscored}", "loss.alpha=1")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "note: loss=ReferenceWeightedLoss reads each row's difficulty_score" in shown.stdout
