@@ -55,6 +55,21 @@ def test_a_tokens_score_is_the_models_own_loss_minus_the_references_packed_or_no
     np.testing.assert_allclose(means, own, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "cohere", "granite"])  # plain, softcapped, scaled logits
+def test_a_tokens_score_is_its_cross_entropy_from_the_models_own_logits_on_other_families(arch):
+    import torch.nn.functional as F
+    from architectures import batch, tiny
+
+    model = tiny(arch, tie=False)
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    trained = labels[:, 1:] != -100
+    own = F.cross_entropy(logits[:, :-1][trained].float(), labels[:, 1:][trained], reduction="none")
+    ours = token_losses(model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, chunk_tokens=5)
+    torch.testing.assert_close(ours, own, atol=1e-5, rtol=1e-5)
+
+
 def test_the_weights_fall_on_the_trained_tokens_times_the_weights_they_had(train):
     excess = np.arange(sum(len(trained_tokens(labels)) for labels in train["labels"]), dtype=np.float32)
     loss = ReferenceWeightedLoss(select="soft", temperature=50.0)
