@@ -25,7 +25,7 @@ from sft.bench.long_rows import drive_long_rows, run_long_rows_case, show_long_r
 from sft.bench.loss_cases import run_loss_case, show_loss
 from sft.bench.matmul import run_matmul_case, show_matmul
 from sft.bench.startup import drive_startup
-from sft.bench.training import run_eval_case, run_training_case, show_eval
+from sft.bench.training import CACHE_IN_SCRATCH, run_eval_case, run_training_case, show_eval
 
 TRAINING, EVAL, LOSS, MATMUL, ONCE = "training", "eval", "loss", "matmul", "once"
 NEEDS = ("trl", "bf16", "gpu", "liger", "flash")  # `sft.bench.device.missing` says why each is missing here
@@ -140,6 +140,10 @@ TABLE = (
     # a distillation from a teacher of the model's own size and weights: what the second model costs in time and memory
     training("distill", "loss=distill", *TEACHER_IS_THE_MODEL, on_request=True,
              ratios={"distill_vs_ce": Ratio("ce", memory=True)}),
+    # the same teacher's top 64 logits a token from a cache the case writes first (untimed): no teacher held or run
+    training("distill_cached", "loss=distill", *TEACHER_IS_THE_MODEL, f"loss.teacher_cache={CACHE_IN_SCRATCH}",
+             on_request=True, ratios={"cached_vs_live_teacher": Ratio("distill", memory=True),
+                                      "distill_cached_vs_ce": Ratio("ce", memory=True)}),
     training("packing", *PACKED, ratios={"packing_gain": Ratio("ce", target=1.3),
                                          "packing_vs_trl_padding_free": Ratio("trl_padding_free", target=1.3,
                                                                               memory=True),

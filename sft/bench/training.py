@@ -5,6 +5,7 @@ per second, memory, MFU), or `Trainer.evaluate()` is timed (`run_eval_case`)."""
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from sft.bench.device import on_gpu
 HF_CASES = ("hf", "hf_padding_free", "eval_hf")  # a plain `Trainer`
 TRL_CASES = ("trl", "trl_padding_free", "trl_padding_free_mask", "trl_best")  # TRL's `SFTTrainer`
 FASTEST_CASES = ("trl_best", "hf_padding_free")  # each trainer with its own fastest documented settings
+CACHE_IN_SCRATCH = "scratch"  # a case's loss.teacher_cache: written by the case (untimed) into its scratch dir
 
 
 def scratch_dir(case: str) -> str:
@@ -73,6 +75,11 @@ def case_trainer(case: str, cfg, run_dir: str):
     if case not in (*HF_CASES, *TRL_CASES):
         from sft.run.build import build
 
+        if cfg.loss.get("teacher_cache") == CACHE_IN_SCRATCH:  # the teacher's logits written first, not timed
+            from sft.run.teacher_cache import write_teacher_cache
+
+            cfg = OmegaConf.merge(cfg, {"loss": {"teacher_cache": os.path.join(scratch_dir(f"{case}-cache"), "c")}})
+            write_teacher_cache(cfg)
         return build(cfg, run_dir).trainer
     from hydra.utils import instantiate
     from transformers import set_seed

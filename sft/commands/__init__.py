@@ -21,6 +21,8 @@ COMMANDS = {
     "train": ("sft.commands.train", "fine-tune: Hydra overrides (sft train model=smollm2_135m lora=default); -m: a "
                                     "sweep"),
     "inspect": ("sft.commands.inspect", "show what will be trained, as the model's chat template renders it"),
+    "distill": ("sft.commands.distill", "sft distill cache: a teacher's top-k logits over a run's data, written once "
+                                        "for loss=distill loss.teacher_cache=<dir>"),
     "merge": ("sft.commands.merge", "merge a LoRA adapter into its base model, for serving"),
     "consolidate": ("sft.commands.consolidate", "a sharded checkpoint (FSDP2) as a model dir: safetensors, config, "
                                                 "tokenizer; one process, no GPU"),

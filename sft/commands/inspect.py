@@ -163,13 +163,7 @@ def template(tokenizer, prefill: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hydra.errors import ConfigCompositionException, HydraException, InstantiationException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from sft.commands.train import fail
-    from sft.config.argv import composition_error
-    from sft.config.schema import ConfigError
-    from sft.data.rows.reading import DataError
+    from sft.commands.train import fail_on_refusal
 
     parser = argparse.ArgumentParser(prog="sft inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=3, help="sequences to show (default 3)")
@@ -184,15 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         report = inspect(args.overrides, args.rows, args.split, color)
     except Exception as e:
-        reason = e.__cause__ if isinstance(e, InstantiationException) else e
-        if isinstance(reason, ConfigError):
-            fail(f"config: {reason}")
-        if isinstance(reason, DataError):
-            fail(str(reason))
-        if isinstance(reason, HydraException) and (said := composition_error(reason, args.overrides)) is not None:
-            fail(f"config: {said}")  # an override Hydra cannot parse, a misspelt knob: one line naming it
-        if isinstance(reason, (ConfigCompositionException, OmegaConfBaseException)):  # an override Hydra refuses
-            fail(f"config: {reason}")
+        fail_on_refusal(e, args.overrides)
         raise
     sys.stdout.write(report)
 

@@ -46,6 +46,26 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def fail_on_refusal(e: Exception, overrides: list[str]) -> None:
+    """From the `except` block of a command that composes `overrides` itself (`sft inspect`, `sft distill`): stop with
+    one line where `e` is a refusal (a config value, the data, an override Hydra refuses); else return (re-raise)."""
+    from hydra.errors import ConfigCompositionException, HydraException, InstantiationException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from sft.config.argv import composition_error
+    from sft.data.rows.reading import DataError
+
+    reason = e.__cause__ if isinstance(e, InstantiationException) else e
+    if isinstance(reason, ConfigError):
+        fail(f"config: {reason}")
+    if isinstance(reason, DataError):
+        fail(str(reason))
+    if isinstance(reason, HydraException) and (said := composition_error(reason, overrides)) is not None:
+        fail(f"config: {said}")  # an override Hydra cannot parse, a misspelt knob: one line naming it
+    if isinstance(reason, (ConfigCompositionException, OmegaConfBaseException)):  # an override Hydra refuses
+        fail(f"config: {reason}")
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
     from hydra.errors import InstantiationException

@@ -110,7 +110,7 @@ class WeightedTokenLoss(Schema):
         if self.second_model is not None and not (self.reads_logits or self.scores_before_training):
             raise TypeError(f"{type(self).__name__} names a second model and must define token_loss or score the "
                             "data before training")
-        if cfg is not None and self.second_model is not None and cfg.get(self.second_model) is None:
+        if cfg is not None and self.loads_second_model and cfg.get(self.second_model) is None:
             raise ConfigError("", None, f"{type(self).__name__} reads a {self.second_model}'s logits and the config "
                               f"has none: add +{self.second_model}=<option> (sft/conf/{self.second_model}/), e.g. "
                               f"+{self.second_model}=path {self.second_model}.name_or_path=<its dir>")
@@ -205,8 +205,15 @@ class WeightedTokenLoss(Schema):
 
     @property
     def reads_second_model_each_step(self) -> bool:
-        """Whether the trainer holds the second model and runs it on every micro-batch."""
+        """Whether the loss reads the second model's outputs on every micro-batch (the trainer holds the model, or
+        a cache of its outputs: `loads_second_model`)."""
         return self.second_model is not None and not self.scores_before_training
+
+    @property
+    def loads_second_model(self) -> bool:
+        """Whether the run loads the second model's weights (its config section then required); False where its
+        outputs come from a cache (`DistillLoss.teacher_cache`)."""
+        return self.second_model is not None
 
     @property
     def reads_logits(self) -> bool:

@@ -218,7 +218,9 @@ class DistillLoss(WeightedTokenLoss):
           ->  0.5 * ce (log 2 = 0.6931) + 0.5 * KL(teacher || student) (0.1308)  =  0.4120
 
     Where the two models' output layers differ in width over one vocabulary, the divergence is over their shared
-    columns (`sft.loss.divergence`).
+    columns (`sft.loss.divergence`). With `teacher_cache` (a dir `sft distill cache` wrote) the teacher is its `top_k`
+    largest logits a token, read from that dir instead of a model held beside the student: its distribution
+    renormalised over them, 0 elsewhere (`sft.model.teacher_cache`).
     """
 
     _target_: str = "sft.loss.builtin.DistillLoss"
@@ -230,9 +232,28 @@ class DistillLoss(WeightedTokenLoss):
                            "alone, 0: ce alone)")
     temperature: float = knob(1.0, "both distributions softened as softmax(logits / T), the divergence times T ** 2")
     beta: float = knob(0.5, "jsd: the teacher's share of the mixture m (0 < beta < 1)")
+    teacher_cache: Optional[str] = knob(None, "a dir sft distill cache wrote: the teacher's top_k logits a token read "
+                                        "from it, no teacher held (null: the live +teacher)")
+    top_k: int = knob(64, "the teacher's largest logits a token that sft distill cache keeps, and a run reads of "
+                      "them (at most what its cache holds)")
+
+    @property
+    def loads_second_model(self) -> bool:
+        return self.teacher_cache is None
 
     def check(self, cfg=None):
         super().check(cfg)
+        self.require("top_k", self.top_k >= 1, "must be >= 1")
+        if self.teacher_cache is not None:
+            self.require("divergence", self.divergence != Divergence.reverse, "reverse KL is not defined on a cached "
+                         "teacher (its probability of a token outside its top_k is unknown, and 0 would make it "
+                         "infinite): forward or jsd, or the live teacher (loss.teacher_cache=null)")
+            if cfg is not None and cfg.data.get("streaming"):
+                raise ConfigError("teacher_cache", self.teacher_cache, "a cache holds a split's rows in order, a "
+                                  "stream has none: data.streaming=false, or the live teacher")
+            if cfg is not None and cfg.get("sp") is not None and int(cfg.sp.get("size", 1)) > 1:
+                raise ConfigError("teacher_cache", self.teacher_cache, "not with sequence parallelism (its slices of "
+                                  "the positions are not cut from the cached logits): sp=none")
         self.require("divergence", self.divergence in Divergence.values(),
                      f"must be one of {', '.join(Divergence.values())}")
         self.require("kd_ratio", 0 <= self.kd_ratio <= 1, "must be in [0, 1]")

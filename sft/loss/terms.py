@@ -57,19 +57,30 @@ def select_targets(labels: torch.Tensor, weights: torch.Tensor, position_ids: to
 @dataclass
 class SecondOutputs:
     """A second model's outputs on a micro-batch (a teacher's, `WeightedTokenLoss.second_model`), computed without
-    gradients: its `logits` `[rows, positions, V]`, or its final hidden states and output projection's weight, whose
-    logits get its `transform`, projected a chunk of tokens at a time as the model's own are (`chunked`)."""
+    gradients: its `logits` `[rows, positions, V]`; or its final hidden states and output projection's weight, whose
+    logits get its `transform`, projected a chunk of tokens at a time as the model's own are (`chunked`); or a cached
+    teacher's k largest logits `top_logits` and their ids `top_ids` `[rows, positions, k]` (`sft.model.teacher_cache`),
+    of an output layer `width` wide, the others -inf:
+
+        top_ids [[1, 0]], top_logits [[2.0, 0.5]], width 3  ->  logits_of(0, 1) = [[0.5, 2.0, -inf]]
+    """
 
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     lm_head: torch.Tensor | None = None
     transform: LogitTransform | None = None
+    top_ids: torch.Tensor | None = None
+    top_logits: torch.Tensor | None = None
+    width: int = 0
 
     def at(self, t: Targets) -> "SecondOutputs":
         """Only the rows of the positions predicting the targets `t`, in their order; the output projection's weight in
         the hidden states' dtype (cast once here, not at every chunk and again in its backward's recomputation)."""
         if self.logits is not None:
             return SecondOutputs(logits=self.logits[t.rows, t.cols])
+        if self.top_ids is not None:
+            return SecondOutputs(top_ids=self.top_ids[t.rows, t.cols], top_logits=self.top_logits[t.rows, t.cols],
+                                 width=self.width)
         hidden = self.hidden[t.rows, t.cols]
         return SecondOutputs(hidden=hidden, lm_head=self.lm_head.to(hidden.dtype), transform=self.transform)
 
@@ -77,6 +88,10 @@ class SecondOutputs:
         """The float32 logits of selected rows `start:end` (after `at`)."""
         if self.logits is not None:
             return self.logits[start:end].float()
+        if self.top_ids is not None:
+            ids = self.top_ids[start:end]
+            full = torch.full((len(ids), self.width), -torch.inf, dtype=torch.float32, device=ids.device)
+            return full.scatter_(1, ids.long(), self.top_logits[start:end].float())
         return (self.transform or LogitTransform())((self.hidden[start:end] @ self.lm_head.T).float())
 
 

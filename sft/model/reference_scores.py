@@ -117,6 +117,15 @@ def weights_fingerprint(name_or_path: str) -> list | None:
     return sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in path.iterdir() if p.is_file())
 
 
+def model_identity(node, seed: int) -> dict:
+    """What decides a model a config section (`model`, `teacher`, `reference`) builds: its knobs, a local dir's files
+    (`weights_fingerprint`) and, for a random-init one, the `seed`."""
+    from omegaconf import OmegaConf
+
+    return {**OmegaConf.to_container(node, resolve=True), "files": weights_fingerprint(str(node.name_or_path)),
+            "seed": seed if node.get("random_init") else None}
+
+
 def cached_scores(key: str, count: int, compute) -> np.ndarray:
     """The scores cached under `key` (`$SFT_CACHE/reference_scores/<key>.npy`), else `compute()`'s, written there
     (complete or absent: written aside and renamed); a cached file of another length than `count` is recomputed."""
@@ -171,16 +180,11 @@ def weigh_by_reference(data, loss, the_model, model_node, reference_node, tokeni
     before, else scored now on `device` (the model built, left there; the reference loaded, checked to share its
     vocabulary, run and freed). The scores' key joins the data's identity, so that a resume under another reference is
     refused as other data is. Returns that data and the excess losses."""
-    from omegaconf import OmegaConf
-
     from sft.data.tokens.collator import WeightedDataCollator
     from sft.model.second_model import load_second_model
 
-    def described(node) -> dict:
-        return {**OmegaConf.to_container(node, resolve=True), "files": weights_fingerprint(str(node.name_or_path))}
-
-    identity = {"data": data.data_hash, "model": described(model_node), "reference": described(reference_node),
-                "seed": seed if model_node.random_init else None}
+    identity = {"data": data.data_hash, "model": model_identity(model_node, seed),
+                "reference": model_identity(reference_node, seed)}
     key = scores_key(identity)
     counts = trained_counts(data.train)
     count = sum(counts)

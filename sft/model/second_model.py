@@ -45,6 +45,8 @@ class TeacherConfig(ModelConfig):
         if getattr(loss, "second_model", None) != self.role:
             raise ConfigError("", self.name_or_path, f"loss {cfg.loss._target_} reads no {self.role}: drop "
                               f"+{self.role}, or use {self.read_by}")
+        if cfg.loss.get("teacher_cache") is not None:  # not loaded: the cache is checked to be its (teacher_cache)
+            return
         if cfg.get("sp") is not None and int(cfg.sp.get("size", 1)) > 1:
             raise ConfigError("", self.name_or_path, f"not with sequence parallelism (each rank holds a slice of "
                               f"the positions, the {self.role} would need the whole rows): sp=none")

@@ -52,6 +52,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     from sft.model.compile import compile_layers
     from sft.model.reference_scores import weigh_by_reference
     from sft.model.second_model import load_second_model
+    from sft.model.teacher_cache import cached_teacher
     from sft.run.memory_plan import fit_step_in_memory
     from sft.training.parts import Display, EvaluationParts, StepParts
     from sft.training.step.preemption import Preemption
@@ -74,9 +75,14 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     check_model_levers(cfg, args, model)
     # the frozen teacher or reference the loss reads at each step (the config allows one only where the loss reads it)
     second_model = (load_second_model(cfg[loss.second_model], loss.second_model, tokenizer, bool(cfg.data.packing))
-                    if loss.reads_second_model_each_step else None)
+                    if loss.reads_second_model_each_step and loss.loads_second_model else None)
     spec = instantiate(cfg.data, _convert_="object")  # a DataSpec
     data = load_data(spec, tokenizer, loss, controllers, args, run_dir)
+    held = second_model  # the memory plan counts a model held beside the trained one, not a cache of its logits
+    if loss.reads_second_model_each_step and not loss.loads_second_model:  # the teacher's logits from its cache
+        with args.main_process_first(desc="teacher cache"):
+            data, second_model = cached_teacher(data, loss.teacher_cache, loss.top_k, cfg.get(loss.second_model),
+                                                args.seed)
     if loss.scores_before_training:  # static token weights from the reference, scored by the main process first
         with args.main_process_first(desc="reference scores"):
             data, _ = weigh_by_reference(data, loss, lambda: model, cfg.model, cfg[loss.second_model], tokenizer,
@@ -87,7 +93,7 @@ def build(cfg: DictConfig, run_dir: str, checkpoint: str | None = None, preempti
     # micro-batch's pieces
     micro_batch_tokens = fit_step_in_memory(cfg.trainer, spec, args, model, loss, data.train,
                                             collator.pad_to_multiple_of, engine=sharding_engine(cfg),
-                                            second_model=second_model)
+                                            second_model=held)
     trainer = WeightedLossTrainer(
         model=model, args=args, train_dataset=data.train, eval_dataset=data.eval, data_collator=collator,
         processing_class=tokenizer,

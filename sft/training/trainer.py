@@ -65,6 +65,7 @@ from sft.loss.kernels import choose_impl, lean_logits_error
 from sft.loss.logits import LogitTransform, router_aux_loss_coef
 from sft.model.attention import packed_rows_need_no_mask
 from sft.model.second_model import FrozenModel, forward_keeping_hidden
+from sft.model.teacher_cache import CachedTeacher
 from sft.training.checkpoints.saving import CheckpointSaving
 from sft.training.compat import import_deepspeed_only_when_used
 from sft.training.evaluation import ExactEvaluation
@@ -89,9 +90,9 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
     def __init__(self, *args, loss: WeightedTokenLoss, step: StepParts | None = None, shows: Display | None = None,
                  second_model=None, **kwargs):
         """Trainer's arguments, the weighted `loss`, a step's control (`step`), what the run shows (`shows`) and the
-        frozen model the loss reads beside it (`second_model`: its teacher or reference, `sft.model.second_model`); the
-        evaluation's part (`evaluation`) and the checkpoints' (`checkpoints`) go to the classes that own them
-        (`sft.training.parts`)."""
+        frozen model the loss reads beside it (`second_model`: its teacher or reference, `sft.model.second_model`; or
+        a teacher's cached logits, `sft.model.teacher_cache.CachedTeacher`); the evaluation's part (`evaluation`) and
+        the checkpoints' (`checkpoints`) go to the classes that own them (`sft.training.parts`)."""
         step, shows = step or StepParts(), shows or Display()
         self.controllers = dict(step.controllers)
         self.pure_bf16 = step.master_weights  # trainer.precision=pure: create_optimizer gives it fp32 copies
@@ -107,8 +108,9 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
             each_step = loss.second_model if loss.reads_second_model_each_step else "no second model"
             raise ValueError(f"{type(loss).__name__} reads {each_step} at each step, and the trainer "
                              f"was given {'none' if second_model is None else 'one'}")
-        # not an attribute Trainer knows: never wrapped, stepped or saved
-        self.second_model = FrozenModel(second_model, self.args.device) if second_model is not None else None
+        # not an attribute Trainer knows: never wrapped, stepped or saved; a cached teacher's logits come with the batch
+        self.second_model = (second_model if second_model is None or isinstance(second_model, CachedTeacher)
+                             else FrozenModel(second_model, self.args.device))
         self.clip_policy = step.clip_policy or GradClipPolicy()
         decode = self.processing_class.decode if self.processing_class is not None else str
         self.step_control = StepControl(self.clip_policy, self.controllers, StepReport(
@@ -366,6 +368,10 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
         source_ids = inputs.pop("source_ids", None)
         given = pop_targets(inputs)  # where its trained tokens are, as the collator found them
         aux_values = {k: inputs.pop(k) for k in [k for k in inputs if k.startswith("aux_")]}
+        # the second model sees the micro-batch as it is (its attention may need the mask the model is spared); a
+        # cached teacher's logits leave the batch here
+        second = (self.second_model.outputs(inputs, lean=self.loss_impl != "naive")
+                  if self.second_model is not None else None)
         evaluating = not model.training and self._eval_rows is not None and source_lines is not None
         training = model.training and num_items_in_batch is not None
         model_inputs, columns = self.sp.shard(inputs) if self.sp is not None and model.training else (inputs, None)
@@ -374,9 +380,6 @@ class WeightedLossTrainer(ExactEvaluation, CheckpointSaving):
             # the attention keeps the samples apart by their boundaries: the model is told its mask is built, so it
             # builds none (transformers reads the packing from the positions first, a wait for the device each forward)
             model_inputs = {**model_inputs, "attention_mask": self._mask_not_needed}
-        # the second model sees the micro-batch as it is (its attention may need the mask the model is spared)
-        second = (self.second_model.outputs(inputs, lean=self.loss_impl != "naive")
-                  if self.second_model is not None else None)
         outputs, terms, hidden = self._forward_terms(model, model_inputs, labels, weights, accuracy=evaluating,
                                                      keep_hidden=training and bool(self.aux_terms),
                                                      position_ids=inputs.get("position_ids"), columns=columns,

@@ -1,6 +1,7 @@
 """`python -m sft.bench` runs every case end to end (tiny sizes) and writes bench.json with every key."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -70,6 +71,25 @@ def test_bench_runs_every_case_and_writes_all_ratios(tmp_path):
         assert any(line.startswith(ratio) and target in line for line in proc.stdout.splitlines()), ratio
     assert "bench.isolate=false: the cases shared one process" in proc.stdout
     assert "round 1 (attempt 1): load average" in proc.stdout  # (a fresh process per case: the preprocess cases)
+
+
+@pytest.mark.slow  # two short training cases and a cache (about 40 s)
+def test_the_cached_teacher_case_writes_its_cache_first_and_is_compared_with_the_live_teacher(tmp_path):
+    """`distill_cached` (on request) writes its teacher's logits before its timed steps and trains from them: both
+    distillation cases run, and the ratio compares them (`tests/model/test_teacher_cache.py` proves the cache equal to
+    the live teacher)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sft.bench", "--out", str(out), "bench.cases=[distill,distill_cached]", "bench.steps=3",
+         "bench.warmup_steps=1", "bench.repeats=1", "bench.min_cpu_share=0", "bench.isolate=false",
+         "bench.batch_sizes=[8]"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert not report["failed"] and set(report["ratios"]) == {"cached_vs_live_teacher", "cached_vs_live_teacher_memory"}
+    assert all(math.isfinite(loss) for case in ("distill", "distill_cached")
+               for loss in report["raw"][case][0]["losses"])
+    assert report["ratios"]["cached_vs_live_teacher"] > 0
 
 
 def test_a_loaded_round_is_run_again_and_flagged_if_it_stays_loaded(monkeypatch):

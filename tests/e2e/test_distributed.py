@@ -109,15 +109,29 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, on
 @pytest.mark.slow
 def test_a_distillation_on_two_processes_equals_one_process(tmp_path):
     """The teacher is the tiny model, the student starts as it: from the second step on the student has moved and the
-    divergence (here the skewed Jensen-Shannon, mostly) drives the update, normalised over both ranks' tokens."""
-    distill = [*EXACT, *WEIGHTED[1:], "loss=distill", "loss.divergence=jsd", "loss.kd_ratio=0.9", "+teacher=tiny"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = run_train(*distill, "trainer.per_device_train_batch_size=4", f"hydra.run.dir={one}")
+    divergence (here the skewed Jensen-Shannon, mostly) drives the update, normalised over both ranks' tokens. The same
+    on two processes from a cache of every teacher logit (`sft distill cache`), which each rank attaches to its rows."""
+    from conftest import sft
+
+    from sft.model.loading import load_model
+
+    distill = [*EXACT, *WEIGHTED[1:], "loss=distill", "loss.divergence=jsd", "loss.kd_ratio=0.9"]
+    one, two, cached = tmp_path / "one", tmp_path / "two", tmp_path / "cached"
+    single = run_train(*distill, "+teacher=tiny", "trainer.per_device_train_batch_size=4", f"hydra.run.dir={one}")
     assert single.returncode == 0, single.stderr[-3000:]
-    double = launch("--nproc", "2", *distill, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={two}")
+    double = launch("--nproc", "2", *distill, "+teacher=tiny", "trainer.per_device_train_batch_size=2",
+                    f"hydra.run.dir={two}")
     assert double.returncode == 0, double.stderr[-3000:]
     assert_same_run(one, two)
     assert "teacher: tiny (Qwen2ForCausalLM, " in (two / "train.log").read_text()
+    vocab = load_model("tiny").config.vocab_size
+    from_cache = [*distill, f"loss.teacher_cache={tmp_path / 'cache'}", f"loss.top_k={vocab}"]
+    written = sft("distill", "cache", *from_cache, "+teacher=tiny")
+    assert written.returncode == 0, written.stderr[-3000:]
+    double = launch("--nproc", "2", *from_cache, "trainer.per_device_train_batch_size=2", f"hydra.run.dir={cached}")
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert_same_run(one, cached)
+    assert f"teacher: its top {vocab} logits a token from the cache" in (cached / "train.log").read_text()
 
 
 @pytest.mark.slow

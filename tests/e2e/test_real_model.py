@@ -204,6 +204,36 @@ def test_the_real_model_experiment_runs_and_reports_at_toy_size(real, tmp_path):
     assert verdict.startswith("- loss=hard_sample against loss=ce (1 seed, paired): ")
 
 
+def test_the_second_model_experiment_runs_and_reports_at_toy_size(real, tmp_path):
+    """+experiment=real_second_model at toy size, its teacher (and reference) the real model's own dir: distill and
+    reference_weighted compose with their second model from $SFT_TEACHER, train, answer every bucket, and the report
+    pairs each with ce (hard_sample's job is real_hard_sample's, tested above)."""
+    import csv
+
+    model_dir, _ = real
+    rows = [json.loads(line) for line in (REPO / "sft/sample_data/validation.jsonl").read_text().splitlines()[:48]]
+    evaluation = write_jsonl(tmp_path / "eval.jsonl", rows)
+    # 16 training rows: the reference scores the whole split before training (the bundled 4,000 take minutes)
+    first = (REPO / "sft/sample_data/train.jsonl").read_text().splitlines()[:16]
+    train = write_jsonl(tmp_path / "train.jsonl", [json.loads(line) for line in first])
+    proc = run_train("-m", "+experiment=real_second_model", "+loss_zoo=ce,distill,reference_weighted",
+                     "trainer.max_steps=2", "exact_match.max_rows=3", "trainer.per_device_train_batch_size=4",
+                     "exact_match.max_new_tokens=12", "trainer.seed=1", f"data.eval_file={evaluation}",
+                     f"data.train_file={train}",
+                     f"hydra.sweep.dir={tmp_path / 'sweep'}", env={"SFT_TEACHER": str(model_dir)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "sweep" / "sweep_summary.csv") as f:
+        settings = {row["loss_zoo"]: row for row in csv.DictReader(f)}
+    assert set(settings) == {"ce", "distill", "reference_weighted"}
+    assert all(0 <= float(settings["distill"][f"eval_exact/bucket_{k}"]) <= 1 for k in range(4))
+    verdict = (tmp_path / "sweep" / "sweep_summary.md").read_text().split("## Verdict\n\n")[1]
+    assert "- loss_zoo=distill against loss_zoo=ce (1 seed, paired): " in verdict
+    assert "- loss_zoo=reference_weighted against loss_zoo=ce (1 seed, paired): " in verdict
+    logs = {p.parent.name: p.read_text() for p in (tmp_path / "sweep").glob("*/app.log")}
+    assert any(f"teacher: {model_dir} (LlamaForCausalLM" in log for log in logs.values())
+    assert any("reference weights: " in log and " trained tokens kept (top 60%" in log for log in logs.values())
+
+
 def test_bf16_step_losses_follow_fp32_over_10_real_steps(real, tmp_path):
     """`trainer.bf16=true` on a CPU with bf16 instructions (sft.training.processes.precision): ten full fine-tuning
     steps of the real model follow fp32's step losses to bf16's resolution, and both learn."""

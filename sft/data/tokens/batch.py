@@ -18,6 +18,10 @@ IGNORE_INDEX = -100  # a label that takes no loss (prompt tokens, padding), as t
 # Where a batch's trained tokens are, found by the collator on the CPU (`trained_positions`): the loss reads them
 # instead of finding them on the device, which would wait for the GPU (a `nonzero`, a count of the samples)
 TARGET_KEYS = ("target_rows", "target_cols", "target_samples", "num_samples")
+# A cached teacher's largest logits (`sft.model.teacher_cache`): a row's columns, its trained tokens' k ids and logits
+# flat, and a batch's, `[rows, positions, k]` at the positions predicting them (the collator's `teacher_top_k`)
+TEACHER_TOP_K_COLUMNS = ("teacher_ids", "teacher_logits")
+TEACHER_TOP_K_KEYS = ("teacher_top_ids", "teacher_top_logits")
 
 
 def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import math
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-from sft.data.tokens.batch import IGNORE_INDEX, trained_positions
+from sft.data.tokens.batch import IGNORE_INDEX, TEACHER_TOP_K_COLUMNS, TEACHER_TOP_K_KEYS, trained_positions
 
 
 class WeightedDataCollator(DataCollatorForSeq2Seq):
@@ -30,9 +30,9 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
 
     The batch holds what the model's forward takes plus `labels`, `weights`, `source_lines`,
     `source_views` (which text of its row a sequence is, see `chat_views`), a mixture's `source_ids` (the
-    rows' `source`, `sft.data.splits.mixture`) and each auxiliary term's row values `aux_<name>` ([rows]), which the
-    trainer pops before the forward; from a stream, `stream_state`, the stream's position after the micro-batch's
-    last sequence (`sft.data.splits.streaming`), which the trainer keeps.
+    rows' `source`, `sft.data.splits.mixture`), each auxiliary term's row values `aux_<name>` ([rows]) and a cached
+    teacher's logits (`teacher_top_k`), which the trainer pops before the forward; from a stream, `stream_state`, the
+    stream's position after the micro-batch's last sequence (`sft.data.splits.streaming`), which the trainer keeps.
 
     `sequence_parallel` > 1 (`sft.training.processes.sequence_parallel`: that many ranks split each sequence): every
     batch's length is a multiple of it (a packed row padded at its end, its last sample's positions going on), and every
@@ -61,6 +61,8 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
                          for f, w in zip(features, weights)] if "token_weights" in features[0] else None
         sources = (torch.as_tensor([f["source"] for f in features], dtype=torch.long) if "source" in features[0]
                    else None)
+        cached = [[f[key] for key in TEACHER_TOP_K_COLUMNS] for f in features] if TEACHER_TOP_K_COLUMNS[0] in raw[0] \
+            else None
         features = [{"input_ids": f["input_ids"], "labels": f["labels"]} for f in features]
         if self.packing:
             batch = self.flatten(features)
@@ -85,12 +87,42 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
         if sources is not None:  # a mixture's: which source each row is of
             batch["source_ids"] = sources
         batch.update(aux)
+        if cached is not None:
+            batch.update(self.teacher_top_k(batch, [f["labels"] for f in features], cached))
         if "stream_state" in raw[-1]:  # a stream's position after this micro-batch (sft.data.splits.streaming)
             batch["stream_state"] = raw[-1]["stream_state"]
         if self.sequence_parallel > 1:
             self._whole_positions(batch)
         batch.update(trained_positions(batch["labels"], batch.get("position_ids") if self.packing else None))
         return batch
+
+    def teacher_top_k(self, batch: dict, labels: list, cached: list) -> dict:
+        """A cached teacher's logits (`sft.model.teacher_cache`) laid out as the batch's positions, `TEACHER_TOP_K_KEYS`
+        `[rows, positions, k]`: each sequence's trained tokens' k ids and logits (its `labels`; `cached`: its flat
+        `TEACHER_TOP_K_COLUMNS`) at the positions predicting them, where the second model's logits would be; 0 at the
+        others, which no loss reads.
+
+            labels [-100, -100, 7, 8], ids [4, 1, 0, 2] (k = 2)  ->  teacher_top_ids [[[0, 0], [4, 1], [0, 2], [0, 0]]]
+        """
+        length = batch["labels"].shape[1]
+        k = next((len(ids) // trained for (ids, _), trained in zip(cached, map(_trained_count, labels)) if trained), 1)
+        ids = torch.zeros(*batch["labels"].shape, k, dtype=torch.int32)
+        values = torch.zeros(*batch["labels"].shape, k, dtype=torch.float32)
+        offset = 0
+        for row, (own, (own_ids, own_values)) in enumerate(zip(labels, cached)):
+            own = torch.as_tensor(own)
+            at = (own[1:] != IGNORE_INDEX).nonzero().flatten()  # the positions predicting the trained tokens
+            if self.packing:
+                row, at = 0, at + offset
+                offset += len(own)
+            elif self.tokenizer.padding_side == "left":
+                at = at + length - len(own)
+            if len(own_ids) != len(at) * k:
+                raise ValueError(f"a sequence with {len(at)} trained tokens has {len(own_ids)} cached teacher ids, "
+                                 f"not {len(at)} x {k}: a cache written for other data")
+            ids[row, at] = torch.as_tensor(own_ids, dtype=torch.int32).view(len(at), k)
+            values[row, at] = torch.as_tensor(own_values, dtype=torch.float32).view(len(at), k)
+        return dict(zip(TEACHER_TOP_K_KEYS, (ids, values)))
 
     def _whole_positions(self, batch: dict) -> None:
         """`position_ids` everywhere and a length that divides by `sequence_parallel` (see the class docstring)."""
@@ -109,3 +141,8 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
                     "weights": torch.zeros(1, extra)}
             for key, pad in pads.items():
                 batch[key] = torch.cat([batch[key], pad.to(batch[key].dtype)], dim=1)
+
+
+def _trained_count(labels) -> int:
+    """A sequence's trained tokens, as the loss reads them (labels other than -100 after the first)."""
+    return int((torch.as_tensor(labels)[1:] != IGNORE_INDEX).sum())

@@ -118,8 +118,8 @@ def _packed_pieces(batch: dict, bounds: list[int], groups: list[list[int]]) -> l
                 piece[key] = value[first:last + 1]
             elif key in PACKED_KWARGS:
                 continue
-            elif torch.is_tensor(value) and value.dim() == 2 and value.shape == (1, length):
-                piece[key] = value[:, a:b]
+            elif torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (1, length):
+                piece[key] = value[:, a:b]  # a token's (a cached teacher's logits: [1, length, k])
             else:
                 raise ValueError(f"a packed micro-batch's {key!r} is neither a token's nor a sample's")
         own_bounds = packed_bounds(piece["position_ids"][0])
