@@ -110,7 +110,8 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, on
 def test_a_distillation_on_two_processes_equals_one_process(tmp_path):
     """The teacher is the tiny model, the student starts as it: from the second step on the student has moved and the
     divergence (here the skewed Jensen-Shannon, mostly) drives the update, normalised over both ranks' tokens. The same
-    on two processes from a cache of every teacher logit (`sft distill cache`), which each rank attaches to its rows."""
+    on two processes from a cache of every teacher logit (`sft distill cache`), which each rank attaches to its rows,
+    under DDP and ZeRO-3."""
     from conftest import sft
 
     from sft.model.loading import load_model
@@ -132,6 +133,11 @@ def test_a_distillation_on_two_processes_equals_one_process(tmp_path):
     assert double.returncode == 0, double.stderr[-3000:]
     assert_same_run(one, cached)
     assert f"teacher: its top {vocab} logits a token from the cache" in (cached / "train.log").read_text()
+    # ZeRO-3, which refuses a live teacher (it would shard it), trains from the cache: no teacher is loaded
+    sharded = launch("--nproc", "2", *from_cache, "deepspeed=zero3", "trainer.per_device_train_batch_size=2",
+                     f"hydra.run.dir={tmp_path / 'zero3'}")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert_same_run(one, tmp_path / "zero3")
 
 
 @pytest.mark.slow
