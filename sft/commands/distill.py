@@ -31,10 +31,12 @@ def cache(overrides: list[str], device: str | None = None) -> str:
     started = time.perf_counter()
     meta = write_teacher_cache(cfg, device)
     path, tokens = cfg.loss.teacher_cache, sum(meta.tokens.values())
+    kept = "".join(f"\n  {split}: the top {meta.top_k} hold {mass['mean']:.1%} of the teacher's probability a token "
+                   f"on average (5% of the tokens: under {mass['p5']:.1%})" for split, mass in meta.kept_mass.items())
     return (f"{path}: the top {meta.top_k} logits of {cfg.teacher.name_or_path} at "
             f"{', '.join(f'{n:,} {split}' for split, n in meta.tokens.items())} tokens "
             f"({tokens * meta.top_k * 8 / 2 ** 20:.1f} MiB, {time.perf_counter() - started:.0f} s); train from it: "
-            f"sft train loss=distill loss.teacher_cache={path} with the same data\n")
+            f"sft train loss=distill loss.teacher_cache={path} with the same data{kept}\n")
 
 
 def main(argv: list[str] | None = None) -> None:

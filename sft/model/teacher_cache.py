@@ -6,7 +6,8 @@ the student's settings holds no teacher and runs no teacher forward.
     write_cache(dir, teacher, data, collator, top_k=2, identity)   one row, trained tokens at 2 and 3, V = 5:
         train.ids.npy    [[4, 1], [0, 2]]          int32, each token's k ids, largest logit first
         train.logits.npy [[3.1, 0.2], [1.5, 1.4]]  float32, the teacher's logits there (its own transform applied)
-        cache.json       data hash, the teacher's identity, top_k, the output layer's width, tokens per split
+        cache.json       data hash, the teacher's identity, top_k, the output layer's width, tokens per split, the
+                         probability the k logits hold a token (mean, 5th percentile: whether k is enough)
 
 The teacher's distribution the loss reads is its top-k renormalised: softmax over the k logits (over T), 0
 elsewhere. Forward KL and the skewed Jensen-Shannon divergence are defined on it; reverse KL is not (the student's
@@ -54,6 +55,8 @@ class CacheMeta:
     top_k: int
     width: int  # the teacher's output layer's rows: the divergence compares the models over their shared columns
     tokens: dict  # split -> its trained tokens (rows of the arrays)
+    # split -> the probability the k logits hold a token: {"mean": ..., "p5": its 5th percentile}
+    kept_mass: dict = dataclasses.field(default_factory=dict)
     format: int = FORMAT
 
     @property
@@ -63,10 +66,11 @@ class CacheMeta:
 
 
 def teacher_top_k(model, batch: dict, k: int, chunk_tokens: int = 1024):
-    """`model`'s `k` largest logits (`[N, k]` float32, largest first) and their ids (`[N, k]` int32) at each position
-    of a collated `batch` that predicts a trained token, in the batch's order (row by row; a packed row's samples
-    apart by their `position_ids`), its own post-projection step applied (`LogitTransform`), without gradients; the
-    logits projected a chunk of tokens at a time."""
+    """`model`'s `k` largest logits (`[N, k]` float32, largest first), their ids (`[N, k]` int32) and the probability
+    they hold (`[N]`: what the cache keeps of the teacher's distribution, at temperature 1) at each position of a
+    collated `batch` that predicts a trained token, in the batch's order (row by row; a packed row's samples apart by
+    their `position_ids`), its own post-projection step applied (`LogitTransform`), without gradients; the logits
+    projected a chunk of tokens at a time."""
     import torch
 
     from sft.model.packing import PACKING_KWARGS
@@ -79,19 +83,21 @@ def teacher_top_k(model, batch: dict, k: int, chunk_tokens: int = 1024):
     rows, cols = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
     transform = LogitTransform.of(model.config)
     no_logits = torch.empty(0, dtype=torch.long, device=device)
-    values, ids = [], []
+    values, ids, kept = [], [], []
     with torch.no_grad():
         _, hidden = forward_keeping_hidden(model, model.get_decoder(), **inputs, logits_to_keep=no_logits)
         hidden = hidden[rows, cols]
         weight = model.get_output_embeddings().weight
         weight = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
         for start in range(0, len(hidden), chunk_tokens):
-            top = transform((hidden[start:start + chunk_tokens] @ weight.T).float()).topk(k, dim=-1)
+            logits = transform((hidden[start:start + chunk_tokens] @ weight.T).float())
+            top = logits.topk(k, dim=-1)
             values.append(top.values.cpu())
             ids.append(top.indices.to(torch.int32).cpu())
+            kept.append((top.values.logsumexp(-1) - logits.logsumexp(-1)).exp().cpu())
     if not values:
-        return torch.zeros(0, k), torch.zeros(0, k, dtype=torch.int32)
-    return torch.cat(values), torch.cat(ids)
+        return torch.zeros(0, k), torch.zeros(0, k, dtype=torch.int32), torch.zeros(0)
+    return torch.cat(values), torch.cat(ids), torch.cat(kept)
 
 
 def write_cache(path: str | os.PathLike, teacher, data, collator, top_k: int, identity: dict,
@@ -104,7 +110,7 @@ def write_cache(path: str | os.PathLike, teacher, data, collator, top_k: int, id
     if top_k > width:
         raise ConfigError("loss.top_k", top_k, f"larger than the teacher's vocabulary ({width:,} logits a token)")
     teacher.requires_grad_(False).eval()
-    target, tokens = Path(path), {}
+    target, tokens, kept_mass = Path(path), {}, {}
     aside = target.with_name(f".{target.name}.replaced-{os.getpid()}")
     if target.exists():
         target.rename(aside)
@@ -117,15 +123,19 @@ def write_cache(path: str | os.PathLike, teacher, data, collator, top_k: int, id
                 started, count = time.perf_counter(), sum(trained_counts(dataset))
                 log.info("distill cache: the teacher's top %d logits at %d trained tokens of %s", top_k, count, split)
                 found = [teacher_top_k(teacher, batch, top_k) for batch in scoring_batches(dataset, collator, packed)]
-                values = np.concatenate([v.numpy() for v, _ in found]) if found else np.zeros((0, top_k), np.float32)
-                ids = np.concatenate([i.numpy() for _, i in found]) if found else np.zeros((0, top_k), np.int32)
+                values = np.concatenate([v.numpy() for v, _, _ in found]) if found else np.zeros((0, top_k), np.float32)
+                ids = np.concatenate([i.numpy() for _, i, _ in found]) if found else np.zeros((0, top_k), np.int32)
+                kept = np.concatenate([m.numpy() for _, _, m in found]) if found else np.zeros(0, np.float32)
                 if len(values) != count:
                     raise RuntimeError(f"{split}: {len(values)} positions scored for {count} trained tokens")
+                if count:
+                    kept_mass[split] = {"mean": float(kept.mean()), "p5": float(np.quantile(kept, 0.05))}
                 np.save(tmp / f"{split}.ids.npy", ids)
                 np.save(tmp / f"{split}.logits.npy", values)
                 tokens[split] = count
                 log.info("distill cache: %s done in %.1f s", split, time.perf_counter() - started)
-            meta = CacheMeta(data_hash=data.data_hash, teacher=identity, top_k=top_k, width=width, tokens=tokens)
+            meta = CacheMeta(data_hash=data.data_hash, teacher=identity, top_k=top_k, width=width, tokens=tokens,
+                             kept_mass=kept_mass)
             (tmp / META).write_text(json.dumps(dataclasses.asdict(meta), indent=1, sort_keys=True, default=str))
     except BaseException:
         if aside.exists() and not target.exists():
@@ -161,6 +171,8 @@ def check_cache(meta: CacheMeta, path, data_hash: str, top_k: int, teacher: dict
         raise ConfigError("loss.teacher_cache", str(path), f"written for other data (hash {meta.data_hash[:12]}, this "
                           f"run's is {data_hash[:12]}: other rows, template, tokenizer or max_length): write it again "
                           "for this data")
+    if teacher is not None:
+        teacher = json.loads(json.dumps(teacher, default=str))  # as its cache.json holds it (tuples as lists)
     if teacher is not None and teacher != meta.teacher:
         differ = sorted(k for k in teacher.keys() | meta.teacher.keys() if teacher.get(k) != meta.teacher.get(k))
         raise ConfigError("loss.teacher_cache", str(path), f"written by another teacher "

@@ -23,12 +23,15 @@ def test_top_k_logits_are_the_teachers_largest_at_the_trained_positions(tokenize
     teacher = moved_tiny()
     rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]}, {"input_ids": [3, 4], "labels": [-100, 4]}]
     batch = WeightedDataCollator(tokenizer)([{**r, "source_line": i, "sample_weight": 1.0} for i, r in enumerate(rows)])
-    values, ids = teacher_top_k(teacher, batch, k=3, chunk_tokens=2)
+    values, ids, kept = teacher_top_k(teacher, batch, k=3, chunk_tokens=2)
     with torch.no_grad():
         logits = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    expected = logits[:, :-1][batch["labels"][:, 1:] != -100].topk(3, dim=-1)
+    trained = logits[:, :-1][batch["labels"][:, 1:] != -100]
+    expected = trained.topk(3, dim=-1)
     torch.testing.assert_close(values, expected.values, rtol=0, atol=1e-5)
     assert ids.dtype == torch.int32 and ids.tolist() == expected.indices.tolist()
+    # the probability they hold: the teacher's softmax summed over them
+    torch.testing.assert_close(kept, trained.softmax(-1).topk(3, dim=-1).values.sum(-1), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("side, packing", [("right", False), ("left", False), ("right", True)])
@@ -107,9 +110,11 @@ def test_a_cache_needs_no_teacher_in_the_config_and_a_live_run_does():
 
 
 def test_a_cache_of_other_data_another_teacher_or_fewer_logits_is_refused(tmp_path):
-    teacher = {"name_or_path": "/models/teacher", "dtype": "float32", "files": None, "seed": None}
-    meta = CacheMeta(data_hash="a" * 20, teacher=teacher, top_k=8, width=300, tokens={"train": 10})
-    check_cache(meta, "c", "a" * 20, 8, teacher)  # this run's
+    teacher = {"name_or_path": "/models/teacher", "dtype": "float32", "files": [("model.safetensors", 9, 17)],
+               "seed": None}
+    meta = CacheMeta(data_hash="a" * 20, teacher=json.loads(json.dumps(teacher)), top_k=8, width=300,
+                     tokens={"train": 10})
+    check_cache(meta, "c", "a" * 20, 8, teacher)  # this run's (its files' tuples read back from JSON as lists)
     check_cache(meta, "c", "a" * 20, 4, None)  # fewer logits, and no teacher named: the cache's
     with pytest.raises(ConfigError, match=r"^loss.teacher_cache='c': written for other data \(hash aaaaaaaaaaaa, this "
                                           r"run's is bbbbbbbbbbbb"):
@@ -165,10 +170,12 @@ def test_a_cache_of_every_logit_trains_as_the_live_teacher(tmp_path, teacher_dir
     assert f"the top {vocab} logits of {teacher_dir}" in said
     meta = json.loads((tmp_path / "cache" / "cache.json").read_text())
     assert meta["top_k"] == vocab and meta["tokens"]["train"] == meta["tokens"]["eval"] > 0
+    assert meta["kept_mass"]["train"]["p5"] == pytest.approx(1.0)  # every logit: all of the teacher's probability
 
     _, live, live_eval = run_losses(tmp_path / "live", [*common, *teacher])
-    trainer, cached, cached_eval = run_losses(tmp_path / "cached",
-                                              [*common, f"loss.teacher_cache={tmp_path / 'cache'}"])
+    # the packed run names its +teacher too: the cache is checked to be that teacher's, which is never loaded
+    trainer, cached, cached_eval = run_losses(tmp_path / "cached", [*common, *(teacher if packed else []),
+                                                                    f"loss.teacher_cache={tmp_path / 'cache'}"])
     assert isinstance(trainer.second_model, CachedTeacher)
     assert len(cached) == 3 and cached == pytest.approx(live, abs=1e-5)
     assert len(cached_eval) >= 1 and cached_eval == pytest.approx(live_eval, abs=1e-5)
@@ -183,6 +190,8 @@ def test_the_command_writes_a_cache_and_a_run_refuses_one_of_other_data_in_one_l
                   f"teacher.name_or_path={teacher_dir}")
     assert written.returncode == 0, written.stderr[-3000:]
     assert "the top 4 logits of" in written.stdout and "train tokens" in written.stdout
+    assert "train: the top 4 hold " in written.stdout and "of the teacher's probability a token on average" in \
+        written.stdout
     too_many = sft("distill", "cache", *common[:-1], "loss.top_k=100000", f"data.train_file={rows}",
                    "+teacher=path", f"teacher.name_or_path={teacher_dir}", f"loss.teacher_cache={tmp_path / 'c2'}")
     assert too_many.returncode == 2 and "Traceback" not in too_many.stderr
