@@ -105,42 +105,40 @@ def write_cache(path: str | os.PathLike, teacher, data, collator, top_k: int, id
     """Run `teacher` (on its device, in eval mode) over `data`'s training and evaluation splits
     (`sft.data.load.SFTData`; a row at a time, or `packed` rows of about 8k tokens: `scoring_batches`) and write its
     `top_k` logits at every trained token to the dir `path`: complete or absent (built aside and renamed), a cache
-    there before replaced. `identity`: the teacher's (`model_identity`)."""
+    there before replaced only once the new one is complete. `identity`: the teacher's (`model_identity`)."""
     width = teacher.get_output_embeddings().weight.shape[0]
     if top_k > width:
         raise ConfigError("loss.top_k", top_k, f"larger than the teacher's vocabulary ({width:,} logits a token)")
     teacher.requires_grad_(False).eval()
     target, tokens, kept_mass = Path(path), {}, {}
+    staging = target.with_name(f".{target.name}.new-{os.getpid()}")
+    with building(staging) as tmp:  # a failed write leaves nothing behind
+        for split in SPLITS:
+            dataset = getattr(data, split)
+            if dataset is None:
+                continue
+            started, count = time.perf_counter(), sum(trained_counts(dataset))
+            log.info("distill cache: the teacher's top %d logits at %d trained tokens of %s", top_k, count, split)
+            found = [teacher_top_k(teacher, batch, top_k) for batch in scoring_batches(dataset, collator, packed)]
+            values = np.concatenate([v.numpy() for v, _, _ in found]) if found else np.zeros((0, top_k), np.float32)
+            ids = np.concatenate([i.numpy() for _, i, _ in found]) if found else np.zeros((0, top_k), np.int32)
+            kept = np.concatenate([m.numpy() for _, _, m in found]) if found else np.zeros(0, np.float32)
+            if len(values) != count:
+                raise RuntimeError(f"{split}: {len(values)} positions scored for {count} trained tokens")
+            if count:
+                kept_mass[split] = {"mean": float(kept.mean()), "p5": float(np.quantile(kept, 0.05))}
+            np.save(tmp / f"{split}.ids.npy", ids)
+            np.save(tmp / f"{split}.logits.npy", values)
+            tokens[split] = count
+            log.info("distill cache: %s done in %.1f s", split, time.perf_counter() - started)
+        meta = CacheMeta(data_hash=data.data_hash, teacher=identity, top_k=top_k, width=width, tokens=tokens,
+                         kept_mass=kept_mass)
+        (tmp / META).write_text(json.dumps(dataclasses.asdict(meta), indent=1, sort_keys=True, default=str))
+    # the new cache is complete: only now does a cache there before leave
     aside = target.with_name(f".{target.name}.replaced-{os.getpid()}")
     if target.exists():
         target.rename(aside)
-    try:
-        with building(target) as tmp:
-            for split in SPLITS:
-                dataset = getattr(data, split)
-                if dataset is None:
-                    continue
-                started, count = time.perf_counter(), sum(trained_counts(dataset))
-                log.info("distill cache: the teacher's top %d logits at %d trained tokens of %s", top_k, count, split)
-                found = [teacher_top_k(teacher, batch, top_k) for batch in scoring_batches(dataset, collator, packed)]
-                values = np.concatenate([v.numpy() for v, _, _ in found]) if found else np.zeros((0, top_k), np.float32)
-                ids = np.concatenate([i.numpy() for _, i, _ in found]) if found else np.zeros((0, top_k), np.int32)
-                kept = np.concatenate([m.numpy() for _, _, m in found]) if found else np.zeros(0, np.float32)
-                if len(values) != count:
-                    raise RuntimeError(f"{split}: {len(values)} positions scored for {count} trained tokens")
-                if count:
-                    kept_mass[split] = {"mean": float(kept.mean()), "p5": float(np.quantile(kept, 0.05))}
-                np.save(tmp / f"{split}.ids.npy", ids)
-                np.save(tmp / f"{split}.logits.npy", values)
-                tokens[split] = count
-                log.info("distill cache: %s done in %.1f s", split, time.perf_counter() - started)
-            meta = CacheMeta(data_hash=data.data_hash, teacher=identity, top_k=top_k, width=width, tokens=tokens,
-                             kept_mass=kept_mass)
-            (tmp / META).write_text(json.dumps(dataclasses.asdict(meta), indent=1, sort_keys=True, default=str))
-    except BaseException:
-        if aside.exists() and not target.exists():
-            aside.rename(target)
-        raise
+    staging.rename(target)
     shutil.rmtree(aside, ignore_errors=True)
     return meta
 

@@ -34,6 +34,34 @@ def test_top_k_logits_are_the_teachers_largest_at_the_trained_positions(tokenize
     torch.testing.assert_close(kept, trained.softmax(-1).topk(3, dim=-1).values.sum(-1), rtol=1e-5, atol=1e-6)
 
 
+def test_a_cache_is_complete_or_absent_and_one_there_before_goes_only_for_a_complete_one(tmp_path, tokenizer):
+    from types import SimpleNamespace
+
+    from sft.data.load import load_sft_datasets
+    from sft.data.spec import DataSpec
+    from sft.model.teacher_cache import write_cache
+
+    train = load_sft_datasets(DataSpec(train_file=str(write_jsonl(tmp_path / "rows.jsonl", ROWS)), max_length=128),
+                              tokenizer, None).train
+    data, teacher, path = SimpleNamespace(train=train, eval=None, data_hash="h" * 20), moved_tiny(), tmp_path / "c"
+    collator = WeightedDataCollator(tokenizer)
+    write_cache(path, teacher, data, collator, top_k=2, identity={})
+    assert read_meta(path).top_k == 2
+
+    def failing(rows, calls=[]):  # the teacher's run fails halfway (its third batch)
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return collator(rows)
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        write_cache(path, teacher, data, failing, top_k=3, identity={})
+    assert read_meta(path).top_k == 2  # the cache there before stands, whole
+    write_cache(path, teacher, data, collator, top_k=3, identity={})
+    assert read_meta(path).top_k == 3 and read_meta(path).tokens["train"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "rows.jsonl"]  # nothing half-written left
+
+
 @pytest.mark.parametrize("side, packing", [("right", False), ("left", False), ("right", True)])
 def test_the_collator_lays_each_tokens_cached_logits_at_the_position_predicting_it(tokenizer, side, packing,
                                                                                    monkeypatch):
