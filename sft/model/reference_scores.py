@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sft.cache import cache_dir
-from sft.data.tokens.batch import IGNORE_INDEX
+from sft.data.tokens.batch import IGNORE_INDEX, trained_tokens
 from sft.loss.logits import LogitTransform
 
 if TYPE_CHECKING:
@@ -37,24 +37,13 @@ log = logging.getLogger("sft")
 BATCH_TOKENS = 8192  # a packed scoring batch's tokens
 
 
-def trained_tokens(labels) -> np.ndarray:
-    """The positions of a sequence's trained tokens as the loss reads them: labels other than -100, after the first
-    (position t - 1 predicts the token at t).
-
-        labels [-100, -100, 7, 8, -100]  ->  [2, 3]
-    """
-    labels = np.asarray(labels)
-    return np.flatnonzero(labels[1:] != IGNORE_INDEX) + 1
-
-
-def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> torch.Tensor:
-    """Each trained token's cross entropy under `model` on a collated `batch` (its `labels`; a packed row's samples
-    apart by their `position_ids`), in the batch's order, float32, without gradients; the logits a chunk of tokens at a
-    time, as the lean loss projects them (`sft.loss.kernels.chunked_linear_cross_entropy`, the model's own
-    post-projection step included)."""
+def trained_hidden(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`model`'s final hidden states at each position of a collated `batch` that predicts a trained token (`[N,
+    hidden]`, in the batch's order: row by row, a packed row's samples apart by their `position_ids`) and those tokens
+    (`[N]`), on the model's device, without gradients and without its logits (the callers project them a chunk at a
+    time)."""
     import torch
 
-    from sft.loss.kernels import chunked_linear_cross_entropy
     from sft.model.packing import PACKING_KWARGS
     from sft.model.second_model import forward_keeping_hidden
 
@@ -63,13 +52,25 @@ def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> torch.Tensor:
               if k in ("input_ids", "attention_mask", "position_ids", *PACKING_KWARGS)}
     labels = batch["labels"].to(device)
     rows, cols = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
-    targets = labels[:, 1:][rows, cols]
     no_logits = torch.empty(0, dtype=torch.long, device=device)
     with torch.no_grad():
         _, hidden = forward_keeping_hidden(model, model.get_decoder(), **inputs, logits_to_keep=no_logits)
+    return hidden[rows, cols], labels[:, 1:][rows, cols]
+
+
+def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> torch.Tensor:
+    """Each trained token's cross entropy under `model` on a collated `batch` (`trained_hidden`), in the batch's order,
+    float32, without gradients; the logits a chunk of tokens at a time, as the lean loss projects them
+    (`sft.loss.kernels.chunked_linear_cross_entropy`, the model's own post-projection step included)."""
+    import torch
+
+    from sft.loss.kernels import chunked_linear_cross_entropy
+
+    hidden, targets = trained_hidden(model, batch)
+    with torch.no_grad():
         # the weight detached: a trained model's output layer would otherwise get its gradient computed
-        _, ce, _, _ = chunked_linear_cross_entropy(hidden[rows, cols], model.get_output_embeddings().weight.detach(),
-                                                   targets, torch.ones(len(targets), device=device), chunk_tokens,
+        _, ce, _, _ = chunked_linear_cross_entropy(hidden, model.get_output_embeddings().weight.detach(), targets,
+                                                   torch.ones(len(targets), device=hidden.device), chunk_tokens,
                                                    transform=LogitTransform.of(model.config))
     return ce
 

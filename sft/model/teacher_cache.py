@@ -35,9 +35,9 @@ import numpy as np
 
 from sft.cache import building
 from sft.config.schema import ConfigError
-from sft.data.tokens.batch import IGNORE_INDEX, TEACHER_TOP_K_COLUMNS, TEACHER_TOP_K_KEYS
+from sft.data.tokens.batch import TEACHER_TOP_K_COLUMNS, TEACHER_TOP_K_KEYS
 from sft.loss.logits import LogitTransform
-from sft.model.reference_scores import model_identity, scores_key, scoring_batches, trained_counts
+from sft.model.reference_scores import model_identity, scores_key, scoring_batches, trained_counts, trained_hidden
 
 log = logging.getLogger("sft")
 
@@ -73,20 +73,10 @@ def teacher_top_k(model, batch: dict, k: int, chunk_tokens: int = 1024):
     projected a chunk of tokens at a time."""
     import torch
 
-    from sft.model.packing import PACKING_KWARGS
-    from sft.model.second_model import forward_keeping_hidden
-
-    device = next(model.parameters()).device
-    inputs = {key: v.to(device) if torch.is_tensor(v) else v for key, v in batch.items()
-              if key in ("input_ids", "attention_mask", "position_ids", *PACKING_KWARGS)}
-    labels = batch["labels"].to(device)
-    rows, cols = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+    hidden, _ = trained_hidden(model, batch)
     transform = LogitTransform.of(model.config)
-    no_logits = torch.empty(0, dtype=torch.long, device=device)
     values, ids, kept = [], [], []
     with torch.no_grad():
-        _, hidden = forward_keeping_hidden(model, model.get_decoder(), **inputs, logits_to_keep=no_logits)
-        hidden = hidden[rows, cols]
         weight = model.get_output_embeddings().weight
         weight = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
         for start in range(0, len(hidden), chunk_tokens):

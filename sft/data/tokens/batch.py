@@ -12,6 +12,7 @@ and `sample_index` (for the loss: which sample every token belongs to, over the 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100  # a label that takes no loss (prompt tokens, padding), as transformers' losses use it
@@ -61,6 +62,16 @@ def input_tokens(batch: dict) -> torch.Tensor:
     if mask is not None:
         return mask.sum()
     return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+
+
+def trained_tokens(labels) -> np.ndarray:
+    """The positions of a sequence's trained tokens as the loss reads them: labels other than -100, after the first
+    (position t - 1 predicts the token at t).
+
+        labels [-100, -100, 7, 8, -100]  ->  [2, 3]
+    """
+    labels = np.asarray(labels)
+    return np.flatnonzero(labels[1:] != IGNORE_INDEX) + 1
 
 
 def trained_positions(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict:

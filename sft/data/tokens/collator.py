@@ -8,7 +8,8 @@ import math
 import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-from sft.data.tokens.batch import IGNORE_INDEX, TEACHER_TOP_K_COLUMNS, TEACHER_TOP_K_KEYS, trained_positions
+from sft.data.tokens.batch import (IGNORE_INDEX, TEACHER_TOP_K_COLUMNS, TEACHER_TOP_K_KEYS, trained_positions,
+                                  trained_tokens)
 
 
 class WeightedDataCollator(DataCollatorForSeq2Seq):
@@ -105,13 +106,12 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
             labels [-100, -100, 7, 8], ids [4, 1, 0, 2] (k = 2)  ->  teacher_top_ids [[[0, 0], [4, 1], [0, 2], [0, 0]]]
         """
         length = batch["labels"].shape[1]
-        k = next((len(ids) // trained for (ids, _), trained in zip(cached, map(_trained_count, labels)) if trained), 1)
+        predicting = [torch.as_tensor(trained_tokens(own)) - 1 for own in labels]  # each sequence's positions
+        k = next((len(ids) // len(at) for (ids, _), at in zip(cached, predicting) if len(at)), 1)
         ids = torch.zeros(*batch["labels"].shape, k, dtype=torch.int32)
         values = torch.zeros(*batch["labels"].shape, k, dtype=torch.float32)
         offset = 0
-        for row, (own, (own_ids, own_values)) in enumerate(zip(labels, cached)):
-            own = torch.as_tensor(own)
-            at = (own[1:] != IGNORE_INDEX).nonzero().flatten()  # the positions predicting the trained tokens
+        for row, (own, at, (own_ids, own_values)) in enumerate(zip(labels, predicting, cached)):
             if self.packing:
                 row, at = 0, at + offset
                 offset += len(own)
@@ -141,8 +141,3 @@ class WeightedDataCollator(DataCollatorForSeq2Seq):
                     "weights": torch.zeros(1, extra)}
             for key, pad in pads.items():
                 batch[key] = torch.cat([batch[key], pad.to(batch[key].dtype)], dim=1)
-
-
-def _trained_count(labels) -> int:
-    """A sequence's trained tokens, as the loss reads them (labels other than -100 after the first)."""
-    return int((torch.as_tensor(labels)[1:] != IGNORE_INDEX).sum())
